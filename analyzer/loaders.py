@@ -1,0 +1,114 @@
+"""Load snapshots and resolve factory / loss_fn references, with version and safety checks.
+
+Run directories and foreign logs are read by ``analyzer.runs``; checkpoints by ``analyzer.inspect``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recorders import schema
+
+from .errors import BadInputError, FactoryError, VersionError
+
+__all__ = ["load_snapshot", "resolve_ref", "torch_load_safe"]
+
+
+def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with every failure mapped to a one-line BadInputError.
+
+    Loading never executes code from the file: weights_only refuses pickled classes.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise BadInputError("no such file", path=path, fix="check the path")
+    if path.is_dir():
+        raise BadInputError("is a directory, expected a file", path=path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "Unsupported global" in str(e) or "Weights only load failed" in str(e):
+            raise BadInputError(
+                "refused: the file holds pickled Python objects that would need code execution "
+                f"to load ({first[:160]})",
+                path=path,
+                fix="save plain state_dicts (tensors and primitives) instead of modules or "
+                "custom classes; amp-autopsy never loads with weights_only=False",
+            ) from e
+        raise BadInputError(f"corrupt file ({first[:160]})", path=path) from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInputError(
+            f"not a readable torch file: truncated, corrupt or foreign ({first[:160]})",
+            path=path,
+            fix="pass a file written by torch.save or the amp-autopsy recorder",
+        ) from e
+
+
+def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and validate a recorder snapshot. Raises BadInputError / VersionError."""
+    snap = torch_load_safe(path)
+    if not isinstance(snap, dict) or snap.get("format") != schema.SNAPSHOT_FORMAT:
+        raise BadInputError(
+            "not an amp-autopsy snapshot (no 'format': 'amp-autopsy.snapshot' key)",
+            path=path,
+            fix="pass a .pt file from RUN_DIR/snapshots/; for checkpoints use 'analyzer inspect'",
+        )
+    version = snap.get("format_version")
+    if not isinstance(version, int):
+        raise BadInputError("snapshot has no integer format_version", path=path)
+    if version > schema.FORMAT_VERSION:
+        raise VersionError(
+            f"snapshot format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
+            path=path,
+            fix="upgrade amp-autopsy: pip install -U amp-autopsy",
+        )
+    missing = [k for k in schema.SNAPSHOT_KEYS if k not in snap]
+    if missing:
+        raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
+    return snap
+
+
+_REFUSED_ROOTS = set(sys.stdlib_module_names) | {"builtins", "__main__", "torch", "os", "subprocess"}
+
+
+def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory"):
+    """Import ``"pkg.mod:qualname"`` and return the object.
+
+    Refuses references into the standard library, builtins or torch itself: a snapshot must not
+    be able to make the analyzer call ``os:system``. The current directory is importable so
+    that a user's own training package resolves when run from the project root.
+    """
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise FactoryError(f"{what} reference {ref!r} is not of the form 'pkg.module:function'",
+                           fix=f"pass {option} pkg.module:function")
+    module, qualname = ref.split(":")
+    root = module.split(".")[0]
+    if root in _REFUSED_ROOTS:
+        raise FactoryError(
+            f"refusing {what} {ref!r}: it resolves into the standard library, builtins or torch, "
+            "not into model code",
+            fix=f"pass your own model code with {option} pkg.module:function",
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:  # noqa: BLE001 - any import-time failure of user code is reported
+        raise FactoryError(
+            f"cannot import {what} {ref!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            fix=f"run from the directory that makes it importable, or pass {option} pkg.module:function",
+        ) from e
+    if not callable(obj):
+        raise FactoryError(f"{what} {ref!r} is not callable", fix=f"pass {option} pkg.module:function")
+    return obj

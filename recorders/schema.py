@@ -1,0 +1,155 @@
+"""The on-disk contract of a run directory: format version, file names, trace columns, snapshot keys.
+
+The analyzer imports this module (and nothing else from ``recorders``) to read what the
+recorder wrote. Changing anything here is a format change: bump ``FORMAT_VERSION`` and keep
+readers able to say clearly what they cannot read.
+
+Run-directory layout::
+
+    RUN_DIR/
+      meta.json                          # rank 0 (world_size 1: the only rank)
+      meta-r00001.json                   # one per extra rank under torch.distributed
+      trace/steps-r00000-p000000.parquet # one row per step          (STEP_COLUMNS)
+      trace/layers-r00000-p000000.parquet# one row per (step, param) (LAYER_COLUMNS)
+      snapshots/step00000042-r00000-nonfinite_loss.pt
+
+Parts are written to a temporary name (leading ``.``, suffix ``.tmp``), fsynced and renamed,
+so a reader never sees half a part: files whose names start with ``.`` are ignored.
+"""
+from __future__ import annotations
+
+import polars as pl
+
+__all__ = [
+    "FORMAT_VERSION",
+    "META_FILE",
+    "TRACE_DIR",
+    "SNAPSHOT_DIR",
+    "STEP_COLUMNS",
+    "LAYER_COLUMNS",
+    "SNAPSHOT_FORMAT",
+    "SNAPSHOT_KEYS",
+    "META_KEYS",
+    "META_FORMAT",
+    "meta_name",
+    "part_name",
+    "snapshot_name",
+    "STEPS_GLOB",
+    "LAYERS_GLOB",
+    "SNAPSHOT_GLOB",
+    "dtype_name",
+    "dtype_from_name",
+]
+
+FORMAT_VERSION = 1
+
+META_FILE = "meta.json"
+TRACE_DIR = "trace"
+SNAPSHOT_DIR = "snapshots"
+STEPS_GLOB = "steps-r*-p*.parquet"
+LAYERS_GLOB = "layers-r*-p*.parquet"
+SNAPSHOT_GLOB = "step*-r*-*.pt"
+
+# One row per recorded step and rank.
+STEP_COLUMNS: dict[str, pl.DataType] = {
+    "step": pl.Int64,          # the loop's step number as passed to begin_step
+    "rank": pl.Int32,          # torch.distributed rank, 0 when not distributed
+    "wall_time": pl.Float64,   # unix seconds at end_step
+    "loss": pl.Float64,        # unscaled loss; NaN/Inf kept as they are
+    "loss_dtype": pl.String,   # "float32", "float16", "bfloat16", ...
+    "scale": pl.Float64,       # GradScaler scale used for this step's backward; null without scaler
+    "skipped": pl.Boolean,     # GradScaler skipped the optimizer step (found inf); null if unknown
+    "grad_norm": pl.Float64,   # total L2 norm of the unscaled gradients
+    "lr": pl.Float64,          # learning rate of the optimizer's first param group; null if none
+    "nonfinite_grads": pl.Int64,  # number of non-finite gradient elements over all params
+}
+
+# Long format: one row per (step, rank, parameter). `layer` indexes meta.json["params"].
+LAYER_COLUMNS: dict[str, pl.DataType] = {
+    "step": pl.Int64,
+    "rank": pl.Int32,
+    "layer": pl.Int32,             # index into meta["params"] (model order)
+    "grad_norm": pl.Float32,       # unscaled L2 norm of this parameter's gradient; null if no grad
+    "param_norm": pl.Float32,      # L2 norm of the parameter
+    "grad_nonfinite": pl.Int64,    # count of NaN/Inf gradient elements
+    "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero
+}
+
+META_KEYS = (
+    "format", "format_version", "torch_version", "amp_autopsy_version", "created", "host",
+    "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
+    "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
+)
+META_FORMAT = "amp-autopsy.run"
+
+SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
+# Every snapshot is a plain dict with exactly these keys, readable by torch.load(weights_only=True).
+SNAPSHOT_KEYS = (
+    "format",            # SNAPSHOT_FORMAT
+    "format_version",    # FORMAT_VERSION
+    "torch_version",     # str
+    "amp_autopsy_version",  # str
+    "created",           # unix seconds
+    "host", "rank", "world_size",
+    "step",              # int
+    "reason",            # "nonfinite_loss" | "nonfinite_grads" | "scale_collapse" | "overflow_streak" | "manual" | ...
+    "device_type",       # "cpu" | "cuda" (where the step ran)
+    "amp_dtype",         # "float16" | "bfloat16" | None (FP32)
+    "scale",             # float | None: the loss scale the failing backward used
+    "scaler_state",      # GradScaler.state_dict() | None
+    "factory",           # "pkg.mod:qualname"
+    "factory_kwargs",    # JSON-serialisable dict
+    "loss_fn",           # "pkg.mod:qualname"
+    "train_mode",        # model.training at the step
+    "model_state",       # {name: tensor on CPU}: parameters and buffers before the optimizer step
+    "batch",             # the batch (tensors on CPU) in its nested dict/list/tuple structure
+    "rng",               # {"cpu": uint8 tensor, "cuda": [uint8 tensor per device] | None}
+    "loss",              # float: the recorded (unscaled) loss, NaN/Inf as is; None if unknown
+    "loss_dtype",        # str | None
+    "grad_norm",         # float | None: unscaled total gradient norm, if known
+)
+
+
+def meta_name(rank: int) -> str:
+    """meta.json for rank 0, meta-r00007.json for rank 7."""
+    return META_FILE if rank == 0 else f"meta-r{rank:05d}.json"
+
+
+def part_name(kind: str, rank: int, index: int) -> str:
+    """File name of trace part `index` of `kind` ("steps" or "layers") for `rank`."""
+    if kind not in ("steps", "layers"):
+        raise ValueError(f"kind must be 'steps' or 'layers', got {kind!r}")
+    return f"{kind}-r{rank:05d}-p{index:06d}.parquet"
+
+
+def snapshot_name(step: int, rank: int, reason: str) -> str:
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or "manual"
+    return f"step{step:08d}-r{rank:05d}-{safe}.pt"
+
+
+_DTYPES = {
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float64": "float64", "double": "float64", "fp64": "float64",
+}
+
+
+def dtype_name(dtype) -> str | None:
+    """torch.float16 -> "float16"; None -> None. Accepts strings too."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPES.get(name, name)
+
+
+def dtype_from_name(name: str | None):
+    """"float16"/"fp16" -> torch.float16; None/"float32" -> None for amp purposes is the caller's call."""
+    import torch
+
+    if name is None:
+        return None
+    canon = _DTYPES.get(str(name).removeprefix("torch."))
+    if canon is None:
+        raise ValueError(f"unknown dtype name {name!r}")
+    return getattr(torch, canon)

@@ -1,0 +1,104 @@
+"""Failure-step snapshots: a plain dict of tensors and primitives, written atomically.
+
+A snapshot holds what ``analyzer replay`` needs to re-run one step offline: the weights and
+buffers before the optimizer step, the batch, the RNG state captured at ``begin_step``, the
+loss scale, the autocast dtype and the references that rebuild the model and the loss.
+Its keys are ``schema.SNAPSHOT_KEYS``; ``torch.load(weights_only=True)`` reads it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import schema
+from ._io import atomic_write
+
+__all__ = ["to_cpu_tree", "build_snapshot", "write_snapshot"]
+
+_PRIMITIVES = (int, float, str, bool, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def to_cpu_tree(obj: Any, path: str = "batch") -> Any:
+    """Copy a nested dict/list/tuple of tensors to detached CPU tensors; primitives pass through.
+
+    numpy arrays become tensors (weights_only loading refuses numpy). Anything else raises
+    TypeError naming where it sits, e.g. ``batch['meta'][2]``.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu_tree(v, f"{path}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [to_cpu_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, _PRIMITIVES):
+        return obj
+    if type(obj).__module__ == "numpy" and hasattr(obj, "dtype"):
+        return torch.as_tensor(obj).clone()
+    raise TypeError(
+        f"{path} is a {type(obj).__module__}.{type(obj).__name__}; snapshots hold tensors, "
+        "dicts, lists, tuples and primitives only"
+    )
+
+
+def build_snapshot(
+    *,
+    step: int,
+    reason: str,
+    model: torch.nn.Module,
+    batch: Any,
+    rng: dict[str, Any],
+    factory: str,
+    factory_kwargs: dict,
+    loss_fn: str,
+    amp_dtype: torch.dtype | None,
+    device_type: str,
+    scale: float | None = None,
+    scaler_state: dict | None = None,
+    loss: float | None = None,
+    loss_dtype: str | None = None,
+    grad_norm: float | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``."""
+    from . import __version__
+
+    snap = {
+        "format": schema.SNAPSHOT_FORMAT,
+        "format_version": schema.FORMAT_VERSION,
+        "torch_version": torch.__version__,
+        "amp_autopsy_version": __version__,
+        "created": time.time(),
+        "host": socket.gethostname(),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "step": int(step),
+        "reason": str(reason),
+        "device_type": str(device_type),
+        "amp_dtype": schema.dtype_name(amp_dtype),
+        "scale": None if scale is None else float(scale),
+        "scaler_state": scaler_state,
+        "factory": factory,
+        "factory_kwargs": dict(factory_kwargs),
+        "loss_fn": loss_fn,
+        "train_mode": bool(model.training),
+        "model_state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "batch": to_cpu_tree(batch),
+        "rng": rng,
+        "loss": None if loss is None else float(loss),
+        "loss_dtype": loss_dtype,
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+    }
+    assert tuple(snap) == schema.SNAPSHOT_KEYS
+    return snap
+
+
+def write_snapshot(path: str | os.PathLike, snap: dict[str, Any]) -> Path:
+    """Write `snap` to `path` atomically (temporary name, fsync, rename)."""
+    return atomic_write(path, lambda f: torch.save(snap, f))
