@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -34,8 +35,10 @@ def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
+        glob = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", str(e))
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "Unsupported global" in str(e) or "Weights only load failed" in str(e):
+        if glob:
+            first = f"unsupported global {glob.group(1)}"
             raise BadInputError(
                 "refused: the file holds pickled Python objects that would need code execution "
                 f"to load ({first[:160]})",
@@ -43,7 +46,13 @@ def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
                 fix="save plain state_dicts (tensors and primitives) instead of modules or "
                 "custom classes; amp-autopsy never loads with weights_only=False",
             ) from e
-        raise BadInputError(f"corrupt file ({first[:160]})", path=path) from e
+        detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
+        raise BadInputError(
+            "not a readable torch file: truncated, corrupt or foreign "
+            f"({detail.group(1).strip()[:160] if detail else first[:160]})",
+            path=path,
+            fix="pass a file written by torch.save or the amp-autopsy recorder",
+        ) from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, AttributeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInputError(

@@ -72,7 +72,7 @@ def build_snapshot(
     snap = {
         "format": schema.SNAPSHOT_FORMAT,
         "format_version": schema.FORMAT_VERSION,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "amp_autopsy_version": __version__,
         "created": time.time(),
         "host": socket.gethostname(),

@@ -1,0 +1,112 @@
+"""Snapshot loading and factory resolution: version checks, bad files, and refusal to run code."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from analyzer.errors import BadInputError, FactoryError, VersionError
+from analyzer.loaders import load_snapshot, resolve_ref, torch_load_safe
+from recorders import schema
+from recorders.snapshot import build_snapshot, write_snapshot
+
+
+def build_linear(d: int = 4) -> torch.nn.Module:
+    return torch.nn.Linear(d, d)
+
+
+def linear_loss(model, batch):
+    return model(batch["x"]).pow(2).mean()
+
+
+def _snapshot(tmp_path, **overrides):
+    model = build_linear()
+    snap = build_snapshot(
+        step=3, reason="manual", model=model, batch={"x": torch.randn(2, 4)},
+        rng={"cpu": torch.get_rng_state(), "cuda": None},
+        factory="tests.analyzer.test_loaders:build_linear", factory_kwargs={"d": 4},
+        loss_fn="tests.analyzer.test_loaders:linear_loss", amp_dtype=torch.float16, device_type="cpu",
+        scale=65536.0,
+    )
+    snap.update(overrides)
+    path = tmp_path / "snap.pt"
+    write_snapshot(path, snap)
+    return path, model
+
+
+def test_a_written_snapshot_loads_back_with_every_key_and_equal_tensors(tmp_path):
+    path, model = _snapshot(tmp_path)
+    snap = load_snapshot(path)
+    assert tuple(snap) == schema.SNAPSHOT_KEYS
+    assert snap["amp_dtype"] == "float16" and snap["scale"] == 65536.0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(snap["model_state"][name], tensor)
+    rebuilt = resolve_ref(snap["factory"])(**snap["factory_kwargs"])
+    rebuilt.load_state_dict(snap["model_state"])
+    x = snap["batch"]["x"]
+    assert torch.equal(rebuilt(x), model(x))
+
+
+def test_a_snapshot_from_a_newer_format_is_refused_with_the_upgrade_fix(tmp_path):
+    path, _ = _snapshot(tmp_path, format_version=schema.FORMAT_VERSION + 1)
+    with pytest.raises(VersionError, match="newer") as e:
+        load_snapshot(path)
+    assert str(path) in str(e.value) and "pip install -U" in str(e.value)
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"", "not a readable torch file"),
+    (b"\x00garbage" * 10, "not a readable torch file"),
+])
+def test_corrupt_files_give_one_line_errors_naming_the_file(tmp_path, content, expect):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    with pytest.raises(BadInputError, match=expect) as e:
+        load_snapshot(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_truncated_snapshot_is_reported_not_crashed_on(tmp_path):
+    path, _ = _snapshot(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(BadInputError, match="truncated, corrupt or foreign"):
+        load_snapshot(path)
+
+
+def test_a_foreign_torch_file_is_named_as_not_a_snapshot(tmp_path):
+    path = tmp_path / "state.pt"
+    torch.save(build_linear().state_dict(), path)
+    with pytest.raises(BadInputError, match="not an amp-autopsy snapshot"):
+        load_snapshot(path)
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_loading_a_malicious_pickle_never_executes_its_code(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"format": schema.SNAPSHOT_FORMAT, "payload": _Evil(str(marker))}, path, pickle_module=pickle)
+    with pytest.raises(BadInputError, match="refused"):
+        torch_load_safe(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("ref", ["os:system", "builtins:eval", "subprocess:run", "torch:load", "shutil:rmtree"])
+def test_factory_references_into_the_stdlib_builtins_or_torch_are_refused(ref):
+    with pytest.raises(FactoryError, match="refusing"):
+        resolve_ref(ref)
+
+
+@pytest.mark.parametrize("ref", ["no_such_pkg_xyz.models:build", "tests.analyzer.test_loaders:nope", "nocolon"])
+def test_unimportable_factories_name_the_factory_option(ref):
+    with pytest.raises(FactoryError, match="--factory"):
+        resolve_ref(ref)
