@@ -33,7 +33,8 @@ def _readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```(?:bash|sh)\n(.*?)```", text, re.S)
     assert block, "README must start with a bash block holding the two set-up commands"
-    return [line.strip() for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def test_ci_runs_exactly_the_readme_test_command():
