@@ -110,3 +110,11 @@ def test_factory_references_into_the_stdlib_builtins_or_torch_are_refused(ref):
 def test_unimportable_factories_name_the_factory_option(ref):
     with pytest.raises(FactoryError, match="--factory"):
         resolve_ref(ref)
+
+
+def test_garbage_after_a_pickle_protocol_byte_is_reported_as_corrupt(tmp_path):
+    # b"\x80\x02" opens a pickle stream; what follows makes the unpickler raise KeyError/IndexError.
+    path = tmp_path / "garbage.pt"
+    path.write_bytes(b"\x80\x02" + bytes(range(256)) * 4)
+    with pytest.raises(BadInputError, match="not a readable torch file"):
+        load_snapshot(path)

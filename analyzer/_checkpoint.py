@@ -1,0 +1,294 @@
+"""Open a checkpoint of any accepted layout and list its tensors with their roles.
+
+Accepted: a ``torch.save``d state_dict or tensor, a training-checkpoint dict (model / optimizer /
+scaler entries found wherever they sit), a ``.safetensors`` file, and amp-autopsy snapshots.
+Loading is ``weights_only=True`` (and ``mmap=True`` for zip-format files): nothing in the file runs,
+and tensor bytes are read only when scanned.
+
+Roles: ``weight`` (parameters of a state_dict), ``buffer`` (BatchNorm running stats and other
+non-parameters), ``optimizer`` (per-parameter optimizer state), ``input`` (a snapshot's batch),
+``other`` (loose tensors elsewhere in a checkpoint).
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recorders import schema
+
+from ._safetensors import load_safetensors, looks_like_safetensors
+from .errors import BadInputError, VersionError
+from .loaders import torch_load_safe
+
+__all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint"]
+
+# Where training scripts usually keep the model, in order of preference for the optimizer mapping.
+_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "model_state", "module", "net", "network")
+_STEP_KEYS = ("step", "global_step", "iteration", "iter_num", "iter", "epoch")
+_BUFFER = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked)$")
+_FIX = "pass a state_dict, a training-checkpoint dict, a .safetensors file or an amp-autopsy snapshot"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a checkpoint. For optimizer state, `param` names the parameter and `slot` the buffer."""
+
+    name: str
+    role: str
+    tensor: torch.Tensor
+    param: str | None = None
+    slot: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """Where an optimizer state_dict sits and how its integer ids were mapped back to names."""
+
+    path: str
+    n_params: int
+    mapping: str          # "param_names" (exact), "order" (a guess: i-th id = i-th parameter), "none"
+    note: str
+    stateless: tuple[str, ...] = ()  # params listed in param_groups that have no state (never stepped)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: its tensors (mmap'd where possible) and what was found around them."""
+
+    path: str
+    format: str          # "torch" (zip), "torch-legacy", "safetensors"
+    layout: str          # "state_dict", "training_checkpoint", "snapshot", "safetensors", "tensor"
+    nbytes: int
+    entries: list[Entry] = field(default_factory=list)
+    step: int | None = None
+    step_key: str | None = None
+    model_paths: list[str] = field(default_factory=list)
+    optimizers: list[OptimizerInfo] = field(default_factory=list)
+    scaler: dict[str, Any] | None = None
+    non_floating: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _is_optimizer_state(d: Any) -> bool:
+    return isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
+
+
+def _is_scaler_state(d: Any) -> bool:
+    return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
+
+
+def _is_tensor_dict(d: Any) -> bool:
+    """A state_dict: string keys, tensor values (``*_extra_state`` entries aside)."""
+    if not isinstance(d, dict) or not d:
+        return False
+    values = [v for k, v in d.items() if not str(k).endswith("_extra_state")]
+    return bool(values) and all(isinstance(k, str) for k in d) and all(isinstance(v, torch.Tensor) for v in values)
+
+
+class _Walker:
+    """Collects entries, state_dicts, optimizers and scalers from a loaded object tree."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.models: list[tuple[str, dict]] = []
+        self.optims: list[tuple[str, dict]] = []
+
+    def add(self, name: str, role: str, t: torch.Tensor, **kw) -> None:
+        if t.is_floating_point() and t.layout == torch.strided:
+            self.ckpt.entries.append(Entry(name, role, t, **kw))
+        else:  # integer, bool, complex, quantized, sparse: counted, not scanned
+            self.ckpt.non_floating += 1
+
+    def walk(self, obj: Any, path: str, role: str = "other") -> None:
+        if isinstance(obj, torch.Tensor):
+            self.add(path or "tensor", role, obj)
+        elif _is_optimizer_state(obj):
+            self.optims.append((path, obj))
+        elif _is_scaler_state(obj):
+            scale = obj["scale"]
+            self.ckpt.scaler = {"path": path, "scale": float(scale),
+                                "growth_tracker": obj.get("_growth_tracker")}
+        elif _is_tensor_dict(obj) and role != "input":
+            self.models.append((path, obj))
+            self.ckpt.model_paths.append(path)
+            for k, v in obj.items():
+                if isinstance(v, torch.Tensor):
+                    self.add(_join(path, k), "buffer" if _BUFFER.search(k) else "weight", v)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                self.walk(v, _join(path, k), role)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                self.walk(v, _join(path, i), role)
+
+
+def _params(sd: dict) -> list[tuple[str, torch.Tensor]]:
+    """The state_dict's parameters in order: floating, not a known buffer, tied duplicates dropped."""
+    seen, out = set(), []
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or _BUFFER.search(k):
+            continue
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
+        if v.numel() == 0 or key not in seen:  # empty tensors share data_ptr 0 without being tied
+            seen.add(key)
+            out.append((k, v))
+    return out
+
+
+def _order_mapping(ids: list, state: dict, models: list[tuple[str, dict]]) -> tuple[dict, str, str]:
+    """Map optimizer ids to `model.param` names by position, when counts and every shape agree."""
+    ranked = sorted(models, key=lambda m: _MODEL_KEYS.index(m[0]) if m[0] in _MODEL_KEYS else len(_MODEL_KEYS))
+    counts = []
+    for mpath, sd in ranked:
+        params = _params(sd)
+        counts.append(f"{len(params)} in {mpath or 'the state_dict'!r}")
+        if len(params) != len(ids):
+            continue
+        slots = [(i, st) for i, pid in enumerate(ids) if isinstance(st := state.get(pid), dict)]
+        shapes_ok = all(v.dim() == 0 or v.shape == params[i][1].shape
+                        for i, st in slots for v in st.values() if isinstance(v, torch.Tensor))
+        if shapes_ok:
+            names = {pid: _join(mpath, params[i][0]) for i, pid in enumerate(ids)}
+            return names, "order", (
+                f"a guess: optimizer id i taken as the i-th parameter of {mpath or 'the state_dict'!r} "
+                f"(state_dict order, buffers excluded); {len(ids)} ids, every state shape agrees")
+    found = ", ".join(counts) if counts else "no model state_dict in the file"
+    return {}, "none", f"not mapped: the optimizer has {len(ids)} parameters, model parameters found: {found}"
+
+
+def _optimizer(walker: _Walker, path: str, opt: dict) -> OptimizerInfo:
+    groups = [g for g in opt["param_groups"] if isinstance(g, dict)]
+    ids = [pid for g in groups for pid in g.get("params", [])]
+    state = opt["state"]
+    pnames = [n for g in groups for n in g.get("param_names", [])]
+    if pnames and len(pnames) == len(ids):
+        prefix = next((m for m, sd in walker.models if pnames[0] in sd), "")
+        names = {pid: _join(prefix, n) for pid, n in zip(ids, pnames)}
+        mapping, note = "param_names", "exact: the optimizer stored param_names"
+    else:
+        names, mapping, note = _order_mapping(ids, state, walker.models)
+    if len(groups) > 1 and mapping == "order":
+        note += f"; NB {len(groups)} param groups: if they were not built in model order, the names are wrong"
+    for pid, slots in state.items():
+        param = names.get(pid, str(pid))
+        if not isinstance(slots, dict):
+            continue
+        for slot, v in slots.items():
+            if isinstance(v, torch.Tensor):
+                walker.add(f"{path or 'optimizer'}[{param}].{slot}", "optimizer", v, param=param, slot=slot)
+    stateless = tuple(names.get(pid, str(pid)) for pid in ids if pid not in state) if state else ()
+    return OptimizerInfo(path=path, n_params=len(ids), mapping=mapping, note=note, stateless=stateless)
+
+
+def _find_step(obj: Any, ckpt: Checkpoint) -> None:
+    if not isinstance(obj, dict):
+        return
+    for key in _STEP_KEYS:
+        v = obj.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            ckpt.step, ckpt.step_key = v, key
+            return
+
+
+def _refuse_archives(path: Path) -> None:
+    """TorchScript and torch.export archives are zip files too, but programs, not checkpoints."""
+    try:
+        names = zipfile.ZipFile(path).namelist()
+    except (zipfile.BadZipFile, OSError):
+        return  # torch_load_safe gives the one-line error
+    if any(n.endswith("/constants.pkl") for n in names):
+        what = "a TorchScript archive (torch.jit.save): loading it would run its code"
+    elif any(n.endswith("/archive_format") for n in names):
+        what = "a torch.export archive (.pt2), a program rather than a checkpoint"
+    else:
+        return
+    raise BadInputError(f"refused: {what}", path=path,
+                        fix="torch.save(model.state_dict()) from the original model and inspect that")
+
+
+def _read(path: Path) -> tuple[Any, str]:
+    """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors."""
+    if not path.is_file():
+        raise BadInputError("no such file" if not path.exists() else "is not a regular file", path=path,
+                            fix="check the path")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        _refuse_archives(path)
+        return torch_load_safe(path, mmap=True), "torch"
+    if path.suffix == ".safetensors" or looks_like_safetensors(path):
+        tensors, meta = load_safetensors(path)
+        return (tensors, meta), "safetensors"
+    if magic[:1] != b"\x80":  # a legacy torch file is a pickle stream, which starts with PROTO
+        raise BadInputError(f"not a torch or safetensors file (starts with {magic!r})", path=path, fix=_FIX)
+    # NB: mmap needs the zip format (torch >= 1.6 default); older files load into memory.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol ..." on garbage
+            return torch_load_safe(path, mmap=False), "torch-legacy"
+    except (KeyError, IndexError, TypeError, struct.error, UnicodeDecodeError) as e:
+        # the weights-only unpickler raises these on garbage that torch_load_safe does not expect
+        raise BadInputError(f"corrupt legacy torch file ({type(e).__name__}: {e})", path=path, fix=_FIX) from e
+
+
+def _check_snapshot(obj: dict, path: Path) -> None:
+    version = obj.get("format_version")
+    if not isinstance(version, int):
+        raise BadInputError("snapshot has no integer format_version", path=path, fix="re-record the run")
+    if version > schema.FORMAT_VERSION:
+        raise VersionError(
+            f"snapshot format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
+            path=path, fix="upgrade amp-autopsy: pip install -U amp-autopsy")
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open `path` and list its tensors by role. Raises BadInputError / VersionError with a fix.
+
+    Example:
+        >>> ckpt = load_checkpoint("ckpt.pt")  # doctest: +SKIP
+        >>> [(e.name, e.role) for e in ckpt.entries][:2]  # doctest: +SKIP
+        [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
+    """
+    path = Path(path)
+    obj, fmt = _read(path)
+    ckpt = Checkpoint(path=os.fspath(path), format=fmt, layout="training_checkpoint", nbytes=path.stat().st_size)
+    walker = _Walker(ckpt)
+    if fmt == "safetensors":
+        tensors, ckpt.metadata = obj
+        ckpt.layout = "safetensors"
+        walker.walk(tensors, "")
+    elif isinstance(obj, torch.Tensor):
+        ckpt.layout = "tensor"
+        walker.walk(obj, "")
+    elif isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
+        _check_snapshot(obj, path)
+        ckpt.layout, ckpt.step, ckpt.step_key = "snapshot", obj.get("step"), "step"
+        walker.walk(obj.get("model_state"), "model_state")
+        walker.walk(obj.get("batch"), "batch", role="input")
+        if isinstance(obj.get("scaler_state"), dict):
+            walker.walk(obj["scaler_state"], "scaler_state")
+        if ckpt.scaler is None and isinstance(obj.get("scale"), (int, float)):
+            ckpt.scaler = {"path": "scale", "scale": float(obj["scale"]), "growth_tracker": None}
+    else:
+        if _is_tensor_dict(obj):
+            ckpt.layout = "state_dict"
+        _find_step(obj, ckpt)
+        walker.walk(obj, "")
+    ckpt.optimizers = [_optimizer(walker, p, o) for p, o in walker.optims]
+    if not ckpt.entries:
+        keys = list(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        raise BadInputError(f"unknown layout: no floating-point tensors found (top level: {keys})",
+                            path=path, fix=_FIX)
+    return ckpt

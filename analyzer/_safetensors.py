@@ -1,0 +1,121 @@
+"""Read a ``.safetensors`` file without the safetensors package: validated header, mmap'd tensors.
+
+Format: an 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}?}``,
+then the raw little-endian tensor bytes; offsets are relative to the end of the header.
+Nothing in the file is executed; every offset is checked against the file size before mapping,
+so a truncated file is an error here, not a crash later.
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from .errors import BadInputError
+
+__all__ = ["looks_like_safetensors", "load_safetensors"]
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_MAX_HEADER = 100_000_000  # the safetensors reference implementation's own limit
+_FIX = "re-export it with safetensors.torch.save_file, or pass a torch.save'd state_dict"
+
+
+def looks_like_safetensors(path: str | os.PathLike) -> bool:
+    """True when the file starts like safetensors: a plausible header length, then ``{``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= min(_MAX_HEADER, size - 8)
+
+
+def _bad(path: Path, what: str) -> BadInputError:
+    return BadInputError(f"not a valid safetensors file: {what}", path=path, fix=_FIX)
+
+
+def _header(path: Path, f, size: int) -> tuple[int, dict]:
+    head = f.read(8)
+    if len(head) < 8:
+        raise _bad(path, f"only {size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise _bad(path, f"header length {n} does not fit in the {size}-byte file (truncated?)")
+    try:
+        header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(path, f"header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise _bad(path, "header is not a JSON object")
+    return 8 + n, header
+
+
+def _entry(path: Path, name: str, spec, data_len: int) -> tuple[torch.dtype, list[int], int, int]:
+    if not isinstance(spec, dict):
+        raise _bad(path, f"entry {name!r} is not an object")
+    dtype = _DTYPES.get(spec.get("dtype"))
+    if dtype is None:
+        raise _bad(path, f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}")
+    shape, offsets = spec.get("shape"), spec.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise _bad(path, f"tensor {name!r} has a bad shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise _bad(path, f"tensor {name!r} has bad data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end or end - begin != nbytes:
+        raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {spec['dtype']}")
+    if end > data_len:
+        raise _bad(path, f"tensor {name!r} ends at byte {end} but the data is {data_len} bytes (truncated?)")
+    return dtype, shape, begin, end
+
+
+def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Map every tensor of a safetensors file (copy-on-write mmap, nothing read yet) and its metadata.
+
+    Example:
+        >>> tensors, meta = load_safetensors("model.safetensors")  # doctest: +SKIP
+        >>> tensors["lm_head.weight"].dtype  # doctest: +SKIP
+        torch.bfloat16
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError("no such file", path=path, fix="check the path")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        start, header = _header(path, f, size)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise _bad(path, "__metadata__ is not an object")
+        entries = {name: _entry(path, name, spec, size - start) for name, spec in header.items()}
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > start else None
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer's "non-writable" note: it is copy-on-write
+        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
+            count = end - begin
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            elif (start + begin) % dtype.itemsize:  # unaligned: copy this one tensor
+                raw = bytearray(mm[start + begin:start + end])
+                tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape)
+            else:
+                t = torch.frombuffer(mm, dtype=dtype, count=count // dtype.itemsize, offset=start + begin)
+                tensors[name] = t.reshape(shape)
+    return tensors, {str(k): str(v) for k, v in meta.items()}

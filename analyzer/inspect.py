@@ -1,0 +1,335 @@
+"""``analyzer inspect``: check one checkpoint, or a good/bad pair, for NaN/Inf, FP16/BF16 range risk
+and optimizer-state damage.
+
+A real run (a small MLP with Adam; between the two checkpoints Adam's ``exp_avg_sq`` got NaN, a NaN
+batch went through BatchNorm and one weight grew past 65504), ``analyzer inspect good.pt bad.pt``::
+
+    findings, worst first:
+      error    nonfinite_buffers          bad.pt: 2 buffers hold NaN/Inf: model.1.running_mean (8 of 8 values), model.1.running_var (8 of 8 values); BatchNorm running stats ...
+      error    nonfinite_optimizer_state  bad.pt: 1 optimizer tensor holds NaN/Inf: optimizer[model.0.weight].exp_avg_sq (3 of 32 values); ...
+      warning  dead_optimizer_state       2 weights never moved between A and B while others did: model.3.weight, model.3.bias; ...
+      warning  fp16_range_risk            bad.pt: 1 tensor at FP16 range risk (...): model.0.weight (abs-max 7e+04: 1 value becomes inf)
+
+    tensors of bad.pt, worst first (top 4 of 20):
+      role      name                                 dtype    shape    nan/inf   abs-max  min|x|>0 fp16 inf fp16 ->0 bf16 ->0
+      buffer    model.1.running_var                  float32  8            8/0         -         -        0        0        0
+      optimizer optimizer[model.0.weight].exp_avg_sq float32  8x4          3/0  2.31e-05  6.16e-08        0        0        0
+      weight    model.0.weight                       float32  8x4          0/0     7e+04   0.00836     3.1%        0        0
+
+How to read it: findings come first, most severe first, each naming its tensors. The tensor table
+below them is sorted worst first (non-finite, then FP16 overflow, then FP16 flush-to-zero, then
+abs-max); ``fp16 inf`` / ``fp16 ->0`` / ``bf16 ->0`` are the fractions of values a cast would turn
+into inf or zero (thresholds in ``analyzer._tensorstats``). With two checkpoints a change table
+follows: relative L2 change per tensor, the tensors that became non-finite, and the stalled ones.
+
+Findings (stable names): ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
+``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._checkpoint import Checkpoint, Entry, load_checkpoint
+from ._inspect_text import render_inspect_text
+from ._tensorstats import (
+    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats, Workspace,
+    scan_pair, scan_tensor,
+)
+from .findings import Finding, json_safe, sort_findings
+
+__all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints",
+           "render_inspect_text"]
+
+PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504 / 64 (see _range_risk)
+UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam/AdamW, AMSGrad, RMSprop
+_PROGRESS_MIN_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """One scanned tensor: where it sits, what it is, and its statistics."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    stats: TensorStats
+    param: str | None = None
+    slot: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "name": self.name, "role": self.role, "param": self.param, "slot": self.slot,
+            "shape": list(self.shape), "dtype": self.dtype, "numel": s.numel,
+            "nonfinite": s.nonfinite, "nan": s.nan, "inf": s.inf, "zeros": s.zeros,
+            "abs_max": s.abs_max, "min_nonzero_abs": s.min_nonzero,
+            "fp16_overflow": s.fp16_overflow, "fp16_overflow_frac": s.frac(s.fp16_overflow),
+            "fp16_flush": s.fp16_flush, "fp16_flush_frac": s.frac(s.fp16_flush),
+            "bf16_overflow": s.bf16_overflow, "bf16_flush": s.bf16_flush, "bf16_flush_frac": s.frac(s.bf16_flush),
+        }
+
+
+@dataclass(frozen=True)
+class FileReport:
+    """What one checkpoint file holds: its layout and every floating-point tensor's statistics."""
+
+    ckpt: Checkpoint
+    tensors: tuple[TensorReport, ...]
+
+    @property
+    def label(self) -> str:
+        return Path(self.ckpt.path).name
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.ckpt
+        return {
+            "path": c.path, "format": c.format, "layout": c.layout, "bytes": c.nbytes,
+            "step": c.step, "step_key": c.step_key, "models": c.model_paths,
+            "optimizers": [{"path": o.path, "params": o.n_params, "mapping": o.mapping, "guess": o.mapping == "order",
+                            "note": o.note, "stateless": list(o.stateless)} for o in c.optimizers],
+            "scaler": c.scaler, "metadata": c.metadata, "non_floating_tensors": c.non_floating,
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """How one tensor moved from checkpoint A to B."""
+
+    name: str
+    role: str
+    change: PairChange
+    became_nonfinite: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.change
+        return {"name": self.name, "role": self.role, "rel_change": c.rel_change, "changed": c.changed,
+                "numel": c.numel, "stalled": c.stalled, "became_nonfinite": self.became_nonfinite}
+
+
+@dataclass(frozen=True)
+class InspectResult:
+    """Everything ``analyzer inspect`` found. ``files[1]`` and ``changes`` exist only for a pair."""
+
+    files: tuple[FileReport, ...]
+    findings: tuple[Finding, ...]
+    changes: tuple[TensorChange, ...] | None = None
+    only_in_a: tuple[str, ...] = ()
+    only_in_b: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``)."""
+        diff = None
+        if self.changes is not None:
+            diff = {"a": self.files[0].ckpt.path, "b": self.files[1].ckpt.path,
+                    "changes": [c.to_dict() for c in self.changes],
+                    "became_nonfinite": [c.name for c in self.changes if c.became_nonfinite],
+                    "stalled": [c.name for c in self.changes if c.change.stalled],
+                    "only_in_a": list(self.only_in_a), "only_in_b": list(self.only_in_b)}
+        return json_safe({
+            "files": [f.to_dict() for f in self.files],
+            "findings": [f.to_dict() for f in self.findings],
+            "diff": diff,
+            "thresholds": {"fp16_max": FP16_MAX, "fp16_overflow_at": FP16_OVERFLOW,
+                           "fp16_flush_at_or_below": FP16_FLUSH, "bf16_overflow_at": BF16_OVERFLOW,
+                           "bf16_flush_at_or_below": BF16_FLUSH, "product_headroom": PRODUCT_HEADROOM,
+                           "underflow_frac": UNDERFLOW_FRAC},
+        })
+
+
+class _Progress:
+    """A throttled one-line byte counter on stderr, for scans of at least 64 MiB."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.last = total, 0, 0.0
+        self.enabled = enabled and total >= _PROGRESS_MIN_BYTES
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if self.enabled and now - self.last >= 0.5:
+            self.last = now
+            sys.stderr.write(f"\rinspect: {self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB "
+                             f"({100 * self.done / self.total:.0f}%)")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\rinspect: {self.total / 1e9:.2f} GB scanned\n")
+
+
+def _report(e: Entry, stats: TensorStats) -> TensorReport:
+    return TensorReport(e.name, e.role, tuple(e.tensor.shape), str(e.tensor.dtype).removeprefix("torch."),
+                        stats, e.param, e.slot)
+
+
+def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool):
+    ws = Workspace()
+    by_b = {e.name: e for e in ckb.entries} if ckb else {}
+    total = sum(e.tensor.nbytes for e in cka.entries) + sum(e.tensor.nbytes for e in by_b.values())
+    prog = _Progress(total, progress)
+    rep_a, rep_b, changes = [], {}, []
+    for e in cka.entries:
+        eb = by_b.get(e.name)
+        if eb is not None and eb.tensor.shape == e.tensor.shape:
+            sa, sb, ch = scan_pair(e.tensor, eb.tensor, ws, prog)
+            rep_b[e.name] = _report(eb, sb)
+            changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+        else:
+            sa = scan_tensor(e.tensor, ws, prog)
+        rep_a.append(_report(e, sa))
+    for name, eb in by_b.items():
+        if name not in rep_b:
+            rep_b[name] = _report(eb, scan_tensor(eb.tensor, ws, prog))
+    prog.close()
+    files = [FileReport(cka, tuple(rep_a))]
+    if ckb is not None:
+        files.append(FileReport(ckb, tuple(rep_b[e.name] for e in ckb.entries)))
+    for ck in (cka, ckb):  # the result keeps statistics, not tensors: let the file mappings go
+        if ck is not None:
+            ck.entries.clear()
+    return files, changes
+
+
+def _names(reports, top: int = 5) -> str:
+    shown = ", ".join(reports[:top])
+    return shown + (f", ... ({len(reports) - top} more)" if len(reports) > top else "")
+
+
+_NONFINITE = {  # role -> (check, what, why and what to do)
+    "weight": ("nonfinite_weights", "weight", "the model is poisoned; resume from an earlier checkpoint"),
+    "optimizer": ("nonfinite_optimizer_state", "optimizer tensor",
+                  "NaN/Inf in optimizer state poisons every later update of that parameter even if the "
+                  "weights are restored; resume from an earlier checkpoint or reset the optimizer state"),
+    "buffer": ("nonfinite_buffers", "buffer",
+               "BatchNorm running stats with NaN/Inf make eval-mode outputs NaN while training looks fine; "
+               "a forward pass on a non-finite batch updates them even when GradScaler skips the step"),
+    "input": ("nonfinite_inputs", "input tensor", "the batch itself is non-finite; check the data pipeline"),
+}
+
+
+def _nonfinite(fr: FileReport, prefix: str, finite_before: set[str] | None) -> list[Finding]:
+    out = []
+    for role, (check, what, why) in _NONFINITE.items():
+        bad = [t for t in fr.tensors if t.role == role and t.stats.nonfinite]
+        if not bad:
+            continue
+        bad.sort(key=lambda t: -t.stats.nonfinite / max(t.stats.numel, 1))
+        label = [f"{t.name} ({t.stats.nonfinite} of {t.stats.numel} values)" for t in bad]
+        noun = f"{what}s hold" if len(bad) > 1 else f"{what} holds"
+        msg = f"{prefix}{len(bad)} {noun} NaN/Inf: {_names(label)}; {why}"
+        ev = {"file": fr.ckpt.path, "tensors": [
+            {"name": t.name, "nan": t.stats.nan, "inf": t.stats.inf, "numel": t.stats.numel,
+             **({} if finite_before is None else {"finite_in_a": t.name in finite_before})} for t in bad]}
+        out.append(Finding(check, "error", fr.ckpt.step, msg, ev))
+    return out
+
+
+def _range_risk(fr: FileReport, prefix: str) -> list[Finding]:
+    """FP16 range risk from values alone. NB: the weight's abs-max is the first-order signal; the
+    product estimate abs_max * sqrt(fan_in) is the output scale of a row whose every weight were as
+    large as the largest, for unit-rms inputs, flagged when within PRODUCT_HEADROOM of 65504.
+    It can miss (inputs far above unit scale) and over-warn (a single outlier weight)."""
+    risks = []
+    for t in fr.tensors:
+        s = t.stats
+        if t.role not in ("weight", "input") or s.abs_max is None:
+            continue
+        if s.fp16_overflow:
+            n = s.fp16_overflow
+            risks.append((t, "value_overflow", s.abs_max,
+                          f"abs-max {s.abs_max:.3g}: {n} value{'s become' if n > 1 else ' becomes'} inf"))
+        elif t.role == "weight" and len(t.shape) >= 2 and s.numel:
+            fan_in = s.numel // t.shape[0]
+            est = s.abs_max * math.sqrt(fan_in)
+            if est > FP16_MAX / PRODUCT_HEADROOM:
+                risks.append((t, "product_overflow", est, f"abs-max*sqrt(fan_in {fan_in}) = {est:.3g}"))
+        if t.role == "weight" and s.frac(s.fp16_flush) >= UNDERFLOW_FRAC:
+            risks.append((t, "underflow", s.frac(s.fp16_flush), f"{s.frac(s.fp16_flush):.1%} of values flush to zero"))
+    if not risks:
+        return []
+    order = {"value_overflow": 0, "product_overflow": 1, "underflow": 2}
+    risks.sort(key=lambda r: (order[r[1]], -r[2]))
+    msg = (f"{prefix}{len(risks)} tensor{'s' if len(risks) > 1 else ''} at FP16 range risk (the weight's abs-max "
+           f"is the first-order signal; products use abs-max*sqrt(fan_in) > {FP16_MAX / PRODUCT_HEADROOM:.0f}, "
+           f"a heuristic): {_names([f'{t.name} ({why})' for t, _, _, why in risks])}")
+    ev = {"file": fr.ckpt.path, "tensors": [
+        {"name": t.name, "reason": kind, "value": v, "abs_max": t.stats.abs_max, "shape": list(t.shape)}
+        for t, kind, v, _ in risks]}
+    return [Finding("fp16_range_risk", "warning", fr.ckpt.step, msg, ev)]
+
+
+def _dead_state(fr: FileReport, prefix: str) -> list[Finding]:
+    zero = [t for t in fr.tensors if t.role == "optimizer" and t.slot in SECOND_MOMENTS
+            and t.stats.numel and t.stats.nonfinite == 0 and t.stats.zeros == t.stats.numel]
+    stateless = [p for o in fr.ckpt.optimizers for p in o.stateless]
+    parts = []
+    if zero:
+        parts.append(f"{len(zero)} second-moment tensor{'s are' if len(zero) > 1 else ' is'} all zero "
+                     f"(the parameter never got a non-zero gradient): {_names([t.name for t in zero])}")
+    if stateless:
+        parts.append(f"{len(stateless)} parameter{'s have' if len(stateless) > 1 else ' has'} no optimizer state "
+                     f"while others do (never stepped): {_names(stateless)}")
+    if not parts:
+        return []
+    ev = {"file": fr.ckpt.path, "zero_second_moment": [t.name for t in zero], "no_state": stateless}
+    hint = "frozen on purpose? then ignore, else check requires_grad and the optimizer's param groups"
+    return [Finding("dead_optimizer_state", "warning", fr.ckpt.step, f"{prefix}{'; '.join(parts)}; {hint}", ev)]
+
+
+def _stalled(changes: list[TensorChange], step: int | None) -> list[Finding]:
+    if not changes:
+        return []
+    stalled = [c.name for c in changes if c.change.stalled and c.role == "weight"]
+    if all(c.change.stalled for c in changes):
+        msg = (f"nothing changed between A and B: all {len(changes)} shared tensors are bit-identical "
+               "(the same checkpoint twice, or training never stepped)")
+    elif stalled:
+        msg = (f"{len(stalled)} weight{'s' if len(stalled) > 1 else ''} never moved between A and B while others did: "
+               f"{_names(stalled)}; frozen on purpose? then ignore, else check requires_grad, the optimizer's "
+               "param groups, and whether GradScaler skipped every step")
+    else:
+        return []
+    return [Finding("dead_optimizer_state", "warning", step, msg, {"stalled": stalled, "compared": len(changes)})]
+
+
+def inspect_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike | None = None, *,
+                        progress: bool = False) -> InspectResult:
+    """Scan one checkpoint (or A then B) and diagnose it. Raises AnalyzerError subclasses on bad input.
+
+    Example:
+        >>> result = inspect_checkpoints("good.pt", "bad.pt")  # doctest: +SKIP
+        >>> [f.check for f in result.findings]  # doctest: +SKIP
+        ['nonfinite_optimizer_state', 'dead_optimizer_state']
+    """
+    cka = load_checkpoint(path_a)
+    ckb = load_checkpoint(path_b) if path_b is not None else None
+    files, changes = _scan(cka, ckb, progress)
+    pair = len(files) == 2
+    finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
+    findings = []
+    for i, fr in enumerate(files):
+        prefix = f"{fr.label}: " if pair else ""
+        findings += _nonfinite(fr, prefix, finite_a if i == 1 else None)
+        if i == len(files) - 1:  # NB: for a pair, range and dead-state checks look at B, the later one
+            findings += _range_risk(fr, prefix)
+            findings += _dead_state(fr, prefix)
+    if pair:
+        findings += _stalled(changes, files[1].ckpt.step)
+    names_b = {t.name for t in files[1].tensors} if pair else set()
+    names_a = {t.name for t in files[0].tensors}
+    return InspectResult(
+        files=tuple(files), findings=tuple(sort_findings(findings)),
+        changes=tuple(changes) if pair else None,
+        only_in_a=tuple(sorted(names_a - names_b)) if pair else (),
+        only_in_b=tuple(sorted(names_b - names_a)) if pair else (),
+    )
+

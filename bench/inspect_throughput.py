@@ -1,0 +1,113 @@
+"""Throughput of ``analyzer inspect`` against the floor: ``torch.load(mmap=True)`` + a sum over all tensors.
+
+Writes a synthetic training checkpoint (FP32 weights, Adam exp_avg and exp_avg_sq in equal parts,
+so both the fast path and the flush-to-zero counting path run) into a temporary directory, runs
+the two variants interleaved, prints medians and the ratio from the same run, then deletes the file.
+
+    python bench/inspect_throughput.py             # ~2 GB, 5 rounds
+    python bench/inspect_throughput.py --quick     # ~0.25 GB, 3 rounds
+
+NB: by default the file is in the page cache (it was just written), so this measures scanning, not
+the disk. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)``, nothing else) before
+every run, so both variants read from disk, as they do for a checkpoint that was written hours ago.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from analyzer.inspect import inspect_checkpoints
+
+TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
+
+
+def write_checkpoint(path: Path, size_gb: float) -> int:
+    """A {"model": ..., "optimizer": ...} checkpoint of about size_gb, built one tensor at a time."""
+    n = max(3, round(size_gb * 1e9 / (TENSOR_ELEMS * 4) / 3) * 3)
+    g = torch.Generator().manual_seed(0)
+    params = n // 3
+    model = {f"layers.{i}.weight": torch.randn(TENSOR_ELEMS, generator=g).mul_(0.02).view(2048, -1)
+             for i in range(params)}
+    state = {}
+    for i in range(params):  # Adam after some steps: small first moments, tiny second moments
+        grad = torch.randn(TENSOR_ELEMS, generator=g).mul_(1e-4).view(2048, -1)
+        state[i] = {"step": torch.tensor(100.0), "exp_avg": grad, "exp_avg_sq": grad.square().mul_(0.01)}
+    opt = {"state": state, "param_groups": [{"params": list(range(params)), "lr": 1e-3}]}
+    torch.save({"model": model, "optimizer": opt, "step": 100}, path)
+    return n * TENSOR_ELEMS * 4
+
+
+def floor(path: Path) -> None:
+    sd = torch.load(path, mmap=True, weights_only=True)
+    total = 0.0
+    for t in sd["model"].values():
+        total += float(t.sum())
+    for slots in sd["optimizer"]["state"].values():
+        for t in slots.values():
+            total += float(t.sum())
+
+
+def inspect(path: Path) -> None:
+    result = inspect_checkpoints(path)
+    assert not [f for f in result.findings if f.severity == "error"], "the synthetic checkpoint is healthy"
+
+
+def evict(path: Path) -> None:
+    """Drop this file's pages from the page cache (Linux; a no-op elsewhere)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both variants (default 1)")
+    ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
+    ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
+    ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
+    args = ap.parse_args()
+    if args.quick:
+        args.size_gb, args.rounds = 0.25, 3
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="inspect-bench-", dir=args.dir))
+    try:
+        path = tmp / "ckpt.pt"
+        t0 = time.perf_counter()
+        nbytes = write_checkpoint(path, args.size_gb)
+        print(f"wrote {nbytes / 1e9:.2f} GB of tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
+              f"in {time.perf_counter() - t0:.1f} s; torch threads {args.threads}, {args.rounds} rounds, "
+              f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}")
+        variants = {"floor: torch.load(mmap) + sum": floor, "analyzer inspect": inspect}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():  # interleaved, so machine noise hits both alike
+                if args.cold:
+                    evict(path)
+                t = time.perf_counter()
+                fn(path)
+                times[name].append(time.perf_counter() - t)
+        base = statistics.median(times["floor: torch.load(mmap) + sum"])
+        print(f"{'variant':32} {'median s':>9} {'GB/s':>7} {'vs floor':>9}   (min .. max s)")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{name:32} {med:9.3f} {nbytes / med / 1e9:7.2f} {med / base:8.2f}x   "
+                  f"({min(ts):.3f} .. {max(ts):.3f})")
+    finally:
+        shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    main()
