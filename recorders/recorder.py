@@ -1,9 +1,477 @@
-"""The Recorder a training loop touches: begin_step / end_step / snapshot. (Being written.)"""
+"""The Recorder a training loop touches: begin_step / end_step / snapshot / close.
+
+It records a per-step AMP trace (loss, scale, skipped steps, gradient and parameter norms per
+layer) into ``RUN_DIR/trace`` and snapshots failing steps into ``RUN_DIR/snapshots`` so that
+``analyzer replay`` can re-run them offline. The on-disk format is ``recorders.schema``.
+"""
 from __future__ import annotations
 
-__all__ = ["Recorder"]
+import atexit
+import functools
+import json
+import math
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import schema
+from . import triggers as _triggers
+from ._meta import RecorderConfig, amp_dtype_of, build_meta, dist_info
+from ._io import atomic_write
+from .refs import to_ref
+from .snapshot import build_snapshot, write_snapshot
+from .trace import LayerBuffer, TraceWriter
+
+__all__ = ["Recorder", "RecorderWarning"]
 
 
-class Recorder:  # replaced by the real implementation (issue 2)
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("Recorder is being written")
+class RecorderWarning(RuntimeWarning):
+    """The recorder could not write something; training goes on, the record is incomplete."""
+
+
+def _norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> torch.Tensor:
+    """Float32 L2 norm of each tensor, stacked on `device`; one fused kernel when possible."""
+    if single_device:
+        return torch.stack(torch._foreach_norm(tensors, 2, torch.float32))
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors])
+
+
+def _atexit_close(ref: weakref.ref) -> None:
+    rec = ref()
+    if rec is not None:
+        rec.close()
+
+
+class Recorder:
+    """Records a mixed-precision training run: a per-step trace and snapshots of failing steps.
+
+    Args:
+        run_dir: directory of the run (created if missing).
+        model: the ``nn.Module`` being trained.
+        factory: ``"pkg.mod:build"`` or a top-level function; ``build(**factory_kwargs)``
+            rebuilds the model offline. None: replay will need ``--factory``.
+        factory_kwargs: JSON-serialisable keyword arguments of `factory`.
+        loss_fn: ``"pkg.mod:loss"`` or a top-level function ``loss(model, batch) -> scalar``.
+        scaler: the ``torch.amp.GradScaler`` scaling the loss, or None.
+        amp_dtype: ``torch.float16``, ``torch.bfloat16``, or None for FP32.
+        optimizer: optional; its first param group gives the ``lr`` column, and it tells
+            whether ``scaler.unscale_(optimizer)`` already ran before ``end_step``.
+        layer_every: record per-parameter rows every N steps (failing steps always).
+        flush_every: write a trace part every N steps (also on failure and on close).
+        min_scale: snapshot when the loss scale falls below this.
+        overflow_streak: snapshot when this many consecutive steps overflow (are skipped).
+        max_snapshots: at most this many automatic snapshots per run and rank.
+        strict: raise the recorder's own write errors instead of warning once.
+        enabled: False makes every method a no-op, so scripts need no ``if`` blocks.
+        sync_failures: under torch.distributed, all-reduce a failure flag every step so that
+            every rank snapshots the step any rank failed at (one extra tiny collective per step).
+            NB: a collective: every rank must record (no ``enabled=(rank == 0)``) and call
+            ``end_step`` on every step, or the others wait forever.
+
+    Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
+    the gradients are final and the weights are still those the failing forward used.
+
+    Example:
+        >>> rec = Recorder("runs/demo", model, factory="mypkg.models:build_mlp",  # doctest: +SKIP
+        ...                factory_kwargs={"width": 64}, loss_fn="mypkg.models:mse_loss",
+        ...                scaler=scaler, amp_dtype=torch.float16, optimizer=opt)
+        >>> with rec:  # doctest: +SKIP
+        ...     for step, batch in enumerate(loader):
+        ...         rec.begin_step(step, batch)
+        ...         with torch.autocast("cpu", dtype=torch.float16):
+        ...             loss = mse_loss(model, batch)
+        ...         scaler.scale(loss).backward()
+        ...         rec.end_step(loss)
+        ...         scaler.step(opt); scaler.update(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        model: torch.nn.Module,
+        *,
+        factory: str | Callable | None = None,
+        factory_kwargs: dict | None = None,
+        loss_fn: str | Callable | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        amp_dtype: torch.dtype | str | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        layer_every: int = 1,
+        flush_every: int = 50,
+        min_scale: float = 1.0,
+        overflow_streak: int = 8,
+        max_snapshots: int = 3,
+        strict: bool = False,
+        enabled: bool = True,
+        sync_failures: bool = False,
+    ):
+        self.enabled = bool(enabled)
+        self.run_dir = Path(run_dir)
+        self.snapshots: list[Path] = []
+        self.closed = False
+        self.write_errors = 0
+        self.rank, self.world_size = dist_info()
+        self.optimizer = optimizer
+        if not self.enabled:
+            return
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+        factory_kwargs = {} if factory_kwargs is None else factory_kwargs
+        if not isinstance(factory_kwargs, dict):
+            raise TypeError(f"factory_kwargs must be a dict, got {type(factory_kwargs).__name__}")
+        try:
+            json.dumps(factory_kwargs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"factory_kwargs must be JSON-serialisable (the analyzer rebuilds the model "
+                             f"from meta.json): {e}") from e
+        self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots)
+        self.model = model
+        self.factory = None if factory is None else to_ref(factory, "factory")
+        self.loss_fn = None if loss_fn is None else to_ref(loss_fn, "loss_fn")
+        self.factory_kwargs = dict(factory_kwargs)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.amp_dtype = amp_dtype_of(amp_dtype)
+        self.strict = bool(strict)
+        self.sync_failures = bool(sync_failures)
+
+        self._params = list(model.parameters())  # the order of meta.json["params"]
+        devices = {p.device for p in self._params}
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._single_device = len(devices) <= 1
+        self.device_type = self._device.type
+        # float64 keeps counts and sums of squares exact; MPS has no float64
+        self._acc = torch.float32 if self._device.type == "mps" else torch.float64
+        self._numel = torch.tensor([p.numel() for p in self._params], dtype=self._acc,
+                                   device=self._device)
+        self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
+                                            self.config.max_snapshots)
+        self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
+        self._rows: list[dict] = []
+        self._writer: TraceWriter | None = None
+        self._warned = False
+        self._step: int | None = None
+        self._batch: Any = None
+        self._rng: dict | None = None
+        self._last: dict | None = None  # the current step's row, once end_step ran
+        self._failing = False
+        self._peer_failing = False
+        self._index_cache: tuple[tuple, torch.Tensor | None] = ((), None)
+
+        self._guard("create the run directory and write meta.json", self._start)
+        self._atexit = functools.partial(_atexit_close, weakref.ref(self))
+        atexit.register(self._atexit)
+
+    # ------------------------------------------------------------------ public API
+    def begin_step(self, step: int, batch: Any = None) -> None:
+        """Start step `step`: remember the batch (by reference) and capture the RNG state.
+
+        Call it right before the forward pass, after anything else that draws random numbers,
+        so that the captured RNG state is the one dropout will use.
+        """
+        if not self.enabled:
+            return
+        self._check_open()
+        self._step = int(step)
+        self._batch = batch
+        self._last = None
+        # NB: no device sync: a CUDA generator's state is its seed and offset, kept on the host
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+    def end_step(self, loss: torch.Tensor | float | None = None) -> str | None:
+        """Record the step whose backward just ran; snapshot it if it failed.
+
+        Args:
+            loss: the unscaled loss (a scalar tensor or a float), or None if unknown.
+
+        Returns:
+            The reason this step is a failure (``"nonfinite_loss"``, ``"nonfinite_grads"``,
+            ``"scale_collapse"``, ``"overflow_streak"``, ``"peer_failure"``) or None if healthy.
+            A failure is snapshotted when its condition starts (edge-triggered) and the
+            ``max_snapshots`` limit allows.
+        """
+        if not self.enabled:
+            return None
+        self._check_open()
+        if self._step is None:
+            raise RuntimeError("end_step() without begin_step(): call rec.begin_step(step, batch) "
+                               "before the forward pass of every step")
+        if self._last is not None:
+            raise RuntimeError(f"end_step() called twice for step {self._step}: call "
+                               "rec.begin_step(step, batch) at the start of every step")
+        with torch.no_grad():
+            row, failure, snap_reason = self._record(loss)
+        self._rows.append(row)
+        self._last = row
+        if snap_reason is not None:
+            self._snapshot(snap_reason)
+        # Failures reach the disk at once (the process may die next), but only when they start:
+        # a run that stays NaN must not write one part per step.
+        failure_starts = failure is not None and not self._failing
+        self._failing = failure is not None
+        if snap_reason is not None or failure_starts or len(self._rows) >= self.config.flush_every:
+            self.flush()
+        return failure
+
+    def snapshot(self, reason: str = _triggers.MANUAL) -> Path | None:
+        """Force a snapshot of the current step (call it before ``optimizer.step``).
+
+        Manual snapshots do not count towards ``max_snapshots``. Returns the file written, or
+        None if writing failed (after a warning) or the recorder is disabled.
+        """
+        if not self.enabled:
+            return None
+        self._check_open()
+        if self._step is None:
+            raise RuntimeError("snapshot() needs a current step: call rec.begin_step(step, batch) first")
+        return self._snapshot(reason)
+
+    def flush(self) -> None:
+        """Write the buffered steps as one trace part (parts are atomic: all or nothing)."""
+        if not self.enabled or self.closed or (not self._rows and not len(self._layers)):
+            return
+        rows, self._rows = self._rows, []
+        layers = self._layers.drain(self.rank) if len(self._layers) else None
+        # NB: rows that fail to write are dropped, not retried: memory stays bounded on a full disk.
+        self._guard("write a trace part", self._write_trace, rows, layers)
+
+    def close(self) -> None:
+        """Flush the trace and release everything. Idempotent; called by ``with`` on exit."""
+        if not self.enabled or self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            atexit.unregister(self._atexit)
+            self._batch = self._rng = None
+            self._layers.release()
+
+    @property
+    def last(self) -> dict | None:
+        """The current step's trace row (``schema.STEP_COLUMNS``) once end_step ran, else None."""
+        return None if not self.enabled or self._last is None else dict(self._last)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hot path
+    def _scale_state(self) -> tuple[torch.Tensor | None, bool]:
+        """(scale tensor used by this step's backward, whether the grads are already unscaled)."""
+        scaler = self.scaler
+        if scaler is None or scaler._scale is None:
+            return None, False
+        from torch.amp.grad_scaler import OptState
+
+        # UNSCALED: the loop called scaler.unscale_(opt); STEPPED: scaler.step(opt) already ran
+        # (end_step is late, but the gradients are unscaled all the same).
+        states = scaler._per_optimizer_states  # NB: a defaultdict: .get, never [], to not add entries
+        if self.optimizer is not None:
+            st = states.get(id(self.optimizer))
+            unscaled = st is not None and st["stage"] is not OptState.READY
+        else:
+            unscaled = any(st["stage"] is not OptState.READY for st in states.values())
+        return scaler._scale, unscaled
+
+    def _record(self, loss) -> tuple[dict, str | None, str | None]:
+        step = self._step
+        scale_t, unscaled = self._scale_state()
+        params = self._params
+        grads, idx = [], []
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                grads.append(p.grad)
+                idx.append(i)
+        sel = None if len(idx) == len(params) else idx
+
+        parts = []
+        if grads:
+            gnorm = _norms(grads, self._device, self._single_device)
+            if scale_t is not None and not unscaled:
+                gnorm = gnorm / scale_t.to(self._device)
+            parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
+        loss_t = None
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"end_step(loss) expects a scalar loss, got shape {tuple(loss.shape)}")
+            loss_t = loss.detach().reshape(()).to(self._device, self._acc)
+            parts.append(loss_t)
+        if scale_t is not None:
+            parts.append(scale_t.to(self._device, self._acc).reshape(()))
+        lr = self._lr()
+        lr_t = lr if isinstance(lr, torch.Tensor) else None  # a tensor lr (fused/capturable optimizers)
+        if lr_t is not None:
+            parts.append(lr_t.detach().reshape(()).to(self._device, self._acc))
+        # NB: host sync: the one per step. Total grad norm, loss, scale and lr, in one transfer.
+        vals = torch.stack(parts).tolist() if parts else []
+        grad_norm = vals.pop(0) if grads else None
+        loss_v = vals.pop(0) if loss_t is not None else (None if loss is None else float(loss))
+        scale_v = vals.pop(0) if scale_t is not None else None
+        lr_v = vals.pop(0) if lr_t is not None else lr
+
+        cold = not (grad_norm is None or math.isfinite(grad_norm)) or not (loss_v is None or math.isfinite(loss_v))
+        counts = None
+        if cold and grads:
+            gnorm, grad_norm, counts = self._cold_grads(grads, idx, gnorm, scale_v, unscaled, grad_norm)
+        nonfinite = sum(c for c in counts if c) if counts is not None else 0
+        health = _triggers.StepHealth(loss_v, nonfinite == 0, scale_v)
+        snap_reason = self._triggers.check(health)
+        holding = self._triggers.holding
+        failure = holding[0] if holding else None
+        if self.sync_failures and self.world_size > 1:
+            failure, snap_reason = self._sync_failure(failure, snap_reason)
+
+        if grads and (step % self.config.layer_every == 0 or failure is not None):
+            self._layer_row(step, sel, grads, gnorm, counts)
+        row = {
+            "step": step,
+            "rank": self.rank,
+            "wall_time": time.time(),
+            "loss": loss_v,
+            "loss_dtype": schema.dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else None,
+            "scale": scale_v,
+            # GradScaler skips exactly when a gradient it unscales is non-finite: the exact count above.
+            "skipped": health.overflowed,
+            "grad_norm": grad_norm,
+            "lr": lr_v,
+            "nonfinite_grads": nonfinite if grads else None,
+        }
+        return row, failure, snap_reason
+
+    def _cold_grads(self, grads, idx, gnorm, scale, unscaled, grad_norm):
+        """Failing step only: exact non-finite counts, and float64 norms where float32 overflowed."""
+        norms = gnorm.tolist()
+        counts = [0] * len(self._params)
+        divide = scale is not None and not unscaled
+        overflowed = False
+        for j, (i, g) in enumerate(zip(idx, grads)):
+            if not math.isfinite(norms[j]):
+                counts[i] = int(g.numel() - torch.isfinite(g).sum().item())
+                if counts[i] == 0:  # every element finite, but the sum of squares overflowed float32
+                    exact = torch.linalg.vector_norm(g.detach().to("cpu", torch.float64)).item()
+                    norms[j] = exact / scale if divide else exact
+                    overflowed = True
+        if overflowed:
+            gnorm = torch.tensor(norms, dtype=torch.float32, device=self._device)
+            grad_norm = math.hypot(*norms)
+        return gnorm, grad_norm, counts
+
+    def _layer_row(self, step, sel, grads, gnorm, counts) -> None:
+        pnorm = _norms(self._params, self._device, self._single_device)  # inside no_grad: no detach
+        # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
+        if self._single_device:
+            nnz = torch.stack([torch.count_nonzero(g) for g in grads])
+        else:
+            nnz = torch.stack([torch.count_nonzero(g).to(self._device) for g in grads])
+        where = None if sel is None else self._index(sel)
+        numel = self._numel if where is None else self._numel.index_select(0, where)
+        zero_frac = (1.0 - nnz.to(self._acc) / numel).float()
+        if self._layers.full:
+            self.flush()
+        self._layers.put(step, sel, where, gnorm, pnorm, zero_frac, counts)
+
+    def _index(self, sel: list[int]) -> torch.Tensor:
+        """Device index tensor of `sel`, cached: building it is a host-to-device copy."""
+        key = tuple(sel)
+        if self._index_cache[0] != key:
+            self._index_cache = (key, torch.tensor(sel, dtype=torch.long, device=self._device))
+        return self._index_cache[1]
+
+    def _lr(self) -> float | torch.Tensor | None:
+        if self.optimizer is None or not self.optimizer.param_groups:
+            return None
+        lr = self.optimizer.param_groups[0].get("lr")
+        return lr if lr is None or isinstance(lr, torch.Tensor) else float(lr)
+
+    def _sync_failure(self, failure, snap_reason):
+        """All ranks learn whether any rank failed; healthy ranks snapshot the step as peer_failure.
+
+        Edge-triggered like the other reasons: a healthy rank snapshots the first step of a
+        stretch in which some rank fails. Every rank must call end_step for every step.
+        """
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        flag = torch.tensor([1.0 if failure is not None else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        any_failed = flag.item() > 0  # NB: host sync: only with sync_failures=True, after the collective
+        if any_failed and failure is None:
+            failure = _triggers.PEER_FAILURE
+            if not self._peer_failing and not self._triggers.exhausted:
+                snap_reason = _triggers.PEER_FAILURE
+                self._triggers.fired += 1
+        self._peer_failing = any_failed
+        return failure, snap_reason
+
+    # ------------------------------------------------------------------ cold path and I/O
+    def _start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = TraceWriter(self.run_dir, self.rank)
+        meta = build_meta(model=self.model, rank=self.rank, world_size=self.world_size,
+                          device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
+                          factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
+                          config=self.config)
+        data = json.dumps(meta, indent=1).encode()
+        atomic_write(self.run_dir / schema.meta_name(self.rank), lambda f: f.write(data))
+
+    def _write_trace(self, rows, layers) -> None:
+        if self._writer is None:
+            self._writer = TraceWriter(self.run_dir, self.rank)
+        self._writer.write(rows, layers)
+
+    def _snapshot(self, reason: str) -> Path | None:
+        last = self._last or {}
+        scale = last.get("scale")
+        if not last and self.scaler is not None and self.scaler._scale is not None:
+            scale = self.scaler.get_scale()  # manual snapshot before end_step
+        path = self.run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(self._step, self.rank, reason)
+
+        def write():
+            snap = build_snapshot(
+                step=self._step, reason=reason, model=self.model, batch=self._batch, rng=self._rng,
+                factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
+                amp_dtype=self.amp_dtype, device_type=self.device_type, scale=scale,
+                scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
+                loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
+                rank=self.rank, world_size=self.world_size,
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return write_snapshot(path, snap)
+
+        written = self._guard(f"write snapshot {path.name}", write)
+        if written is not None:
+            self.snapshots.append(written)
+        return written
+
+    def _guard(self, what: str, fn, *args):
+        """Run the recorder's own I/O: on error warn once and carry on (strict: raise)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self.write_errors += 1
+            if self.strict:
+                raise
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"amp-autopsy recorder could not {what} in {self.run_dir}: {type(e).__name__}: {e}. "
+                    "Training continues but the record is incomplete (further write errors are "
+                    "counted in rec.write_errors, not warned again; strict=True raises instead)",
+                    RecorderWarning, stacklevel=3,
+                )
+            return None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the recorder for {self.run_dir} is closed")

@@ -1,0 +1,101 @@
+"""The Recorder's validated settings and the run metadata it writes to ``meta.json``."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import schema
+
+__all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta"]
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    """The Recorder's numeric options; ``__post_init__`` names the bad one."""
+
+    layer_every: int = 1
+    flush_every: int = 50
+    min_scale: float = 1.0
+    overflow_streak: int = 8
+    max_snapshots: int = 3
+
+    def __post_init__(self):
+        for name in ("layer_every", "flush_every", "overflow_streak"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.max_snapshots, bool) or not isinstance(self.max_snapshots, int) \
+                or self.max_snapshots < 0:
+            raise ValueError(f"max_snapshots must be an int >= 0, got {self.max_snapshots!r}")
+        if not isinstance(self.min_scale, (int, float)) or not self.min_scale >= 0:
+            raise ValueError(f"min_scale must be a number >= 0, got {self.min_scale!r}")
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when it is initialised, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def amp_dtype_of(amp_dtype) -> torch.dtype | None:
+    """torch.float16 / torch.bfloat16 / None; names like "bf16" work; float32 means no AMP (None)."""
+    if isinstance(amp_dtype, str):
+        amp_dtype = schema.dtype_from_name(amp_dtype)
+    if amp_dtype is None or amp_dtype == torch.float32:
+        return None
+    if amp_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"amp_dtype must be torch.float16, torch.bfloat16 or None (FP32), got {amp_dtype!r}")
+    return amp_dtype
+
+
+def _tensor_info(named) -> list[dict]:
+    return [
+        {"name": n, "shape": list(t.shape), "numel": t.numel(), "dtype": schema.dtype_name(t.dtype), "depth": i}
+        for i, (n, t) in enumerate(named)
+    ]
+
+
+def _scaler_config(scaler: torch.amp.GradScaler | None) -> dict | None:
+    """The scaler's configuration: its state_dict without the live scale and growth tracker."""
+    if scaler is None:
+        return None
+    config = {k: v for k, v in scaler.state_dict().items() if k not in ("scale", "_growth_tracker")}
+    config["init_scale"] = float(scaler._init_scale)
+    return config
+
+
+def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_type: str,
+               amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
+               factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig) -> dict:
+    """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order."""
+    from . import __version__
+
+    meta = {
+        "format": schema.META_FORMAT,
+        "format_version": schema.FORMAT_VERSION,
+        "torch_version": torch.__version__,
+        "amp_autopsy_version": __version__,
+        "created": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "world_size": world_size,
+        "device_type": device_type,
+        "amp_dtype": schema.dtype_name(amp_dtype),
+        "scaler": _scaler_config(scaler),
+        "params": _tensor_info(model.named_parameters()),
+        "buffers": _tensor_info(model.named_buffers()),
+        "factory": factory,
+        "factory_kwargs": factory_kwargs,
+        "loss_fn": loss_fn,
+        "layer_every": config.layer_every,
+        "flush_every": config.flush_every,
+    }
+    assert tuple(meta) == schema.META_KEYS
+    return meta

@@ -1,0 +1,120 @@
+"""When is a step a failure: the snapshot triggers, as a small edge-triggered state machine.
+
+The predicates are plain functions of host numbers (no torch), so they are tested on scripted
+sequences. ``Triggers.check`` is called once per step with the values of the step's one host sync.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = [
+    "NONFINITE_LOSS",
+    "NONFINITE_GRADS",
+    "SCALE_COLLAPSE",
+    "OVERFLOW_STREAK",
+    "MANUAL",
+    "PEER_FAILURE",
+    "REASONS",
+    "StepHealth",
+    "Triggers",
+]
+
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRADS = "nonfinite_grads"
+SCALE_COLLAPSE = "scale_collapse"
+OVERFLOW_STREAK = "overflow_streak"
+MANUAL = "manual"
+PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=True)
+
+# Automatic reasons, most telling first: when several fire on one step, the first names the snapshot.
+REASONS = (NONFINITE_LOSS, NONFINITE_GRADS, SCALE_COLLAPSE, OVERFLOW_STREAK)
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """The host-side numbers of one step that the triggers look at.
+
+    Args:
+        loss: the unscaled loss, or None when the loop did not pass one.
+        grads_finite: every gradient element the recorder saw is finite.
+        scale: the loss scale the step's backward used; None without an enabled GradScaler.
+    """
+
+    loss: float | None
+    grads_finite: bool
+    scale: float | None
+
+    @property
+    def has_scaler(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def overflowed(self) -> bool:
+        """GradScaler will skip this step: it skips exactly when it finds a non-finite gradient."""
+        return self.has_scaler and not self.grads_finite
+
+
+@dataclass
+class Triggers:
+    """Edge-triggered snapshot reasons, at most ``max_snapshots`` automatic snapshots per run.
+
+    Each reason fires on the step its condition becomes true and re-arms once it is false
+    again, so a run that stays NaN for 1000 steps gives one ``nonfinite_loss`` snapshot (its
+    first step), not ``max_snapshots`` copies of the same state. ``overflow_streak`` fires
+    on the step where the run of consecutive overflowing (skipped) steps reaches ``streak``.
+
+    Example:
+        >>> t = Triggers(min_scale=1.0, streak=2, max_snapshots=3)
+        >>> [t.check(StepHealth(loss, True, 4.0)) for loss in (1.0, float("nan"), float("nan"), 2.0)]
+        [None, 'nonfinite_loss', None, None]
+    """
+
+    min_scale: float = 1.0
+    streak: int = 8
+    max_snapshots: int = 3
+    fired: int = 0
+    overflow_run: int = 0
+    holding: list = field(default_factory=list)  # reasons whose condition holds at the last step
+    _active: set = field(default_factory=set)
+
+    def __post_init__(self):
+        if not self.min_scale >= 0:
+            raise ValueError(f"min_scale must be >= 0, got {self.min_scale!r}")
+        if not (isinstance(self.streak, int) and self.streak >= 1):
+            raise ValueError(f"overflow_streak must be an int >= 1, got {self.streak!r}")
+        if not (isinstance(self.max_snapshots, int) and self.max_snapshots >= 0):
+            raise ValueError(f"max_snapshots must be an int >= 0, got {self.max_snapshots!r}")
+
+    def conditions(self, h: StepHealth) -> list[str]:
+        """Every reason whose condition holds for this step (no edge logic, no limit)."""
+        self.overflow_run = self.overflow_run + 1 if h.overflowed else 0
+        out = []
+        if not _finite(h.loss):
+            out.append(NONFINITE_LOSS)
+        if not h.has_scaler and not h.grads_finite:
+            out.append(NONFINITE_GRADS)
+        if h.has_scaler and h.scale < self.min_scale:
+            out.append(SCALE_COLLAPSE)
+        if self.overflow_run >= self.streak:
+            out.append(OVERFLOW_STREAK)
+        return out
+
+    def check(self, h: StepHealth) -> str | None:
+        """Update the state with one step; return the reason to snapshot it for, or None."""
+        holding = self.conditions(h)
+        new = [r for r in holding if r not in self._active]
+        self._active = set(holding)
+        self.holding = holding
+        if not new or self.fired >= self.max_snapshots:
+            return None
+        self.fired += 1
+        return new[0]
+
+    @property
+    def exhausted(self) -> bool:
+        return self.fired >= self.max_snapshots
