@@ -1,0 +1,164 @@
+"""Frames: the small, collected aggregates of a run that every check and plot reads.
+
+``build_frames(run)`` runs a handful of streaming polars queries over the lazy trace and never
+collects the per-layer table itself:
+
+- ``steps``: one row per step (ranks merged: mean loss, min/max scale, any skipped, max norm);
+- ``layer_bins``: per (step bin, layer): mean log10 gradient norm (``lg``, zero norms clipped
+  to ``LOG_FLOOR``), rows, rows with a finite norm, mean zero fraction and parameter norm; at
+  most ~2000 bins, so the size is bounded whatever the run length (100M rows -> 200k);
+- ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
+
+Checks are pure functions of a ``Frames``; ``layer_window`` fetches the few layer rows around
+one step (e.g. a loss spike) with a filtered scan.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from ..runs import Run, progress_line, snapshot_info
+
+__all__ = ["Frames", "build_frames", "LOG_FLOOR", "MAX_BINS"]
+
+LOG_FLOOR = 1e-30  # log10 of a zero norm is clipped to -30: "no gradient at all", still plottable
+MAX_BINS = 2000
+_STREAM = {"engine": "streaming"}
+
+
+@dataclass
+class Frames:
+    """Collected aggregates of one run (or one rank of it). See the module docstring."""
+
+    steps: pl.DataFrame
+    layer_bins: pl.DataFrame | None
+    params: list[str]
+    numels: list[int | None]
+    amp_dtype: str | None
+    growth_interval: int
+    ranks: pl.DataFrame
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    bin_width: int = 1
+    rank: int | None = None
+    source_format: str = "amp-autopsy"
+    layer_window: Callable[[int, int], pl.DataFrame] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_ranks(self) -> int:
+        return self.ranks.height
+
+    def param_name(self, layer: int) -> str:
+        return self.params[layer] if 0 <= layer < len(self.params) else f"param[{layer}]"
+
+
+def _step_filter(steps: tuple[int | None, int | None] | None) -> pl.Expr:
+    lo, hi = steps or (None, None)
+    expr = pl.lit(True)
+    if lo is not None:
+        expr &= pl.col("step") >= lo
+    if hi is not None:
+        expr &= pl.col("step") < hi
+    return expr
+
+
+def _merged_steps(lf: pl.LazyFrame, n_ranks: int) -> pl.DataFrame:
+    extra = [c for c in ("n_iter", "n_skipped") if c in lf.collect_schema().names()]
+    if n_ranks == 1:
+        return (lf.with_columns(scale_max=pl.col("scale"), n_ranks=pl.lit(1, pl.UInt32),
+                                nonfinite_ranks=(~pl.col("loss").is_finite()).cast(pl.UInt32))
+                .drop("rank").sort("step", maintain_order=True).collect(**_STREAM))
+    loss = pl.col("loss")
+    return (lf.group_by("step").agg(
+        wall_time=pl.col("wall_time").max(),
+        loss=loss.mean(),  # NaN on any rank makes the merged loss NaN, as it should
+        loss_dtype=pl.col("loss_dtype").first(),
+        scale=pl.col("scale").min(), scale_max=pl.col("scale").max(),
+        skipped=pl.col("skipped").any(), grad_norm=pl.col("grad_norm").max(),
+        lr=pl.col("lr").first(), nonfinite_grads=pl.col("nonfinite_grads").sum(),
+        n_ranks=pl.len(), nonfinite_ranks=(~loss.is_finite()).sum(),
+        *[pl.col(c).sum() for c in extra],
+    ).sort("step").collect(**_STREAM))
+
+
+def _rank_summary(lf: pl.LazyFrame) -> pl.DataFrame:
+    loss = pl.col("loss")
+    return (lf.group_by("rank").agg(
+        n_steps=pl.len(), first_step=pl.col("step").min(), last_step=pl.col("step").max(),
+        first_nonfinite_step=pl.col("step").filter(~loss.is_finite()).min(),
+        n_nonfinite=(~loss.is_finite()).sum(),
+        n_skipped=pl.col("skipped").sum(),
+        min_scale=pl.col("scale").min(),
+        final_scale=pl.col("scale").sort_by("step").last(),
+    ).sort("rank").collect(**_STREAM))
+
+
+def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int) -> pl.DataFrame:
+    # One integer group key (bin << 24 | layer), per-row columns prepared before the group-by and
+    # nothing the checks do not read: measured 2.5x faster than grouping on (bin, layer) with
+    # filtered aggregations, on 100M rows. A non-finite norm (overflowed step) is left out.
+    gn = pl.col("grad_norm")
+    fin = gn.is_finite()
+    key = (((pl.col("step") - s0) // width) * (1 << 24) + pl.col("layer")).alias("key")
+    out = (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
+                     zf=pl.when(fin).then(pl.col("grad_zero_frac")), pn=pl.col("param_norm"))
+           .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
+                                zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean())
+           .collect(**_STREAM))
+    bin_ = (pl.col("key") // (1 << 24)).cast(pl.Int32)
+    return (out.with_columns(bin=bin_, layer=(pl.col("key") % (1 << 24)).cast(pl.Int32))
+            .with_columns(step_lo=s0 + pl.col("bin").cast(pl.Int64) * width,
+                          step_hi=pl.min_horizontal(s0 + (pl.col("bin").cast(pl.Int64) + 1) * width - 1, s1))
+            .drop("key").sort("bin", "layer"))
+
+
+def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: bool = False) -> Frames:
+    """Aggregate `run` (optionally one rank, optionally steps A <= step < B) into Frames."""
+    sel = _step_filter(steps)
+    all_steps = run.steps.filter(sel)
+    progress_line(progress, "summarising ranks")
+    ranks = _rank_summary(all_steps)
+    lf = all_steps if rank is None else all_steps.filter(pl.col("rank") == rank)
+    n_ranks = ranks.height if rank is None else 1
+    notes = []
+    progress_line(progress, "aggregating steps")
+    merged = _merged_steps(lf, n_ranks)
+    rows = int(merged["n_ranks"].sum()) if merged.height else 0
+    if merged.height and (merged["step"].diff().min() == 0 or int(merged["n_ranks"].max()) > n_ranks):
+        # a reused run directory or a resumed run repeats step numbers; parts are read in order,
+        # so keep each rank's latest row of a step (checked on the small merged frame: no extra scan)
+        merged = _merged_steps(lf.unique(["rank", "step"], keep="last", maintain_order=True), n_ranks)
+        notes.append(f"{rows - int(merged['n_ranks'].sum())} step rows repeat a step number: the run "
+                     "directory was reused or the run resumed; the latest row of each step is used, "
+                     "per-layer statistics mix both")
+    layer_bins, width, window = None, 1, None
+    if run.layers is not None and merged.height:
+        s0, s1 = int(merged["step"].min()), int(merged["step"].max())
+        n_layers = max(1, len(run.params))
+        max_bins = max(50, min(MAX_BINS, 4_000_000 // n_layers))
+        width = max(1, math.ceil((s1 - s0 + 1) / max_bins))
+        llf = run.layers.filter(sel & pl.col("step").is_between(s0, s1))  # no layer rows without a step row
+        if rank is not None:
+            llf = llf.filter(pl.col("rank") == rank)
+        progress_line(progress, f"aggregating per-layer gradient norms ({width} step(s) per bin)")
+        layer_bins = _layer_bins(llf, s0, s1, width)
+        if layer_bins.height == 0:
+            layer_bins = None
+
+        def window(lo: int, hi: int, _llf=llf) -> pl.DataFrame:
+            lg = pl.col("grad_norm").clip(lower_bound=LOG_FLOOR).log10()
+            return (_llf.filter(pl.col("step").is_between(lo, hi))
+                    .group_by("step", "layer").agg(lg=lg.filter(lg.is_finite()).mean())
+                    .sort("step", "layer").collect(**_STREAM))
+
+    snaps = [snapshot_info(p) for p in run.snapshots]
+    if rank is not None:
+        snaps = [s for s in snaps if s["rank"] in (rank, None)]
+    return Frames(steps=merged, layer_bins=layer_bins, params=list(run.params), numels=list(run.numels),
+                  amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
+                  snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
+                  layer_window=window, notes=notes)

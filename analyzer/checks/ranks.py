@@ -1,0 +1,89 @@
+"""Multi-rank check: ``rank_divergence``.
+
+Under DDP each rank computes its own forward on its own batch; the gradients are averaged, so
+one rank's NaN reaches every rank one step later. The rank whose *local* loss went non-finite
+first is the one whose batch to replay. The loss scale must be identical on every rank (the
+found-inf flag is all-reduced); if it differs, the ranks' scalers are not synchronised.
+
+Findings (all with check ``rank_divergence``):
+
+- error: one rank's loss went non-finite before the others (names the rank and step);
+- info: all ranks went non-finite at the same step (a shared cause: weights, learning rate);
+- error: the loss scale differs across ranks at some step;
+- warning: a rank's trace ends earlier than the others' (it died or was killed first).
+"""
+from __future__ import annotations
+
+import polars as pl
+
+from ..findings import Finding
+from .frames import Frames
+
+__all__ = ["rank_divergence"]
+
+
+def _nonfinite(frames: Frames) -> list[Finding]:
+    r = frames.ranks
+    bad = r.filter(pl.col("first_nonfinite_step").is_not_null()).sort("first_nonfinite_step", "rank")
+    if bad.height == 0:
+        return []
+    first = int(bad["first_nonfinite_step"][0])
+    at_first = bad.filter(pl.col("first_nonfinite_step") == first)["rank"].to_list()
+    per_rank = {int(k): (None if v is None else int(v))
+                for k, v in zip(r["rank"].to_list(), r["first_nonfinite_step"].to_list())}
+    ev = {"first_step": first, "first_ranks": at_first, "first_nonfinite_step_per_rank": per_rank}
+    if len(at_first) == r.height:
+        return [Finding("rank_divergence", "info", first,
+                        f"all {r.height} ranks went non-finite at the same step {first}: the cause is shared "
+                        "(weights, learning rate, scaler), not one rank's batch", ev)]
+    others = {k: v for k, v in per_rank.items() if k not in at_first}
+    later = sorted({v for v in others.values() if v is not None})
+    never = [k for k, v in others.items() if v is None]
+    parts = []
+    if later:
+        parts.append(f"the others followed at step {later[0]}" + (f"..{later[-1]}" if len(later) > 1 else ""))
+    if never:
+        parts.append(f"rank(s) {', '.join(map(str, never[:8]))} stayed finite")
+    who = ", ".join(map(str, at_first))
+    return [Finding("rank_divergence", "error", first,
+                    f"rank {who} had the first non-finite loss, at step {first}; {'; '.join(parts)}: "
+                    f"replay rank {at_first[0]}'s snapshot of step {first} (its local batch)", ev,
+                    rank=at_first[0] if len(at_first) == 1 else None)]
+
+
+def _scale(frames: Frames) -> list[Finding]:
+    s = frames.steps
+    if "scale_max" not in s.columns:
+        return []
+    div = s.filter(pl.col("scale").is_not_null()
+                   & (pl.col("scale_max") > pl.col("scale") * (1 + 1e-6)))
+    if div.height == 0:
+        return []
+    row = div.row(0, named=True)
+    ev = {"first_step": int(row["step"]), "steps_diverged": div.height,
+          "min_scale": row["scale"], "max_scale": row["scale_max"]}
+    return [Finding("rank_divergence", "error", int(row["step"]),
+                    f"the loss scale diverged across ranks at step {row['step']} ({row['scale']:g} vs "
+                    f"{row['scale_max']:g}, {div.height} step(s) in all): the ranks' GradScalers are not "
+                    "synchronised (found_inf not all-reduced: parameters outside DDP, or per-rank scalers)", ev)]
+
+
+def _ends(frames: Frames) -> list[Finding]:
+    r = frames.ranks
+    last = int(r["last_step"].max())
+    short = r.filter(pl.col("last_step") < last)
+    if short.height == 0:
+        return []
+    ev = {"last_step": last, "short_ranks": dict(zip(short["rank"].to_list(), short["last_step"].to_list()))}
+    row = short.sort("last_step").row(0, named=True)
+    return [Finding("rank_divergence", "warning", int(row["last_step"]),
+                    f"{short.height} rank(s) stop early: rank {row['rank']}'s trace ends at step {row['last_step']}, "
+                    f"the others' at {last} (it died or was killed first, or lost unflushed steps)", ev,
+                    rank=int(row["rank"]))]
+
+
+def rank_divergence(frames: Frames) -> list[Finding]:
+    """Which rank went non-finite first; loss-scale divergence; ranks whose trace ends early."""
+    if frames.rank is not None or frames.n_ranks < 2:
+        return []
+    return _nonfinite(frames) + _scale(frames) + _ends(frames)

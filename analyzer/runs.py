@@ -1,0 +1,268 @@
+"""Read a run lazily: a recorder run directory (all ranks, all parts), with version checks.
+
+``load_run(path)`` returns a ``Run`` whose ``steps`` and ``layers`` are polars LazyFrames over
+the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): nothing is read
+but the parts' footers until a query is collected. Logs from other tools (HF Trainer,
+Lightning, DeepSpeed, Megatron, CSV, JSONL, TensorBoard) are mapped onto the same step
+columns by ``analyzer.importers``; they have no per-layer table.
+
+Every problem becomes a one-line ``BadInputError`` / ``VersionError`` naming the file and the
+fix. A run whose process was killed is read up to its last complete part; ``Run.notes`` says so.
+Nothing here writes to the run directory.
+
+Example:
+    >>> run = load_run("runs/gpt-fp16")                      # doctest: +SKIP
+    >>> run.steps.select(pl.len()).collect().item()          # doctest: +SKIP
+    1200
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from recorders import schema
+
+from .errors import BadInputError, VersionError
+
+__all__ = ["Run", "load_run", "read_meta", "snapshot_info", "step_frame", "progress_line"]
+
+_PART_RE = re.compile(r"^(steps|layers)-r(\d+)-p(\d+)\.parquet$")
+_SNAP_RE = re.compile(r"^step(\d+)-r(\d+)-(.+)\.pt$")
+_RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a trainer_state.json, "
+             "metrics.csv, DeepSpeed/Megatron log, CSV or JSONL file")
+
+
+@dataclass
+class Run:
+    """A run opened for reading. ``steps``/``layers`` are lazy; ``meta`` is rank 0's meta.json.
+
+    Attributes:
+        path: the directory or file given.
+        source_format: ``"amp-autopsy"`` or the importer's name (``"hf_trainer_state"``, ...).
+        meta: rank 0's meta (synthesised for imported logs: amp_dtype, scaler, params may be empty).
+        metas: meta per rank.
+        steps: LazyFrame with ``schema.STEP_COLUMNS`` (plus ``n_iter``/``n_skipped`` for logs
+            whose rows cover several iterations).
+        layers: LazyFrame with ``schema.LAYER_COLUMNS``, or None when the source has no layer table.
+        params: parameter names in model order (``layer`` indexes this list).
+        numels: element count per parameter, or None where unknown.
+        snapshots: snapshot files, sorted by step.
+        notes: caveats the report must repeat (partial run, what an imported log lacks).
+        partial: True when the run was cut short (killed process, missing parts).
+    """
+
+    path: Path
+    source_format: str
+    meta: dict[str, Any]
+    metas: dict[int, dict[str, Any]]
+    steps: pl.LazyFrame
+    layers: pl.LazyFrame | None
+    params: list[str] = field(default_factory=list)
+    numels: list[int | None] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    partial: bool = False
+
+    @property
+    def amp_dtype(self) -> str | None:
+        return schema.dtype_name(self.meta.get("amp_dtype"))
+
+    @property
+    def growth_interval(self) -> int:
+        """GradScaler growth interval from the scaler config (2000, torch's default, if unknown)."""
+        scaler = self.meta.get("scaler") or {}
+        try:
+            return max(1, int(scaler.get("growth_interval", 2000)))
+        except (TypeError, ValueError):
+            return 2000
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.metas) or [0]
+
+
+def progress_line(enabled: bool, text: str) -> None:
+    if enabled:
+        print(f"[amp-autopsy] {text}", file=sys.stderr, flush=True)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and version-check one meta.json; raise a one-line error naming the file."""
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInputError("no such file", path=path, fix=_RUN_HINT) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInputError(f"not valid JSON ({e})", path=path,
+                            fix="the run's meta.json is damaged; restore it from the training host") from e
+    if not isinstance(meta, dict) or meta.get("format") != schema.META_FORMAT:
+        raise BadInputError(f"not an amp-autopsy meta file (no 'format': '{schema.META_FORMAT}')",
+                            path=path, fix=_RUN_HINT)
+    version = meta.get("format_version")
+    if not isinstance(version, int):
+        raise BadInputError("meta has no integer format_version", path=path, fix="re-record the run")
+    if version > schema.FORMAT_VERSION:
+        raise VersionError(
+            f"run format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
+            path=path, fix="upgrade amp-autopsy: pip install -U amp-autopsy")
+    return meta
+
+
+def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
+    """meta["params"] as names and numels; entries may be names or dicts with name/shape/numel."""
+    names, numels = [], []
+    for i, p in enumerate(meta.get("params") or []):
+        if isinstance(p, str):
+            names.append(p)
+            numels.append(None)
+            continue
+        if isinstance(p, (list, tuple)) and p and isinstance(p[0], str):  # [name, shape]
+            p = {"name": p[0], "shape": p[1] if len(p) > 1 else None}
+        if not isinstance(p, dict):
+            names.append(f"param{i}")
+            numels.append(None)
+            continue
+        names.append(str(p.get("name", f"param{i}")))
+        numel = p.get("numel")
+        if numel is None and isinstance(p.get("shape"), (list, tuple)):
+            numel = 1
+            for d in p["shape"]:
+                numel *= int(d)
+        numels.append(None if numel is None else int(numel))
+    return names, numels
+
+
+def _check_part(path: Path, kind: str) -> None:
+    """Read only the footer: a truncated, foreign or newer part fails here, naming the file."""
+    expected = schema.STEP_COLUMNS if kind == "steps" else schema.LAYER_COLUMNS
+    if path.stat().st_size == 0:
+        raise BadInputError("empty Parquet part (0 bytes)", path=path,
+                            fix="move the damaged part out of trace/ to analyse the rest of the run")
+    try:
+        cols = pl.read_parquet_schema(path)
+    except Exception as e:  # noqa: BLE001 - polars raises several types for a damaged footer
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
+                            fix="move the damaged part out of trace/ to analyse the rest of the run") from e
+    missing = [c for c in expected if c not in cols]
+    unknown = [c for c in cols if c not in expected]
+    if missing and len(missing) >= len(expected) // 2:
+        raise BadInputError(f"foreign Parquet part: none of the {kind} trace columns {sorted(missing)[:4]}...",
+                            path=path, fix="trace/ must hold only parts written by the Recorder; move this file out")
+    if missing:
+        raise BadInputError(f"Parquet part lacks {kind} columns {missing}", path=path,
+                            fix="trace/ must hold only parts written by the Recorder; move this file out")
+    if unknown:
+        raise VersionError(
+            f"Parquet part has columns unknown to format version {schema.FORMAT_VERSION}: {unknown}",
+            path=path, fix="it was written by a newer amp-autopsy: pip install -U amp-autopsy")
+
+
+def _scan(files: list[Path], columns: dict[str, pl.DataType]) -> pl.LazyFrame:
+    lf = pl.scan_parquet([str(f) for f in files], glob=False)
+    return lf.select([pl.col(c).cast(t) for c, t in columns.items()])
+
+
+def _load_run_dir(path: Path, progress: bool) -> Run:
+    meta = read_meta(path / schema.META_FILE)
+    metas = {int(meta.get("rank", 0) or 0): meta}
+    for mp in sorted(path.glob("meta-r*.json")):
+        m = read_meta(mp)
+        metas[int(m.get("rank", 0) or 0)] = m
+
+    trace = path / schema.TRACE_DIR
+    parts: dict[str, dict[int, list[tuple[int, Path]]]] = {"steps": {}, "layers": {}}
+    temps = []
+    if trace.is_dir():
+        for f in sorted(trace.iterdir()):
+            if f.name.startswith("."):
+                temps.append(f)  # an unfinished atomic write: the writer died mid-part
+                continue
+            m = _PART_RE.match(f.name)
+            if m:
+                parts[m[1]].setdefault(int(m[2]), []).append((int(m[3]), f))
+    step_files = [f for r in sorted(parts["steps"]) for _, f in sorted(parts["steps"][r])]
+    layer_files = [f for r in sorted(parts["layers"]) for _, f in sorted(parts["layers"][r])]
+    if not step_files:
+        raise BadInputError(
+            f"empty trace: no {schema.TRACE_DIR}/{schema.STEPS_GLOB} parts",
+            path=path, fix="the run recorded no steps or was killed before its first flush; "
+            "record longer or lower flush_every")
+    total = sum(f.stat().st_size for f in step_files + layer_files)
+    progress_line(progress, f"checking {len(step_files) + len(layer_files)} trace parts "
+                        f"({total / 2**20:.1f} MiB) in {trace}")
+    for f in step_files:
+        _check_part(f, "steps")
+    for f in layer_files:
+        _check_part(f, "layers")
+
+    notes, partial = [], False
+    if temps:
+        partial = True
+        notes.append(f"partial run: {len(temps)} unfinished temporary file(s) in {trace} "
+                     "(the process was probably killed while writing); analysed the complete parts only")
+    for r in sorted(metas):
+        if r not in parts["steps"]:
+            partial = True
+            notes.append(f"rank {r} has a meta file but no trace parts (it died before its first flush)")
+    params, numels = _param_names(meta)
+    layers = None
+    steps_lf = _scan(step_files, schema.STEP_COLUMNS)
+    if layer_files:
+        layers = _scan(layer_files, schema.LAYER_COLUMNS)
+        for r, sp in parts["steps"].items():
+            lp = parts["layers"].get(r, [])
+            if lp and max(i for i, _ in lp) < max(i for i, _ in sp):
+                partial = True
+                notes.append(f"partial run: rank {r}'s last steps part has no layers part "
+                             "(killed between the two writes); per-layer checks end earlier")
+
+    snapshots = []
+    sdir = path / schema.SNAPSHOT_DIR
+    if sdir.is_dir():
+        snapshots = sorted((f for f in sdir.glob(schema.SNAPSHOT_GLOB) if not f.name.startswith(".")),
+                           key=lambda f: f.name)
+    return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
+               layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
+               partial=partial)
+
+
+def step_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """Give an imported frame every ``STEP_COLUMNS`` column (nulls where unknown), schema dtypes."""
+    out = []
+    for c, t in schema.STEP_COLUMNS.items():
+        out.append(pl.col(c).cast(t, strict=False) if c in df.columns else pl.lit(None, dtype=t).alias(c))
+    extra = [pl.col(c) for c in ("n_iter", "n_skipped") if c in df.columns]
+    return df.select(out + extra).sort("rank", "step")
+
+
+def snapshot_info(path: Path) -> dict[str, Any]:
+    """step, rank and reason parsed from a snapshot's file name (no loading)."""
+    m = _SNAP_RE.match(path.name)
+    if not m:
+        return {"file": str(path), "step": None, "rank": None, "reason": None}
+    return {"file": str(path), "step": int(m[1]), "rank": int(m[2]), "reason": m[3]}
+
+
+def load_run(path: str | Path, *, progress: bool = False) -> Run:
+    """Open a run directory or a foreign log for reading. Raises BadInputError / VersionError."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInputError("no such file or directory", path=p, fix=_RUN_HINT)
+    if p.is_file() and p.name == schema.META_FILE:
+        p = p.parent
+    if p.is_dir():
+        if (p / schema.META_FILE).exists():
+            return _load_run_dir(p, progress)
+        from .importers import import_dir
+
+        return import_dir(p, progress=progress)
+    from .importers import import_file
+
+    return import_file(p, progress=progress)

@@ -1,0 +1,218 @@
+"""``analyzer report`` on scripted runs: CLI, JSON, text, plots, HTML, ranks, bad input."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from analyzer.cli import main
+from analyzer.report import build_report, render_report_text, write_html, write_plots
+
+from .report_models import Script
+
+
+def _two_ranks(tmp_path, *, nan_rank=1, nan_step=100, diverge_scale=False, short_rank=None):
+    """A 2-rank DDP-like run: `nan_rank`'s local loss is NaN at `nan_step`, the other's one step later."""
+    run = tmp_path / "ddp"
+    for r in (0, 1):
+        n = 150 if short_rank == r else 200
+        s = Script(n=n, rank=r)
+        s.scale[:], s.skipped[:] = Script(n=n).scale, Script(n=n).skipped  # one synchronised scaler
+        if nan_rank is not None:
+            s.loss[nan_step if r == nan_rank else nan_step + 1:] = np.nan
+        if diverge_scale and r == 1:
+            s.scale[150:] /= 2
+        s.write(run, world_size=2)
+    return run
+
+
+def _hashes(root):
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_cli_json_is_one_strict_json_object_with_stable_keys(tmp_path):
+    s = Script()
+    s.loss[250:] = np.nan
+    run = s.write(tmp_path / "run")
+    res = CliRunner().invoke(main, ["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+
+    def refuse(const):  # json.loads accepts NaN/Infinity literals by default; strict JSON has none
+        raise AssertionError(f"non-strict JSON literal {const}")
+
+    obj = json.loads(res.output, parse_constant=refuse)
+    assert {"run", "steps", "findings", "snapshots", "ranks", "verdict", "partial"} <= set(obj)
+    assert obj["steps"]["count"] == 400 and obj["steps"]["nonfinite_loss"] == 150
+    nf = next(f for f in obj["findings"] if f["check"] == "nonfinite_loss")
+    assert nf["step"] == 250 and nf["severity"] == "error" and nf["evidence"]["loss"] == "nan"
+
+
+def test_text_starts_with_a_verdict_then_findings_by_severity(tmp_path):
+    s = Script()
+    s.loss_dtype[:] = "float16"
+    s.loss[300] = np.inf
+    rep = build_report(s.write(tmp_path / "run"))
+    text = render_report_text(rep)
+    lines = text.splitlines()
+    assert lines[1].startswith("Verdict: FAILED: the loss became inf at step 300")
+    assert text.index("\nerrors\n") < text.index("\nwarnings\n")
+    assert "low_precision_loss @ step 0" in text and "evidence: loss_dtype=float16" in text
+
+
+def test_healthy_text_says_healthy(tmp_path):
+    rep = build_report(Script().write(tmp_path / "run"))
+    assert render_report_text(rep).splitlines()[1] == "Verdict: healthy: no errors or warnings over 400 steps"
+
+
+def test_plots_are_four_readable_pngs_and_html_embeds_them(tmp_path):
+    import matplotlib.image as mpimg
+
+    s = Script()
+    s.lg[:, 4:6] = -14
+    s.loss[350:] = np.nan
+    rep = build_report(s.write(tmp_path / "run"))
+    paths = write_plots(rep, tmp_path / "plots")
+    assert [p.name for p in paths] == ["loss_scale.png", "grad_heatmap.png", "stalled_fraction.png",
+                                       "grad_vs_depth.png"]
+    for p in paths:
+        img = mpimg.imread(p)
+        assert img.shape[0] > 300 and img.shape[1] > 800 and img.std() > 0.01  # a real picture
+    page = write_html(rep, tmp_path / "r.html").read_text()
+    assert page.count("src='data:image/png;base64,") == 4 and "http" not in page
+    assert "nonfinite_loss" in page and "stalled_layers" in page
+
+
+def test_report_never_modifies_its_input(tmp_path):
+    s = Script()
+    s.loss[200] = np.nan
+    run = s.write(tmp_path / "run")
+    snap = run / "snapshots" / "step00000200-r00000-nonfinite_loss.pt"
+    snap.parent.mkdir()
+    snap.write_bytes(b"snapshot bytes")
+    (run / "trace" / ".steps-r00000-p000002.parquet.1.tmp").write_bytes(b"partial")
+    before = _hashes(run)
+    res = CliRunner().invoke(main, ["report", str(run), "--plots", str(tmp_path / "p"),
+                                    "--html", str(tmp_path / "r.html")])
+    assert res.exit_code == 0, res.output
+    assert _hashes(run) == before
+
+
+def test_rank_divergence_names_the_rank_that_went_nonfinite_first(tmp_path):
+    rep = build_report(_two_ranks(tmp_path))
+    f = next(f for f in rep.findings if f.check == "rank_divergence")
+    assert (f.severity, f.step, f.rank) == ("error", 100, 1)
+    assert f.evidence["first_nonfinite_step_per_rank"] == {0: 101, 1: 100}
+    nf = next(f for f in rep.findings if f.check == "nonfinite_loss")
+    assert nf.step == 100 and nf.rank == 1 and "on rank 1" in nf.message
+    assert "rank 1: steps 0..199" in render_report_text(rep)
+
+
+def test_loss_scale_divergence_across_ranks_is_an_error(tmp_path):
+    rep = build_report(_two_ranks(tmp_path, nan_rank=None, diverge_scale=True))
+    f = [f for f in rep.findings if f.check == "rank_divergence"]
+    assert len(f) == 1 and f[0].step == 150 and "not synchronised" in f[0].message
+    assert f[0].evidence["max_scale"] == 2 * f[0].evidence["min_scale"]
+
+
+def test_a_rank_whose_trace_ends_early_is_a_warning(tmp_path):
+    rep = build_report(_two_ranks(tmp_path, nan_rank=None, short_rank=1))
+    f = [f for f in rep.findings if f.check == "rank_divergence"]
+    assert [(x.severity, x.rank, x.step) for x in f] == [("warning", 1, 149)]
+
+
+def test_healthy_two_rank_run_has_no_rank_divergence(tmp_path):
+    rep = build_report(_two_ranks(tmp_path, nan_rank=None))
+    assert not [f for f in rep.findings if f.severity in ("error", "warning")]
+    assert rep.frames.n_ranks == 2
+
+
+def test_cli_rank_narrows_the_report_to_one_rank(tmp_path):
+    run = _two_ranks(tmp_path)
+    res = CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "0"])
+    obj = json.loads(res.output)
+    assert obj["rank"] == 0 and not [f for f in obj["findings"] if f["check"] == "rank_divergence"]
+    nf = next(f for f in obj["findings"] if f["check"] == "nonfinite_loss")
+    assert nf["step"] == 101 and nf["rank"] == 0  # rank 0's own loss went NaN one step later
+
+
+def test_cli_steps_window_limits_the_analysis(tmp_path):
+    s = Script()
+    s.loss[300] = np.nan
+    run = s.write(tmp_path / "run")
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--steps", "100:300"]).output)
+    assert (obj["steps"]["first"], obj["steps"]["last"], obj["steps"]["count"]) == (100, 299, 200)
+    assert not obj["findings"]  # the NaN at step 300 is outside A <= step < B
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--rank", "5"], "no rank 5 in this run"),
+    (["--steps", "5000:6000"], "no steps of the run in the range"),
+], ids=["unknown rank", "empty step window"])
+def test_cli_selections_that_match_nothing_are_one_line_errors(tmp_path, args, needle):
+    run = Script(n=50).write(tmp_path / "run")
+    res = CliRunner().invoke(main, ["report", str(run), *args])
+    assert res.exit_code == 1 and needle in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def _truncate(run):
+    p = run / "trace" / "steps-r00000-p000001.parquet"
+    p.write_bytes(p.read_bytes()[:100])
+
+
+def _newer(run):
+    m = json.loads((run / "meta.json").read_text())
+    m["format_version"] = 99
+    (run / "meta.json").write_text(json.dumps(m))
+
+
+def _empty(run):
+    for p in (run / "trace").iterdir():
+        p.unlink()
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (None, "no such file or directory"),
+    (_truncate, "steps-r00000-p000001.parquet: truncated or corrupt Parquet part"),
+    (_newer, "meta.json: run format version 99 is newer"),
+    (_empty, "empty trace"),
+], ids=["missing dir", "truncated part", "newer format", "empty trace"])
+def test_cli_bad_input_exits_1_with_one_line_naming_the_file(tmp_path, damage, needle):
+    run = Script(n=50).write(tmp_path / "run")
+    target = tmp_path / "missing" if damage is None else run
+    if damage:
+        damage(run)
+    res = CliRunner().invoke(main, ["report", str(target)])
+    assert res.exit_code == 1
+    assert res.output.startswith("Error: ") and needle in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_progress_goes_to_stderr(tmp_path, capsys):
+    build_report(Script(n=50).write(tmp_path / "run"), progress=True)
+    err = capsys.readouterr().err
+    assert "checking 4 trace parts" in err and "aggregating per-layer gradient norms" in err
+
+
+def test_imported_log_reports_without_layer_plots(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({"step": i, "loss": 2.0 if i != 30 else math.inf, "loss_scale": 1024})
+                            + "\n" for i in range(60)))
+    rep = build_report(path)
+    assert rep.source_format == "jsonl" and [p.name for p in write_plots(rep, tmp_path / "p")] == ["loss_scale.png"]
+    assert any("no per-layer gradient norms" in n for n in rep.notes)
+
+
+def test_a_reused_run_directory_uses_the_latest_row_of_each_step_and_says_so(tmp_path):
+    run = Script(n=100).write(tmp_path / "run")
+    again = Script(n=100, seed=5)
+    again.loss[60] = np.nan
+    steps = again.steps_frame()
+    steps.write_parquet(run / "trace" / "steps-r00000-p000007.parquet")  # a second run's part, written later
+    rep = build_report(run)
+    assert rep.frames.steps.height == 100  # 200 rows, 100 distinct steps
+    assert any("repeat a step number" in n for n in rep.notes)
+    assert [f.step for f in rep.findings if f.check == "nonfinite_loss"] == [60]  # the latest run's NaN
