@@ -1,0 +1,167 @@
+"""Plain-words summary and concrete advice for each verdict."""
+from __future__ import annotations
+
+import math
+
+__all__: list[str] = []
+
+_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+_TINY = {"float16": 6.0e-8, "bfloat16": 9.2e-41, "float32": 1.4e-45}
+
+
+def _where(c: dict) -> str:
+    src = f" at {c['source']}" if c.get("source") else ""
+    node = f", {c['node']}" if c.get("node") else ""
+    return f"{c['op']} in `{c['module']}` ({c['phase']}{node}, {c['precision']}){src}"
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
+            recorded_loss: float | None = None) -> str:
+    if verdict == "healthy":
+        text = "No NaN/Inf in forward or backward in any replayed precision."
+        if recorded_loss is not None and not _finite(recorded_loss):
+            text += (f" NB: the recorded loss was {recorded_loss}: the failure did not reproduce "
+                     "(nondeterminism, or a different device or autocast policy).")
+        return text
+    if verdict == "nonfinite_input":
+        first = inputs[0] if inputs else "an input"
+        more = f" (and {len(inputs) - 1} more)" if inputs and len(inputs) > 1 else ""
+        return f"{first}{more} was already NaN/Inf before the first op ran; the step itself is not the cause."
+    assert c is not None
+    shadow32 = (c.get("shadow") or {}).get("float32")
+    if verdict == "overflow":
+        limit = _MAX.get(c["precision"], 0)
+        return (f"{_where(c)} produced {c['output_kind']} from finite inputs: recomputed in FP32 from the "
+                f"same inputs its largest value is {_fmt(shadow32)}, beyond {c['precision']}'s max {limit:g}.")
+    if verdict == "underflow":
+        flush = c.get("underflow_at")
+        at = f"; the zeros come from {flush['op']} in `{flush['module']}`" if flush else ""
+        return (f"{_where(c)} produced {c['output_kind']}: values that are non-zero in FP32 flushed to zero "
+                f"in {c['precision']}{at}, and this op turned the zeros into {c['output_kind']}.")
+    if verdict == "unregistered_op":
+        return (f"custom op {_where(c)} received {', '.join(c['input_dtypes'])} inputs under autocast and "
+                f"produced {c['output_kind']}; FP32 is finite: the op is not registered with autocast.")
+    if verdict == "loss_scale_overflow":
+        return (f"forward is finite; backward overflows at loss scale {scale:g} first at {_where(c)} "
+                "and is finite at scale 1: the loss scale is too high for this step.")
+    if verdict == "numerical_bug":
+        lit = c.get("literal_nonfinite")
+        if lit and not _finite(c["input_absmax"]):
+            return (f"{_where(c)} turned the NaN/Inf written on purpose by {lit['op']} in `{lit['module']}` "
+                    f"(a mask value such as -inf) into {c['output_kind']}, e.g. a softmax over a row whose "
+                    "every entry is masked; FP32 does the same: a numerical bug, not a precision problem.")
+        if c["precision"] == "float32":
+            return (f"{_where(c)} produced {c['output_kind']} from finite inputs in FP32 as well: "
+                    "a numerical bug, not a precision problem.")
+        return (f"{_where(c)} produced {c['output_kind']} in {c['precision']} from finite inputs and "
+                "is non-finite in FP32 from the same inputs, though the FP32 run stayed finite.")
+    raise ValueError(verdict)
+
+
+def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0) -> list[str]:
+    if verdict == "healthy":
+        return [
+            "Nothing to fix in this step as replayed. If training did fail here, compare the "
+            "recorded and replayed device and loss (nondeterminism, a different device's autocast "
+            "policy), and look at the optimizer step, which replay does not cover: "
+            "run `analyzer report` on the run directory.",
+        ]
+    if verdict == "nonfinite_input":
+        out = []
+        if any(i.startswith(("param:", "buffer:", "state:")) for i in inputs or []):
+            out += [
+                "The weights were already NaN/Inf: an earlier step broke them. Replay the earliest "
+                "snapshot of the run, and look at `analyzer report` for the step where grads first blew up.",
+                "Lower the learning rate and clip gradients (torch.nn.utils.clip_grad_norm_) after scaler.unscale_(optimizer).",
+                "Make sure the optimizer steps through scaler.step(optimizer), which skips steps with inf/NaN gradients.",
+            ]
+        if any(i.startswith("batch:") for i in inputs or []):
+            out += [
+                "The batch holds NaN/Inf: check the data pipeline (assert torch.isfinite(x).all() "
+                "where batches are built) and the feature normalisation (division by a zero std).",
+            ]
+        return out
+    assert c is not None
+    module, op = c["module"], c["op"]
+    keep = (f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) "
+            "with its inputs cast by .float().")
+    if verdict == "overflow":
+        out = []
+        if _looks_like_attention(c):
+            out.append("Divide the attention logits by sqrt(d): q @ k.transpose(-2, -1) / math.sqrt(head_dim), "
+                       "or use F.scaled_dot_product_attention, which scales for you.")
+        out += [
+            "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, so this value fits.",
+            keep,
+            "If activations grow over training, lower the learning rate or add weight decay / normalisation "
+            f"before `{module}`.",
+        ]
+        return out
+    if verdict == "underflow":
+        prec = c["precision"]
+        return [
+            f"Add an eps that {prec} can represent (it flushes anything below ~{_TINY.get(prec, 0):.1g} to zero; "
+            "1e-5 as in nn.LayerNorm is safe), or clamp the value before this op: "
+            f"x.clamp_min(torch.finfo(torch.{prec}).tiny).",
+            keep,
+            "Switch to BF16: its smallest normal value is ~1e-38, the same as FP32.",
+        ]
+    if verdict == "unregistered_op":
+        return [
+            f"Register the op with autocast so it runs in FP32: torch.library.register_autocast('{op.replace('.', '::', 1)}', "
+            "device_type, torch.float32), or for an autograd.Function decorate forward with "
+            "@torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32).",
+            "Or cast its inputs to FP32 yourself before calling it.",
+            keep,
+        ]
+    if verdict == "loss_scale_overflow":
+        return [
+            f"GradScaler skips this step and backs the scale off from {scale:g}; this is normal unless it "
+            "never recovers: check the scale trend with `analyzer report`.",
+            "If it keeps happening, start lower (GradScaler(init_scale=2**10)) or reduce the loss with "
+            "mean instead of sum so gradients are smaller.",
+            "BF16 needs no loss scaling at all.",
+        ]
+    if verdict == "numerical_bug":
+        out = []
+        base = op.split(".")[-1]
+        node = c.get("node") or ""
+        if c.get("literal_nonfinite") or "softmax" in base:
+            out.append("Use a finite mask value: scores.masked_fill(mask, torch.finfo(scores.dtype).min) "
+                       "instead of -inf, so a fully masked row gives a uniform row instead of NaN.")
+        if base in ("log", "log2", "log10") or "Log" in node:
+            out.append("Clamp the argument of log (torch.log(p.clamp_min(1e-12))) or compute log-probabilities "
+                       "with log_softmax instead of log(softmax(x)).")
+        if "Sqrt" in node or base in ("sqrt", "rsqrt"):
+            out.append("Add eps inside the sqrt (torch.sqrt(x + 1e-12)): its derivative at 0 is infinite.")
+        if base in ("div", "reciprocal", "rsqrt", "pow") or "Div" in node:
+            out.append("Add eps to the denominator or clamp it away from zero.")
+        if c.get("hidden"):
+            h = c["hidden"]
+            out.append(f"{h['op']} in `{h['module']}` made a NaN/Inf in forward that a later op hid; guard its "
+                       "input instead (e.g. torch.where on the input, not on the output), since backward "
+                       "still differentiates through it.")
+        if c["precision"] == "float32":
+            out.append("Add eps or clamp at this op. FP32 fails as well, so switching precision will not fix it.")
+        else:
+            out += ["Add eps or clamp at this op: the FP32 run is finite, but from the rounded "
+                    f"{c['precision']} inputs this op fails even in FP32.", keep]
+        return out
+    raise ValueError(verdict)
+
+
+def _looks_like_attention(c: dict) -> bool:
+    module = c["module"].lower()
+    op = c["op"].split(".")[-1]
+    in_attention = ("attn" in module or "attention" in module) and op in (
+        "bmm", "mm", "matmul", "baddbmm", "addmm", "einsum")
+    batched_forward = op in ("bmm", "baddbmm") and c["phase"] == "forward"
+    return in_attention or batched_forward

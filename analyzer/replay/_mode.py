@@ -1,0 +1,230 @@
+"""The private dispatch mode that records per-op statistics of one replay run, on device.
+
+Every ATen (and custom ``torch.library``) op of the forward and the backward passes through
+``_OpStatsMode.__torch_dispatch__``. For each op it keeps, as 0-d tensors on the op's device:
+
+- the ``aminmax`` of every floating input (taken *before* the op runs: in-place ops mutate)
+  and of every floating output; ``aminmax`` propagates NaN and +-inf, so one cheap read gives
+  both "is it finite" and the abs-max;
+- optionally (``zeros=True``) the non-zero count of every floating output, for the underflow
+  check. ``count_nonzero`` costs ~4x an ``aminmax`` on FP16, so the first pass of a replay
+  leaves it off and only the diagnosis pass turns it on.
+
+Host-side, it keeps an ``_OpRecord`` per op (name, phase, module, source, which op produced
+each input). Nothing is moved to the host until ``finalize()``, which stacks all statistics
+and syncs once.
+
+Inputs produced by an earlier op reuse that op's output statistic (tracked by tensor identity
+and version counter), so most tensors are read once, not twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ._attribution import user_source
+
+__all__: list[str] = []
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Ops whose output holds exactly the values of their (first) input: the output statistic is
+# the input's, no kernel needed. (Slices and selects hold a subset, so they are measured.)
+# Widening casts (FP16/BF16 -> FP32) are treated the same way, see _widens.
+_ALIAS_OPS = frozenset({
+    "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose",
+    "aten.permute", "aten.expand", "aten.unsqueeze", "aten.squeeze", "aten.reshape",
+    "aten._reshape_alias", "aten.clone", "aten.contiguous", "aten.lift_fresh",
+})
+
+
+_NAMES: dict = {}  # OpOverload -> "aten.bmm"
+
+
+@dataclass(slots=True)
+class _OpRecord:
+    """One op as seen by the dispatch mode. Statistic indices point into the run's stat arrays."""
+
+    index: int
+    name: str                 # "aten.bmm", "mylib.sumsq"
+    overload: str             # "default", "Tensor", ...
+    namespace: str            # "aten", "prims", "mylib"
+    phase: str                # "forward" | "backward"
+    module: str               # "blocks.1.attn", "<loss_fn>", "<loss_scale>", "<autograd>"
+    source: str | None        # "model.py:42" (in backward: the forward line that made the node)
+    node: str | None          # autograd node name in backward, e.g. "SqrtBackward0"
+    inputs: list[tuple[int, int | None]] = field(default_factory=list)  # (stat, producer op)
+    outputs: list[int] = field(default_factory=list)                    # stat per float output
+    zeros: list[tuple[int, int]] = field(default_factory=list)          # (nonzero stat, numel)
+    in_dtypes: tuple = ()     # torch.dtype of the floating inputs (unordered)
+    out_dtype: torch.dtype | None = None
+    literal_nonfinite: bool = False   # a non-tensor argument is NaN/Inf (masked_fill(-inf), full(-inf))
+
+
+class _OpStatsMode(TorchDispatchMode):
+    """Record per-op statistics of one run. Private: driven by ``analyzer.replay._runs``.
+
+    Args:
+        zeros: also count non-zero output elements (slower; for the underflow check).
+        capture: op index whose inputs to clone (before it runs) for the shadow check.
+        on_ops: optional callback, called with the number of ops so far every 256 ops.
+    """
+
+    def __init__(self, *, zeros: bool = False, capture: int | None = None, on_ops=None):
+        super().__init__()
+        self.zeros = zeros
+        self.on_ops = on_ops  # called with the op count every 256 ops (a progress bar)
+        self.capture = capture
+        self.captured: tuple[Any, Any] | None = None
+        self.records: list[_OpRecord] = []
+        self.module_stack: list[str] = []   # pushed/popped by the module hooks
+        self.current_source: str | None = None  # set by the function mode around each call
+        self._mins: list[torch.Tensor] = []
+        self._maxs: list[torch.Tensor] = []
+        self._nonzero: list[torch.Tensor] = []
+        self._producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    # -- statistics --------------------------------------------------------------------------
+    def add_stat(self, t: torch.Tensor) -> int:
+        """Queue the aminmax of `t` (no sync) and return its statistic index."""
+        mn, mx = torch.aminmax(t.detach())
+        self._mins.append(mn)
+        self._maxs.append(mx)
+        return len(self._maxs) - 1
+
+    def producer_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(op index, stat index) of the op that last wrote `t`, if it is unchanged since."""
+        entry = self._producers.get(t)
+        if entry is None or entry[2] != t._version:
+            return None
+        return entry[0], entry[1]
+
+    @staticmethod
+    def _is_scalar(t: torch.Tensor) -> bool:
+        # 0-d CPU tensors with no producer are wrapped Python numbers (x * 0.5, where(m, x, -inf))
+        # or tiny constants: read them on the host (no device sync: they live on the CPU).
+        return t.dim() == 0 and t.device.type == "cpu"
+
+    # -- the hook ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        float_in = []
+        literal = False  # a NaN/Inf written on purpose: masked_fill(m, -inf), full(..., -inf)
+        for a in (_flat(args) + _flat(kwargs.values()) if kwargs else _flat(args)):
+            if isinstance(a, torch.Tensor):
+                if a.dtype in _FLOAT_DTYPES and a.numel() > 0:
+                    float_in.append(a)
+            elif isinstance(a, float) and not math.isfinite(a):
+                literal = True
+        index = len(self.records)
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = str(func.overloadpacket)
+        rec = self._describe(func, name, index)
+        rec.in_dtypes = tuple({a.dtype for a in float_in})
+        # Input statistics BEFORE the op runs: an in-place op would overwrite them.
+        inputs = []
+        for a in float_in:
+            known = self.producer_of(a)
+            if known is not None:
+                inputs.append((known[1], known[0]))
+            elif self._is_scalar(a):
+                literal = literal or not math.isfinite(a.item())
+            else:
+                inputs.append((self.add_stat(a), None))
+        rec.inputs = inputs
+        rec.literal_nonfinite = literal
+        if index == self.capture:
+            self.captured = (tree_map(_clone_tensor, args), tree_map(_clone_tensor, kwargs))
+
+        out = func(*args, **kwargs)
+
+        flat_out = _flat(out) if isinstance(out, (list, tuple)) else [out]
+        alias = len(rec.inputs) == len(float_in) >= 1 and (
+            name in _ALIAS_OPS or (name == "aten._to_copy" and _widens(float_in[0].dtype, out)))
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES or t.numel() == 0:
+                continue
+            if rec.out_dtype is None:
+                rec.out_dtype = t.dtype
+            stat = rec.inputs[0][0] if alias else self.add_stat(t)
+            rec.outputs.append(stat)
+            if self.zeros:
+                self._nonzero.append(torch.count_nonzero(t))
+                rec.zeros.append((len(self._nonzero) - 1, t.numel()))
+            self._producers[t] = (index, stat, t._version)
+        self.records.append(rec)
+        if self.on_ops is not None and not index & 255:
+            self.on_ops(index)
+        return out
+
+    def _describe(self, func, name: str, index: int) -> _OpRecord:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward:
+            node = torch._C._current_autograd_node()
+            meta = node.metadata if node is not None else {}
+            node_name = node.name() if node is not None else None
+            module = meta.get("module")
+            if module is None:
+                module = "<accumulate_grad>" if node_name and "AccumulateGrad" in node_name else "<autograd>"
+            source = meta.get("source")
+            phase = "backward"
+        else:
+            node_name = None
+            module = self.module_stack[-1] if self.module_stack else "<loss_fn>"
+            source = self.current_source or user_source()
+            phase = "forward"
+        return _OpRecord(index=index, name=name, overload=func._overloadname,
+                         namespace=func.namespace, phase=phase, module=module, source=source,
+                         node=node_name)
+
+    # -- the one host sync -------------------------------------------------------------------
+    def finalize(self) -> tuple[list[float], list[int]]:
+        """Stack all statistics and move them to the host. This is the run's one sync point."""
+        if self._maxs:
+            mins, maxs = _stack(self._mins), _stack(self._maxs)
+            absmax = torch.maximum(mins.abs(), maxs.abs()).tolist()  # NB: sync
+        else:
+            absmax = []
+        nonzero = torch.stack(self._nonzero).tolist() if self._nonzero else []  # NB: sync
+        self._mins.clear()
+        self._maxs.clear()
+        self._nonzero.clear()
+        return absmax, nonzero
+
+
+def _widens(src: torch.dtype, out) -> bool:
+    """A cast to a dtype that holds every value of `src` exactly: the abs-max cannot change."""
+    dst = out.dtype if isinstance(out, torch.Tensor) else None
+    return (src in (torch.float16, torch.bfloat16) and dst in (torch.float32, torch.float64)) or (
+        src == torch.float32 and dst == torch.float64)
+
+
+def _stack(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """One float64 vector of 0-d statistics (stack promotes FP16/BF16/FP32 to their common dtype)."""
+    try:
+        return torch.stack(scalars).double()
+    except RuntimeError:  # statistics on several devices (a model split across GPUs)
+        dev = scalars[0].device
+        return torch.stack([s.to(dev, torch.float64) for s in scalars])
+
+
+def _flat(items) -> list:
+    """Flatten nested lists/tuples of op arguments (cheaper than pytree for ATen signatures)."""
+    out = []
+    for a in items:
+        if isinstance(a, (list, tuple)):
+            out.extend(_flat(a))
+        else:
+            out.append(a)
+    return out
+
+
+def _clone_tensor(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,209 @@
+"""Precision runs: rebuild the model from a snapshot and replay its step under the op recorder.
+
+One ``run_once`` call = fresh model, recorded RNG restored, ``loss_fn(model, batch)`` under
+autocast (or not, for FP32), then ``(loss * scale).backward()``. Everything the dispatch mode
+measured comes back to the host in one sync at the end (``RunTrace``).
+"""
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import AnalyzerError, BadInputError, FactoryError
+from ._attribution import _ForwardTagMode, attach_module_hooks
+from ._mode import _OpRecord, _OpStatsMode
+
+__all__: list[str] = []
+
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+@dataclass
+class RunTrace:
+    """What one precision run measured, on the host."""
+
+    precision: str              # "float32" | "float16" | "bfloat16"
+    scale: float                # loss scale of this run's backward
+    records: list[_OpRecord]
+    absmax: list[float]         # per statistic; NaN/inf when the tensor held NaN/inf
+    nonzero: list[float]        # per zero statistic (empty unless zeros=True)
+    loss: float
+    loss_dtype: str
+    loss_producer: int | None   # op index that produced the loss tensor
+    grads_finite: bool
+    grad_absmax: float | None   # of the unscaled gradients (divided by `scale`)
+    backward_ran: bool
+    emulated_cuda_ops: int = 0
+    captured: tuple[Any, Any] | None = None
+
+    @property
+    def forward_finite(self) -> bool:
+        return math.isfinite(self.loss)
+
+    @property
+    def finite(self) -> bool:
+        return self.forward_finite and self.grads_finite
+
+    def kind(self, stat: int) -> int:
+        """0 finite, 1 inf, 2 NaN, for a statistic index."""
+        v = self.absmax[stat]
+        return 2 if math.isnan(v) else (1 if math.isinf(v) else 0)
+
+
+@dataclass
+class ReplayContext:
+    """Everything needed to rebuild and re-run the snapshot's step."""
+
+    path: str
+    factory: Callable
+    factory_ref: str
+    factory_kwargs: dict
+    loss_fn: Callable
+    loss_ref: str
+    model_state: dict
+    batch: Any
+    rng: dict
+    train_mode: bool
+    device: torch.device
+    emulate_cuda: bool
+    _model: torch.nn.Module | None = field(default=None, repr=False)
+
+    def build_model(self) -> torch.nn.Module:
+        """The model with the snapshot's weights, gradients cleared, in the recorded mode.
+
+        Built once per replay; later runs reload the weights and buffers into the same model
+        (``load_state_dict``), which is much cheaper than rebuilding it and touching fresh memory.
+        NB: non-persistent buffers that a forward mutates in place are not reset between runs.
+        """
+        if self._model is None:
+            self._model = self._build()
+        else:
+            self._load(self._model)
+            for p in self._model.parameters():
+                p.grad = None
+        self._model.train(self.train_mode)
+        return self._model
+
+    def _build(self) -> torch.nn.Module:
+        try:
+            model = self.factory(**self.factory_kwargs)
+        except Exception as e:  # noqa: BLE001 - user code failing is reported, not crashed on
+            raise FactoryError(
+                f"factory {self.factory_ref!r} raised {type(e).__name__}: {_first_line(e)}",
+                path=self.path, fix="pass a working factory with --factory pkg.module:function",
+            ) from e
+        if not isinstance(model, torch.nn.Module):
+            raise FactoryError(
+                f"factory {self.factory_ref!r} returned {type(model).__name__}, not an nn.Module",
+                path=self.path, fix="pass --factory pkg.module:function returning the model",
+            )
+        self._load(model)
+        return model.to(self.device)
+
+    def _load(self, model: torch.nn.Module) -> None:
+        try:
+            model.load_state_dict(self.model_state, strict=True)
+        except (RuntimeError, KeyError, TypeError) as e:
+            raise BadInputError(
+                f"snapshot weights do not fit the model built by {self.factory_ref!r}: {_first_line(e)}",
+                path=self.path, fix="pass the factory that built this model with --factory",
+            ) from e
+
+    def restore_rng(self) -> None:
+        torch.set_rng_state(self.rng["cpu"])
+        cuda = self.rng.get("cuda")
+        if self.device.type == "cuda" and cuda and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj
+
+
+def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = False,
+             capture: int | None = None, on_ops=None) -> RunTrace:
+    """Replay the step once in `precision` with backward from ``loss * scale``."""
+    model = ctx.build_model()
+    batch = _to_device(ctx.batch, ctx.device)
+    ctx.restore_rng()
+    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops)
+    tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
+    handles = attach_module_hooks(model, mode.module_stack)
+    low = precision in LOW_PRECISION
+    # NB: the recorder makes ~10 small Python objects per op; a full GC pass in the middle of a
+    # run costs more than the run's own bookkeeping, so collection waits until the run is over.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with tag_mode, mode:
+            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low):
+                try:
+                    loss = ctx.loss_fn(model, batch)
+                except AnalyzerError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - user code failing is reported
+                    raise FactoryError(
+                        f"loss_fn {ctx.loss_ref!r} raised {type(e).__name__}: {_first_line(e)}",
+                        path=ctx.path, fix="check the model code, or pass --loss-fn pkg.module:function",
+                    ) from e
+            _check_loss(ctx, loss)
+            loss_producer = mode.producer_of(loss)
+            backward_ran = loss.requires_grad
+            if backward_ran:
+                mode.module_stack.append("<loss_scale>")
+                try:
+                    (loss.float() * scale).backward()
+                except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
+                    raise AnalyzerError(f"backward of the replayed step raised RuntimeError: {_first_line(e)}",
+                                        path=ctx.path, fix="check the model's backward code") from e
+                finally:
+                    mode.module_stack.pop()
+    finally:
+        for h in handles:
+            h.remove()
+        if gc_was_enabled:
+            gc.enable()
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
+    grad_stats = [mode.add_stat(g) for g in grads]
+    absmax, nonzero = mode.finalize()  # NB: the run's one host sync
+    grad_vals = [absmax[i] for i in grad_stats]
+    return RunTrace(
+        precision=precision, scale=scale, records=mode.records, absmax=absmax, nonzero=nonzero,
+        loss=float(loss.detach().float().item()),  # NB: sync (after finalize, no extra wait)
+        loss_dtype=str(loss.dtype).removeprefix("torch."),
+        loss_producer=None if loss_producer is None else loss_producer[0],
+        grads_finite=all(math.isfinite(v) for v in grad_vals),
+        grad_absmax=_nan_max(grad_vals) / scale if grad_vals else None, backward_ran=backward_ran,
+        emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
+    )
+
+
+def _nan_max(vals: list[float]) -> float:
+    return math.nan if any(math.isnan(v) for v in vals) else max(vals)
+
+
+def _check_loss(ctx: ReplayContext, loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"tensor of shape {tuple(loss.shape)}"
+        raise FactoryError(
+            f"loss_fn {ctx.loss_ref!r} returned a {what}, expected a scalar floating tensor",
+            path=ctx.path, fix="pass --loss-fn pkg.module:function returning loss_fn(model, batch) -> scalar",
+        )

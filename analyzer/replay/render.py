@@ -1,0 +1,155 @@
+"""Human rendering of a ``ReplayResult``: a short diagnosis, an op table, and a matplotlib plot."""
+from __future__ import annotations
+
+import math
+import os
+
+from ._origin import compute_roots
+from .result import ReplayResult
+
+__all__ = ["render_replay_text", "plot_replay"]
+
+_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
+    """A short diagnosis: verdict, what/where/why, runs per precision, op table, advice."""
+    r = result
+    lines = [f"verdict: {r.verdict}", f"  {r.summary}"]
+    head = f"snapshot: {r.snapshot} (step {r.step}, {r.reason})" if r.step is not None else f"snapshot: {r.snapshot}"
+    lines.append(head)
+    lines.append(f"replayed on {r.device} (recorded on {r.recorded_device}), amp dtype {r.amp_dtype or 'none'}, "
+                 f"loss scale {r.scale:g}")
+    if r.device_note:
+        lines.append(f"  NB: {r.device_note}")
+    c = r.culprit
+    if c:
+        lines += ["", "culprit:",
+                  f"  op        {c['op']}.{c['overload']}" + (" (custom op)" if c.get("custom") else ""),
+                  f"  module    {c['module']}",
+                  f"  phase     {c['phase']}" + (f" ({c['node']})" if c.get("node") else ""),
+                  f"  precision {c['precision']}   op #{c['index']}",
+                  f"  source    {c.get('source') or '-'}",
+                  f"  inputs    {', '.join(c['input_dtypes']) or '-'}  abs-max {_num(c['input_absmax'])}",
+                  f"  output    {c.get('output_dtype') or '-'}  abs-max {_num(c['output_absmax'])}"]
+        if c.get("input"):
+            lines.append(f"  bad input {c['input']}")
+        sh = c.get("shadow")
+        if sh:
+            lines.append(f"  shadow    FP32 abs-max {_num(sh['float32'])}, FP64 {_num(sh['float64'])} "
+                         f"({c['precision']} max {_num(sh['dtype_max'])})")
+        if c.get("fp32_output_absmax") is not None:
+            lines.append(f"  FP32 run  same op abs-max {_num(c['fp32_output_absmax'])}")
+        for key, label in (("underflow_at", "zeros from"), ("literal_nonfinite", "mask value"),
+                           ("hidden", "hidden")):
+            o = c.get(key)
+            if o:
+                extra = f" zeros {o['zeros']} vs {o['fp32_zeros']} in FP32" if key == "underflow_at" else ""
+                lines.append(f"  {label:<9} {o['op']} in `{o['module']}` op #{o['index']} "
+                             f"({o['phase']}) at {o.get('source') or '-'}{extra}")
+    if r.nonfinite_inputs:
+        lines.append("  non-finite before the step: " + ", ".join(r.nonfinite_inputs[:8])
+                     + (" ..." if len(r.nonfinite_inputs) > 8 else ""))
+    lines += ["", "runs:"]
+    for p, run in r.runs.items():
+        state = "finite" if run["finite"] else ("forward NaN/Inf" if not run["forward_finite"] else "backward NaN/Inf")
+        at1 = ""
+        if "finite_at_scale_1" in run:
+            at1 = f"; at scale 1: {'finite' if run['finite_at_scale_1'] else 'still NaN/Inf'}"
+        first = run.get("first_nonfinite")
+        where = f"; first at #{first['index']} {first['op']} in `{first['module']}` ({first['phase']})" if first else ""
+        lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{at1}{where}")
+    trace = r.culprit_trace
+    if c and trace is not None and ops > 0:
+        lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]
+    if r.advice:
+        lines += ["", "what to try:"] + [f"  - {a}" for a in r.advice]
+    return "\n".join(lines)
+
+
+def _table(trace, center: int, ops: int) -> str:
+    half = max(ops // 2, 1)
+    lo, hi = max(0, center - half), min(len(trace.records), center + half + 1)
+    rows = [("", "#", "phase", "op", "module", "dtype", "in abs-max", "out abs-max", "source")]
+    for i in range(lo, hi):
+        rec = trace.records[i]
+        ins = [trace.absmax[s] for s, _ in rec.inputs]
+        outs = [trace.absmax[s] for s in rec.outputs]
+        rows.append((">>" if i == center else "", str(i), rec.phase[:3], rec.name, rec.module,
+                     str(rec.out_dtype).removeprefix("torch.") if rec.out_dtype else "-", _num(_mx(ins)), _num(_mx(outs)), rec.source or "-"))
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _mx(vals):
+    if not vals:
+        return None
+    if any(math.isnan(v) for v in vals):
+        return float("nan")
+    return max(vals)
+
+
+def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
+    """Write a PNG: per-op output abs-max along execution order, one line per precision.
+
+    FP16 and BF16 range limits are drawn as horizontal lines; NaN/Inf outputs are drawn at the
+    top edge as crosses (except mask values such as ``masked_fill(-inf)`` and the ops that only
+    carry them on); the culprit is marked with a vertical line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    top = 1.0
+    series = []
+    for p, trace in result.traces.items():
+        xs, ys, bad = [], [], []
+        roots = compute_roots(trace)
+        for rec in trace.records:
+            v = _mx([trace.absmax[s] for s in rec.outputs])
+            if v is None:
+                continue
+            if math.isfinite(v):
+                xs.append(rec.index)
+                ys.append(max(v, 1e-30))
+                top = max(top, v)
+            else:
+                root = roots[rec.index]
+                if not (root.literal and root.index is not None):  # skip -inf masks written on purpose
+                    bad.append(rec.index)
+        series.append((p, xs, ys, bad))
+    for p, xs, ys, bad in series:
+        line, = ax.plot(xs, ys, lw=0.8, label=p)
+        if bad:
+            ax.scatter(bad, [top * 10] * len(bad), marker="x", s=14, color=line.get_color())
+    for name, limit in _LIMITS.items():
+        if limit <= top * 100:
+            ax.axhline(limit, ls="--", lw=0.8, color="grey")
+            ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")
+    if result.culprit:
+        ax.axvline(result.culprit["index"], color="red", lw=1)
+        ax.text(result.culprit["index"], top * 10, f" {result.culprit['op']} ({result.culprit['module']})",
+                color="red", fontsize=8, va="bottom")
+    ax.set_yscale("log")
+    ax.set_xlabel("op index (execution order: forward, then backward)")
+    ax.set_ylabel("output abs-max")
+    ax.set_title(f"replay: {result.verdict}  (x at top: NaN/Inf output; -inf mask values not shown)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.fspath(path)

@@ -1,0 +1,85 @@
+"""``ReplayResult``: the outcome of replaying one snapshot, and its strict-JSON form.
+
+JSON never carries NaN/Infinity literals: a non-finite float becomes the string ``"nan"``,
+``"inf"`` or ``"-inf"``. Everything else is a plain JSON value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..findings import json_safe
+from ._runs import RunTrace
+
+__all__ = ["ReplayResult", "VERDICTS"]
+
+VERDICTS = (
+    "healthy", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
+    "loss_scale_overflow",
+)
+
+
+@dataclass
+class ReplayResult:
+    """What ``replay_snapshot`` found.
+
+    Attributes:
+        verdict: one of ``VERDICTS``.
+        summary: one plain sentence: what, where, why.
+        culprit: the origin op (``op``, ``module``, ``phase``, ``precision``, ``index``,
+            ``source``, ``input_absmax``, ``output_absmax``, ``shadow``...); None when healthy.
+        runs: per precision: ``finite``, ``loss``, ``first_nonfinite`` and more.
+        advice: concrete things to try, most specific first.
+        traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
+    """
+
+    verdict: str
+    summary: str
+    culprit: dict | None
+    runs: dict[str, dict]
+    advice: list[str]
+    snapshot: str
+    step: int | None
+    reason: str | None
+    device: str
+    recorded_device: str
+    device_note: str | None
+    amp_dtype: str | None
+    scale: float
+    recorded_loss: float | None
+    nonfinite_inputs: list[str] = field(default_factory=list)
+    hidden_nonfinite: dict | None = None
+    literal_nonfinite: dict | None = None
+    underflow_at: dict | None = None
+    context_ops: list[dict] = field(default_factory=list)
+    traces: dict[str, RunTrace] = field(default_factory=dict, repr=False)
+    culprit_trace: RunTrace | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+    def to_dict(self) -> dict:
+        """The ``--json`` object (strict JSON: non-finite floats are strings)."""
+        return json_safe({
+            "format": "amp-autopsy.replay",
+            "format_version": 1,
+            "verdict": self.verdict,
+            "summary": self.summary,
+            "culprit": self.culprit,
+            "runs": self.runs,
+            "advice": list(self.advice),
+            "snapshot": self.snapshot,
+            "step": self.step,
+            "reason": self.reason,
+            "device": self.device,
+            "recorded_device": self.recorded_device,
+            "device_note": self.device_note,
+            "amp_dtype": self.amp_dtype,
+            "scale": self.scale,
+            "recorded_loss": self.recorded_loss,
+            "nonfinite_inputs": list(self.nonfinite_inputs),
+            "hidden_nonfinite": self.hidden_nonfinite,
+            "literal_nonfinite": self.literal_nonfinite,
+            "underflow_at": self.underflow_at,
+            "context_ops": self.context_ops,
+        })

@@ -1,0 +1,285 @@
+"""Tiny CPU models that fail in known ways, their loss functions, and a real recorded step.
+
+Each scenario is a factory ``build_*(**kwargs) -> nn.Module`` and a loss ``loss(model, batch)``
+importable as ``tests.analyzer.replay_models:NAME``, which is what the recorder stores and the
+replay resolves. ``record_step`` runs one real training step with the ``Recorder`` (autocast,
+GradScaler) and returns the snapshot it wrote.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recorders import Recorder
+
+REF = "tests.analyzer.replay_models"
+
+
+# -- attention whose logits are not divided by sqrt(d): FP16 overflow -------------------------
+class Attention(nn.Module):
+    def __init__(self, d: int, scaled: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.scaled = scaled
+
+    def forward(self, x, mask=None):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        logits = q @ k.transpose(-2, -1)
+        if self.scaled:
+            logits = logits / math.sqrt(q.shape[-1])
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        return logits.softmax(-1) @ v
+
+
+class AttnNet(nn.Module):
+    def __init__(self, d: int = 8, gain: float = 1.0, scaled: bool = False):
+        super().__init__()
+        self.attn = Attention(d, scaled)
+        self.head = nn.Linear(d, 1)
+        with torch.no_grad():  # q and k projections are gain * identity: logits = gain^2 <x, x'>
+            self.attn.q_proj.weight.copy_(torch.eye(d) * gain)
+            self.attn.k_proj.weight.copy_(torch.eye(d) * gain)
+
+    def forward(self, x, mask=None):
+        return self.head(self.attn(x, mask))
+
+
+def build_attention(d: int = 8, gain: float = 1.0, scaled: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return AttnNet(d, gain, scaled)
+
+
+def attention_mse(model, batch):
+    return F.mse_loss(model(batch["x"], batch.get("mask")).float(), batch["y"])
+
+
+# -- classifier whose loss takes log of a probability that is exactly 0 in FP32 ----------------
+def build_classifier(gain: float = 100.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    with torch.no_grad():  # logits = (2g, 0, -2g) for x = (2, 0, 0, 0): p(class 2) = exp(-4g)
+        model[0].weight.zero_()
+        model[0].weight[0, 0], model[0].weight[2, 0] = gain, -gain
+        model[0].bias.zero_()
+    return model
+
+
+def log_prob_loss(model, batch):
+    probs = model(batch["x"]).softmax(-1)
+    return -torch.log(probs.gather(1, batch["y"][:, None])).mean()
+
+
+# -- an L2 norm at a zero row: sqrt'(0) is infinite in backward --------------------------------
+class RowNorm(nn.Module):
+    def forward(self, h):
+        return torch.sqrt((h * h).sum(-1))
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+        self.norm = RowNorm()
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+def build_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return NormNet()
+
+
+def mean_loss(model, batch):
+    return model(batch["x"]).float().mean()
+
+
+# -- a hand-written LayerNorm with eps=1e-12, which FP16 flushes to zero ---------------------
+class TinyNorm(nn.Module):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, h):
+        mu = h.mean(-1, keepdim=True)
+        var = ((h - mu) ** 2).mean(-1, keepdim=True)
+        return (h - mu) * torch.rsqrt(var + self.eps)
+
+
+def build_eps_net(eps: float = 1e-12) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8, bias=False), TinyNorm(eps), nn.Linear(8, 1))
+
+
+def mse(model, batch):
+    return F.mse_loss(model(batch["x"]).float(), batch["y"])
+
+
+def sum_mse(model, batch):
+    return F.mse_loss(model(batch["x"]).float(), batch["y"], reduction="sum")
+
+
+# -- a torch.library custom op that autocast knows nothing about ------------------------------
+@torch.library.custom_op("ampautopsy_replaytests::square", mutates_args=())
+def square(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+@square.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _square_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _square_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * 2 * x
+
+
+square.register_autograd(_square_backward, setup_context=_square_setup)
+
+
+class Square(nn.Module):
+    def forward(self, h):
+        return square(h)
+
+
+def build_custom_op_net(gain: float = 100.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), Square(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4) * gain)
+    return model
+
+
+# -- a clean MLP ---------------------------------------------------------------------------------
+def build_mlp(width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
+
+
+# -- a real recorded step ------------------------------------------------------------------------
+def _resolve(name: str):
+    return globals()[name]
+
+
+def record_step(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict,
+                amp_dtype: torch.dtype | None, factory_kwargs: dict | None = None,
+                init_scale: float | None = None, inject=None, manual: bool = False,
+                **recorder_kwargs) -> Path:
+    """Train one step with the Recorder on and return the snapshot it wrote.
+
+    Args:
+        factory / loss_fn: names in this module.
+        inject: called with the model before the step (a fault injected at a known step).
+        manual: force a snapshot (for a healthy step, which the recorder would not snapshot).
+        recorder_kwargs: passed to ``Recorder`` (e.g. ``overflow_streak=1``).
+    """
+    factory_kwargs = dict(factory_kwargs or {})
+    model = _resolve(factory)(**factory_kwargs)
+    if inject is not None:
+        inject(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rec = Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=factory_kwargs,
+                   loss_fn=f"{REF}:{loss_fn}", scaler=scaler, amp_dtype=amp_dtype, optimizer=opt, **recorder_kwargs)
+    loss_callable = _resolve(loss_fn)
+    with rec:
+        rec.begin_step(0, batch)
+        ctx = torch.autocast("cpu", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        with ctx:
+            loss = loss_callable(model, batch)
+        (scaler.scale(loss) if scaler else loss).backward()
+        failure = rec.end_step(loss)
+        if manual:
+            rec.snapshot("manual")
+        elif failure is None:
+            raise AssertionError(f"{factory}/{loss_fn}: the step did not fail, nothing was recorded")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    assert rec.snapshots, "the recorder wrote no snapshot"
+    return rec.snapshots[-1]
+
+
+# -- log(0) hidden by torch.where in forward; its backward still divides by zero ---------------
+def where_log_loss(model, batch):
+    p = (model(batch["x"]).float().abs() + 1.0) * batch["w"]  # exactly 0 where w == 0
+    return torch.where(batch["w"] > 0, torch.log(p), torch.zeros_like(p)).mean()
+
+
+# -- log_softmax whose FP16 output overflows on CPU, where CUDA autocast would run it in FP32 -
+def build_wide_logits() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    with torch.no_grad():  # logits (40000, 0, -40000) for x = (1, 0, 0, 0): log p2 = -80000
+        model[0].weight.zero_()
+        model[0].weight[0, 0], model[0].weight[2, 0] = 40000.0, -40000.0
+        model[0].bias.zero_()
+    return model
+
+
+def log_softmax_nll(model, batch):
+    return F.nll_loss(F.log_softmax(model(batch["x"]), -1), batch["y"])
+
+
+def per_sample_loss(model, batch):
+    """A mistake users make: forgetting the reduction, so the "loss" is not a scalar."""
+    return F.mse_loss(model(batch["x"]).float(), batch["y"], reduction="none")
+
+
+def build_dropout_mlp(p: float = 0.5) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 1))
+
+
+class _BrokenBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("this backward is not implemented")
+
+
+class BrokenBackward(nn.Module):
+    def forward(self, x):
+        return _BrokenBackward.apply(x)
+
+
+def build_broken_backward() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), BrokenBackward(), nn.Linear(4, 1))
+
+
+CALLS = {"n": 0}
+
+
+def first_call_differs_loss(model, batch):
+    """log_prob_loss, with one extra op on the first call only: a non-deterministic forward."""
+    CALLS["n"] += 1
+    probs = model(batch["x"]).softmax(-1)
+    if CALLS["n"] == 1:
+        probs = probs * 1.0
+    return -torch.log(probs.gather(1, batch["y"][:, None])).mean()
+
+
+def build_deep_mlp(depth: int = 40) -> nn.Module:
+    """Enough layers for a few hundred ops per run (progress bar tests)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), *[nn.Sequential(nn.Tanh(), nn.Linear(4, 4)) for _ in range(depth)],
+                         nn.Linear(4, 1))
