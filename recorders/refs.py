@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["to_ref"]
+__all__ = ["to_ref", "import_class"]
+
+# A snapshot must not be able to name os:system: references into these roots are refused
+# (analyzer.loaders.resolve_ref applies the same rule to factories and loss functions).
+REFUSED_ROOTS = frozenset(sys.stdlib_module_names) | {"builtins", "__main__", "torch"}
 
 
 def _resolve(ref: str):
@@ -53,3 +59,22 @@ def to_ref(fn: str | Callable, what: str) -> str:
     if resolved is not fn:
         raise ValueError(f"{what} {ref!r} resolves to a different object than the one given")
     return ref
+
+
+def import_class(ref: str, base: type, what: str = "model_class") -> type:
+    """Import the class named ``"pkg.mod:Class"`` and check that it subclasses `base`.
+
+    Used by the framework adapters' factories, which rebuild a model from a class reference
+    stored in a snapshot. References into the standard library, builtins or torch are refused.
+    """
+    module, sep, qualname = str(ref).partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"{what} must look like 'pkg.module:Class', got {ref!r}")
+    if module.split(".")[0] in REFUSED_ROOTS:
+        raise ValueError(f"refusing {what} {ref!r}: it resolves into the standard library or torch")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise ValueError(f"{what} {ref!r} is not a subclass of {base.__module__}.{base.__qualname__}")
+    return obj

@@ -1,0 +1,164 @@
+"""Lightning adapter: ``AmpAutopsyCallback``, a ``lightning.pytorch.Callback`` over the Recorder.
+
+All recording logic lives in :class:`recorders.Recorder`; this module maps Lightning hooks onto
+``begin_step`` / ``end_step`` / ``close``:
+
+=============================  ================================================================
+Lightning hook                 what the callback does
+=============================  ================================================================
+``on_train_start``             builds the Recorder: the LightningModule, the first optimizer,
+                               the precision plugin's GradScaler and AMP dtype
+``on_train_batch_start``       ``begin_step(trainer.global_step, batch)`` (the batch is already
+                               on the device; the RNG state is the one ``training_step`` uses)
+``on_before_backward``         keeps the loss, unscaled (the plugin hands over ``scale * loss``)
+``on_before_optimizer_step``   ``end_step(loss)``: after backward, before ``optimizer.step()``
+``on_train_end``,              ``close()``: flushes the trace
+``on_exception``
+=============================  ================================================================
+
+NB: with ``precision="16-mixed"`` the plugin calls ``scaler.unscale_(optimizer)`` *before*
+``on_before_optimizer_step``. The Recorder reads the GradScaler's per-optimizer stage and does
+not divide by the scale a second time.
+
+The snapshot has to rebuild the model offline. By default the callback uses the two helpers
+below, which need the LightningModule to call ``self.save_hyperparameters()`` in ``__init__``::
+
+    factory        = "recorders.integrations.lightning:build_module"
+    factory_kwargs = {"module_class": "pkg.mod:MyModule", "hparams": dict(module.hparams)}
+    loss_fn        = "recorders.integrations.lightning:training_step_loss"  # module.training_step(batch, 0)
+
+Pass ``factory=`` / ``factory_kwargs=`` / ``loss_fn=`` to override. ``training_step_loss`` calls
+``training_step`` outside a Trainer, where ``self.log`` only warns; a ``training_step`` that uses
+``self.trainer`` needs a plain ``loss_fn`` of your own.
+
+NB: AMP on CPU. ``Trainer(accelerator="cpu", precision="16-mixed")`` is silently turned into
+``"bf16-mixed"`` by Lightning (it warns "AMP with fp16 is not supported on CPU"). Real FP16 with
+a GradScaler on CPU works with an explicit plugin:
+``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``.
+
+NB: gradient accumulation. With ``accumulate_grad_batches=N > 1`` the snapshot holds the first
+micro-batch of the step only, and the recorded loss is that micro-batch's loss.
+
+Example:
+    >>> import lightning as L
+    >>> from recorders.integrations.lightning import AmpAutopsyCallback
+    >>> trainer = L.Trainer(precision="bf16-mixed", callbacks=[AmpAutopsyCallback("runs/exp1")])
+    >>> trainer.fit(module, loader)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..recorder import Recorder
+from ..refs import import_class
+
+__all__ = ["AmpAutopsyCallback", "build_module", "training_step_loss", "module_factory_kwargs"]
+
+_AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+def build_module(module_class: str, hparams: dict) -> pl.LightningModule:
+    """Rebuild a LightningModule as ``module_class(**hparams)``.
+
+    ``module_class`` must name a ``LightningModule`` subclass, ``"pkg.mod:Class"``.
+    """
+    cls = import_class(module_class, pl.LightningModule, "module_class")
+    return cls(**hparams)
+
+
+def training_step_loss(model: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """The loss ``training_step`` returns (a tensor, or the ``"loss"`` of a dict)."""
+    out = model.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def module_factory_kwargs(module: pl.LightningModule) -> dict:
+    """``{"module_class": "module:Class", "hparams": {...}}`` for :func:`build_module`."""
+    cls = type(module)
+    return {"module_class": f"{cls.__module__}:{cls.__qualname__}", "hparams": dict(module.hparams)}
+
+
+class AmpAutopsyCallback(pl.Callback):
+    """Record a Lightning run with a :class:`recorders.Recorder`; snapshot failing steps.
+
+    Args:
+        run_dir: where the Recorder writes ``meta.json``, ``trace/`` and ``snapshots/``.
+        factory, factory_kwargs, loss_fn: as for ``Recorder``; by default
+            :func:`build_module` / :func:`training_step_loss` (see the module docstring).
+        **recorder_kwargs: passed to ``Recorder`` as they are (``layer_every``, ``flush_every``,
+            ``max_snapshots``, ``sync_failures``, ``enabled``, ...).
+
+    Only automatic optimization with one optimizer is supported. ``callback.recorder`` is the
+    Recorder once training has started.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, factory=None, factory_kwargs: dict | None = None,
+                 loss_fn=None, **recorder_kwargs: Any):
+        self.run_dir = run_dir
+        self.factory = factory
+        self.factory_kwargs = factory_kwargs
+        self.loss_fn = loss_fn
+        self.recorder_kwargs = recorder_kwargs
+        self.recorder: Recorder | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._loss: torch.Tensor | None = None
+        self._in_step = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.recorder is not None and not self.recorder.closed:
+            return
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            raise ValueError("AmpAutopsyCallback supports automatic optimization with one optimizer")
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        amp_dtype = _AMP_DTYPES.get(getattr(plugin, "precision", None))
+        factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn
+        if factory is None:
+            factory = build_module
+            factory_kwargs = module_factory_kwargs(pl_module) if factory_kwargs is None else factory_kwargs
+        self.recorder = Recorder(
+            self.run_dir, pl_module, factory=factory, factory_kwargs=dict(factory_kwargs or {}),
+            loss_fn=training_step_loss if loss_fn is None else loss_fn,
+            scaler=self._scaler, amp_dtype=amp_dtype, optimizer=trainer.optimizers[0],
+            **self.recorder_kwargs,
+        )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.recorder is None or batch_idx % trainer.accumulate_grad_batches != 0:
+            return
+        self.recorder.begin_step(trainer.global_step, batch)
+        self._in_step = True
+        self._loss = None
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if not self._in_step or self._loss is not None:
+            return
+        loss = loss.detach()
+        if self._scaler is not None and self._scaler._scale is not None:
+            # The plugin scaled the loss before this hook. Dividing by the scale tensor keeps it on
+            # the device (no host sync); NaN/Inf stay NaN/Inf.
+            loss = loss / self._scaler._scale.to(loss.device)
+        n = trainer.accumulate_grad_batches
+        self._loss = loss * n if n > 1 else loss  # undo Lightning's 1/N for accumulation
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.recorder is not None and self._in_step:
+            self._in_step = False
+            self.recorder.end_step(self._loss)
+            self._loss = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the Recorder (flushes the trace). Safe to call twice."""
+        if self.recorder is not None:
+            self.recorder.close()
