@@ -1,0 +1,157 @@
+"""``analyzer demo``: train a bundled failing run, then report and replay it, end to end, in under a minute.
+
+The demo is the product in one command: a sample scenario from ``samples/`` trains with the
+recorder on (progress shown), ``analyzer report`` diagnoses its trace, ``analyzer replay``
+re-runs its first failing step in FP32, FP16 and BF16, and everything lands in one folder::
+
+    OUT/SCENARIO/               the run directory (meta.json, trace/, snapshots/)
+    OUT/SCENARIO-plots/*.png    the report's plots
+    OUT/SCENARIO.html           the self-contained HTML report
+    OUT/SCENARIO-replay.png     per-op abs-max of the replayed step, per precision
+
+Example:
+    >>> from analyzer.demo import run_demo
+    >>> out = run_demo("amp-autopsy-demo")  # doctest: +SKIP
+    >>> out.replay.verdict, out.replay.culprit["module"]  # doctest: +SKIP
+    ('overflow', 'blocks.0.attn')
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from recorders import schema
+
+from .errors import AnalyzerError
+
+if TYPE_CHECKING:
+    from .replay import ReplayResult
+    from .report import Report
+
+__all__ = ["SCENARIOS", "DemoOutput", "run_demo"]
+
+# The bundled scenarios, one module each under samples/ (see docs/readme/samples.md).
+SCENARIOS = (
+    "fp16_attention_overflow",
+    "log_zero",
+    "masked_padding",
+    "custom_op_outside_autocast",
+    "stalled_layers",
+    "loss_outside_autocast",
+    "bf16_nan",
+    "healthy",
+)
+# FP32 shows whether the maths itself breaks, BF16 whether range alone would have saved it.
+_REPLAY_DTYPES = ["fp32", "fp16", "bf16"]
+
+
+@dataclass
+class DemoOutput:
+    """Where ``run_demo`` put everything, and what the report and the replay concluded."""
+
+    out_dir: Path
+    run_dir: Path
+    report: Report
+    replay: ReplayResult | None  # None when the run wrote no snapshot
+    snapshot: Path | None
+    plots: list[Path] = field(default_factory=list)
+    html: Path | None = None
+    replay_plot: Path | None = None
+
+
+def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
+             echo: Callable[[str], object] = print) -> DemoOutput:
+    """Run `scenario`, print its report and the replay of its first snapshot, write plots and HTML.
+
+    Args:
+        out_dir: folder for the run, plots and report (created; a previous demo run of the
+            same scenario in it is replaced, anything else there is left alone).
+        scenario: one of ``SCENARIOS``.
+        echo: where text goes (``click.echo`` from the CLI).
+
+    Raises:
+        AnalyzerError: unknown scenario, or `out_dir/SCENARIO` holds something that is not a run.
+    """
+    if scenario not in SCENARIOS:
+        raise AnalyzerError(f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)}",
+                            fix="pass --scenario NAME")
+    from .replay import plot_replay, render_replay_text, replay_snapshot
+    from .report import build_report, render_report_text, write_html, write_plots
+
+    module = importlib.import_module(f"samples.{scenario}")
+    out = Path(out_dir)
+    run_dir = out / scenario
+    _clear_previous_run(run_dir)
+    summary = (module.__doc__ or scenario).strip().splitlines()[0]
+
+    echo(f"amp-autopsy demo: {scenario}")
+    echo(f"  {summary}")
+    echo(f"\n[1/3] training with the recorder on, into {run_dir}")
+    module.run(run_dir, progress=echo)
+
+    with _one_thread():
+        echo("\n[2/3] analyzer report " + str(run_dir))
+        rep = build_report(run_dir, progress=sys.stderr.isatty())
+        echo(render_report_text(rep))
+        plots = write_plots(rep, out / f"{scenario}-plots")
+        html = write_html(rep, out / f"{scenario}.html")
+
+        snaps = sorted((run_dir / schema.SNAPSHOT_DIR).glob(schema.SNAPSHOT_GLOB))
+        result = snapshot = replay_png = None
+        if snaps:
+            snapshot = snaps[0]  # the first failure; later ones may already carry its damage
+            echo(f"\n[3/3] analyzer replay {snapshot} --dtypes {','.join(_REPLAY_DTYPES)}")
+            result = replay_snapshot(snapshot, device="cpu", dtypes=_REPLAY_DTYPES, progress=sys.stderr.isatty())
+            echo(render_replay_text(result))
+            replay_png = Path(plot_replay(result, out / f"{scenario}-replay.png"))
+        else:
+            echo("\n[3/3] no snapshot: the run never failed, so there is no step to replay")
+
+    echo("\nwhere everything is:")
+    echo(f"  run directory  {run_dir}")
+    if snapshot is not None:
+        echo(f"  snapshot       {snapshot}")
+    for p in plots:
+        echo(f"  plot           {p}")
+    if replay_png is not None:
+        echo(f"  replay plot    {replay_png}")
+    echo(f"  html report    {html}")
+    echo(f"next: analyzer report {run_dir} --html {scenario}.html"
+         + (f"   |   analyzer replay {snapshot} --ops 12" if snapshot is not None else ""))
+    return DemoOutput(out_dir=out, run_dir=run_dir, report=rep, replay=result, snapshot=snapshot,
+                      plots=[Path(p) for p in plots], html=Path(html), replay_plot=replay_png)
+
+
+def _clear_previous_run(run_dir: Path) -> None:
+    """Remove a run directory a previous demo wrote; refuse to touch anything else."""
+    if not run_dir.exists():
+        return
+    meta = run_dir / schema.META_FILE
+    try:
+        ours = json.loads(meta.read_text()).get("format") == schema.META_FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise AnalyzerError("exists and is not an amp-autopsy run directory; the demo will not overwrite it",
+                            path=run_dir, fix="pass another --out")
+    shutil.rmtree(run_dir)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Tiny models replay faster on one thread; restore the caller's setting after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

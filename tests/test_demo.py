@@ -1,0 +1,94 @@
+"""``analyzer demo``: one command trains a failing run, reports and replays it, and says where everything is."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from analyzer.cli import main
+from analyzer.demo import SCENARIOS, run_demo
+from analyzer.errors import AnalyzerError
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES_MD = REPO / "docs" / "readme" / "samples.md"
+DEMO_OUTPUT = REPO / "docs" / "demo-output.txt"
+REGENERATE = "run `python docs/make_images.py` and update the excerpts in docs/readme/samples.md"
+
+
+def _readme_excerpts() -> list[str]:
+    """Lines of the ```text blocks that docs/readme/samples.md marks as demo-output excerpts."""
+    blocks = re.findall(r"<!-- excerpt: docs/demo-output.txt -->\n```text\n(.*?)```", SAMPLES_MD.read_text(), re.S)
+    assert blocks, "docs/readme/samples.md has no demo excerpts"
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_excerpts_are_copied_from_the_committed_demo_output():
+    output = set(DEMO_OUTPUT.read_text().splitlines())
+    stale = [line for line in _readme_excerpts() if line not in output]
+    assert not stale, f"excerpts not in docs/demo-output.txt: {stale}; {REGENERATE}"
+
+
+@pytest.mark.slow
+def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path):
+    out = tmp_path / "amp-autopsy-demo"
+    res = CliRunner().invoke(main, ["demo", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = res.output
+    # The README's excerpts are what the demo prints today, with paths as a user running
+    # `analyzer demo` from the repository root sees them.
+    printed = set(text.replace(str(out), "amp-autopsy-demo").replace(f"{REPO}{os.sep}", "").splitlines())
+    stale = [line for line in _readme_excerpts() if line not in printed]
+    assert not stale, f"the demo no longer prints: {stale}; {REGENERATE}"
+    # Progress while training, then the report, then the replay of the first snapshot.
+    assert "[fp16_attention_overflow] step   0/60" in text
+    assert "scale_collapse" in text
+    # The default scenario's bug is the unscaled q @ k^T in attention, which overflows FP16 in
+    # forward (samples/fp16_attention_overflow.py explains why that is the right conclusion).
+    assert "verdict: overflow" in text
+    assert "aten.bmm in `blocks.0.attn` (forward, float16)" in text
+    assert "where everything is:" in text
+    scenario = "fp16_attention_overflow"
+    written = (out / f"{scenario}.html", out / f"{scenario}-replay.png", out / f"{scenario}-plots" / "loss_scale.png")
+    for path in written:
+        assert path.exists() and path.stat().st_size > 1000, path
+        assert str(path) in text
+
+    # Run again into the same folder with a scenario that never fails: it says there is nothing to
+    # replay, and the first scenario's run is left as it was.
+    res = CliRunner().invoke(main, ["demo", "--out", str(out), "--scenario", "stalled_layers"])
+    assert res.exit_code == 0, res.output
+    assert "no snapshot: the run never failed" in res.output
+    assert not (out / "stalled_layers" / "snapshots").exists()
+    assert (out / scenario / "snapshots").exists()
+
+
+@pytest.mark.slow
+def test_running_a_scenario_again_replaces_its_previous_run(tmp_path):
+    first = run_demo(tmp_path, scenario="bf16_nan", echo=lambda _: None)
+    stale = first.snapshot.with_name("step00000099-r00000-manual.pt")
+    shutil.copyfile(first.snapshot, stale)
+    second = run_demo(tmp_path, scenario="bf16_nan", echo=lambda _: None)
+    assert not stale.exists()
+    assert second.snapshot.name == first.snapshot.name  # step 12: the batch with the constant flag
+    assert second.replay.verdict == "numerical_bug"
+
+
+def test_an_unknown_scenario_is_a_one_line_error_listing_the_valid_names(tmp_path):
+    res = CliRunner().invoke(main, ["demo", "--out", str(tmp_path), "--scenario", "nope"])
+    assert res.exit_code == 1
+    assert res.output.startswith("Error: unknown scenario 'nope'")
+    assert all(name in res.output for name in SCENARIOS)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_demo_refuses_to_replace_a_folder_that_is_not_a_run(tmp_path):
+    precious = tmp_path / "healthy" / "notes.txt"
+    precious.parent.mkdir()
+    precious.write_text("mine")
+    with pytest.raises(AnalyzerError, match="not an amp-autopsy run directory"):
+        run_demo(tmp_path, scenario="healthy", echo=lambda _: None)
+    assert precious.read_text() == "mine"
