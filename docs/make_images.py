@@ -10,7 +10,7 @@ named ``amp-autopsy-demo``, as a user would, and writes:
 - ``docs/demo-loss-scale.png``: the report's loss and loss-scale plot;
 - ``docs/demo-replay.png``: the replay's per-op abs-max plot, per precision;
 - ``docs/demo-output.txt``: the demo's full text output, which the excerpts in
-  ``docs/readme/samples.md`` are copied from (``tests/test_demo.py`` checks they still match).
+  ``README.md`` are copied from (``tests/test_demo.py`` checks they still match).
 
 Takes about 10-20 s on a 2-core CPU.
 """

@@ -14,15 +14,15 @@ from analyzer.demo import SCENARIOS, run_demo
 from analyzer.errors import AnalyzerError
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLES_MD = REPO / "docs" / "readme" / "samples.md"
+README_MD = REPO / "README.md"
 DEMO_OUTPUT = REPO / "docs" / "demo-output.txt"
-REGENERATE = "run `python docs/make_images.py` and update the excerpts in docs/readme/samples.md"
+REGENERATE = "run `python docs/make_images.py` and update the excerpts in README.md"
 
 
 def _readme_excerpts() -> list[str]:
-    """Lines of the ```text blocks that docs/readme/samples.md marks as demo-output excerpts."""
-    blocks = re.findall(r"<!-- excerpt: docs/demo-output.txt -->\n```text\n(.*?)```", SAMPLES_MD.read_text(), re.S)
-    assert blocks, "docs/readme/samples.md has no demo excerpts"
+    """Lines of the ```text blocks that README.md marks as demo-output excerpts."""
+    blocks = re.findall(r"<!-- excerpt: docs/demo-output.txt -->\n```text\n(.*?)```", README_MD.read_text(), re.S)
+    assert blocks, "README.md has no demo excerpts"
     return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
