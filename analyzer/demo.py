@@ -17,7 +17,6 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import shutil
@@ -27,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 
 from recorders import schema
+from samples._common import one_thread
 
 from .errors import AnalyzerError
 
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCENARIOS", "DemoOutput", "run_demo"]
 
-# The bundled scenarios, one module each under samples/ (see docs/readme/samples.md).
+# The bundled scenarios, one module each under samples/ (see the README's scenario table).
 SCENARIOS = (
     "fp16_attention_overflow",
     "log_zero",
@@ -98,7 +97,7 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     echo(f"\n[1/3] training with the recorder on, into {run_dir}")
     module.run(run_dir, progress=echo)
 
-    with _one_thread():
+    with one_thread():
         echo("\n[2/3] analyzer report " + str(run_dir))
         rep = build_report(run_dir, progress=sys.stderr.isatty())
         echo(render_report_text(rep))
@@ -144,14 +143,3 @@ def _clear_previous_run(run_dir: Path) -> None:
         raise AnalyzerError("exists and is not an amp-autopsy run directory; the demo will not overwrite it",
                             path=run_dir, fix="pass another --out")
     shutil.rmtree(run_dir)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Tiny models replay faster on one thread; restore the caller's setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

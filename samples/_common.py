@@ -22,7 +22,7 @@ from torch import nn
 
 from recorders import Recorder, schema
 
-__all__ = ["train", "gpt_batches", "teacher_batches", "teacher_weights", "main", "snapshots_of", "Progress"]
+__all__ = ["one_thread", "train", "gpt_batches", "teacher_batches", "teacher_weights", "main", "snapshots_of", "Progress"]
 
 Progress = Callable[[str], object]
 
@@ -69,7 +69,7 @@ def train(
     rec = Recorder(out_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
                    scaler=scaler, amp_dtype=amp_dtype, optimizer=optimizer)
     model.train()
-    with _one_thread(), rec:
+    with one_thread(), rec:
         for step in range(steps):
             batch = next(batches)
             rec.begin_step(step, batch)
@@ -99,7 +99,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_thread():
     """Run on one intra-op thread, then restore the caller's setting.
 
     Models this small only lose time to thread hand-offs (on a busy 2-core machine a scenario

@@ -127,6 +127,7 @@ class _ForwardTagMode(TorchFunctionMode):
 
 
 def _flat(items) -> list:
+    """Flatten nested lists/tuples of op arguments (cheaper than pytree for ATen signatures)."""
     out = []
     for a in items:
         if isinstance(a, (list, tuple)):

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ._attribution import user_source
+from ._attribution import _flat, user_source
 
 __all__: list[str] = []
 
@@ -213,17 +213,6 @@ def _stack(scalars: list[torch.Tensor]) -> torch.Tensor:
     except RuntimeError:  # statistics on several devices (a model split across GPUs)
         dev = scalars[0].device
         return torch.stack([s.to(dev, torch.float64) for s in scalars])
-
-
-def _flat(items) -> list:
-    """Flatten nested lists/tuples of op arguments (cheaper than pytree for ATen signatures)."""
-    out = []
-    for a in items:
-        if isinstance(a, (list, tuple)):
-            out.extend(_flat(a))
-        else:
-            out.append(a)
-    return out
 
 
 def _clone_tensor(x):
