@@ -25,7 +25,8 @@ import torch
 from recorders import schema
 
 from ._safetensors import load_safetensors, looks_like_safetensors
-from .errors import BadInputError, VersionError
+from ._versions import check_format_version
+from .errors import BadInputError
 from .loaders import torch_load_safe
 
 __all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint"]
@@ -244,13 +245,7 @@ def _read(path: Path) -> tuple[Any, str]:
 
 
 def _check_snapshot(obj: dict, path: Path) -> None:
-    version = obj.get("format_version")
-    if not isinstance(version, int):
-        raise BadInputError("snapshot has no integer format_version", path=path, fix="re-record the run")
-    if version > schema.FORMAT_VERSION:
-        raise VersionError(
-            f"snapshot format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
-            path=path, fix="upgrade amp-autopsy: pip install -U amp-autopsy")
+    check_format_version(obj, path=path, what="snapshot")
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

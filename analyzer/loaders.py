@@ -16,7 +16,8 @@ import torch
 
 from recorders import schema
 
-from .errors import BadInputError, FactoryError, VersionError
+from ._versions import check_format_version
+from .errors import BadInputError, FactoryError
 
 __all__ = ["load_snapshot", "resolve_ref", "torch_load_safe"]
 
@@ -70,15 +71,7 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
             path=path,
             fix="pass a .pt file from RUN_DIR/snapshots/; for checkpoints use 'analyzer inspect'",
         )
-    version = snap.get("format_version")
-    if not isinstance(version, int):
-        raise BadInputError("snapshot has no integer format_version", path=path)
-    if version > schema.FORMAT_VERSION:
-        raise VersionError(
-            f"snapshot format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
-            path=path,
-            fix="upgrade amp-autopsy: pip install -U amp-autopsy",
-        )
+    check_format_version(snap, path=path, what="snapshot")
     missing = [k for k in schema.SNAPSHOT_KEYS if k not in snap]
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")

@@ -28,6 +28,7 @@ import polars as pl
 
 from recorders import schema
 
+from ._versions import check_format_version
 from .errors import BadInputError, VersionError
 
 __all__ = ["Run", "load_run", "read_meta", "snapshot_info", "step_frame", "progress_line"]
@@ -104,13 +105,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != schema.META_FORMAT:
         raise BadInputError(f"not an amp-autopsy meta file (no 'format': '{schema.META_FORMAT}')",
                             path=path, fix=_RUN_HINT)
-    version = meta.get("format_version")
-    if not isinstance(version, int):
-        raise BadInputError("meta has no integer format_version", path=path, fix="re-record the run")
-    if version > schema.FORMAT_VERSION:
-        raise VersionError(
-            f"run format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",
-            path=path, fix="upgrade amp-autopsy: pip install -U amp-autopsy")
+    check_format_version(meta, path=path, what="run")
     return meta
 
 
