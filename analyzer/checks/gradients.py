@@ -78,6 +78,10 @@ def stalled_layers(frames: Frames) -> list[Finding]:
     bad = per.filter(pl.col("frac") > MOST)
     if bad.height == 0 or bad.height == per.height:
         return []
+    bad, cancelled = _split_cancelled_biases(frames, per, bad)
+    found = [_cancelled_bias_finding(frames, cancelled)] if cancelled else []
+    if bad.height == 0:
+        return found
     idx = bad["layer"].to_numpy()
     names = [frames.param_name(int(i)) for i in idx]
     frac_t = stalled_fraction(frames)["frac"].to_numpy()
@@ -108,10 +112,42 @@ def stalled_layers(frames: Frames) -> list[Finding]:
           "depth_rank_correlation": float(rho), "near_zero_params": gate_names,
           "thresholds": {"abs": ABS_SMALL, "rel_decades": REL_DECADES}}
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return [Finding("stalled_layers", "warning", step,
+    return found + [Finding("stalled_layers", "warning", step,
                     f"{len(names)} of {per.height} parameters have a gradient below 1e-9 or 10^-4 x the median "
                     f"layer on most steps ({shown}), {frac_t[-1]:.0%} of parameters at the end; they sit {where}",
                     ev)]
+
+
+def _split_cancelled_biases(frames: Frames, per: pl.DataFrame, bad: pl.DataFrame) -> tuple[pl.DataFrame, list[int]]:
+    """Split off stalled ``X.bias`` parameters whose ``X.weight`` is *not* stalled.
+
+    A weight's gradient is its output gradient times its input; the bias's is the output
+    gradient summed over the batch. A learning weight beside a near-zero bias therefore means
+    the output gradient sums to ~0: whatever follows cancels a constant shift (a BatchNorm or
+    LayerNorm right after the layer, or a softmax over key logits, where a key bias adds the
+    same value to every logit of a row). That bias is redundant, not a training stall.
+    """
+    name_to_layer = {frames.param_name(int(i)): int(i) for i in per["layer"].to_numpy()}
+    stalled = set(bad["layer"].to_list())
+    cancelled = []
+    for i in bad["layer"].to_numpy():
+        name = frames.param_name(int(i))
+        if name.endswith(".bias"):
+            weight = name_to_layer.get(name[: -len("bias")] + "weight")
+            if weight is not None and weight not in stalled:
+                cancelled.append(int(i))
+    return bad.filter(~pl.col("layer").is_in(cancelled)), cancelled
+
+
+def _cancelled_bias_finding(frames: Frames, layers: list[int]) -> Finding:
+    names = [frames.param_name(i) for i in layers]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return Finding(
+        "stalled_layers", "info", None,
+        f"{len(names)} bias(es) get almost no gradient while their layer's weight learns ({shown}): "
+        "what follows cancels a constant shift (a BatchNorm/LayerNorm right after the layer, or a "
+        "key bias before softmax), so these biases are redundant, not stalled; drop them (bias=False)",
+        {"layers": names[:20], "n_layers": len(names), "location": "cancelled_bias"})
 
 
 def layer_profile(frames: Frames) -> pl.DataFrame:

@@ -175,6 +175,13 @@ def build_small_mlp(width: int = 16) -> nn.Module:
                          nn.Linear(width, 4))
 
 
+def build_bn_mlp(width: int = 16) -> nn.Module:
+    """Linear layers with a bias right before BatchNorm: BN subtracts the batch mean, so the
+    bias gets (almost) no gradient while the weight learns. A common, harmless redundancy."""
+    return nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(),
+                         nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 4))
+
+
 def mlp_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(model(batch["x"]), batch["y"])
 

@@ -58,6 +58,11 @@ def _stalled_interior(s: Script):
     s.pnorm[:, 6] = 0.0  # a zero-init gate right after them
 
 
+def _cancelled_bias(s: Script):
+    # blocks.2.bias ~1e-13 while blocks.2.weight learns: a bias right before a norm or softmax
+    s.lg[:, 5] = -13.0 + np.random.default_rng(3).normal(0, 0.1, s.n)
+
+
 def _vanishing(s: Script):
     # 12 modules (weight+bias each): log10 norm rises 1 decade per module towards the output
     depth = np.arange(s.n_layers) // 2
@@ -115,6 +120,8 @@ CASES = [
     ("NaN loss in bf16", {"amp_dtype": "bfloat16"}, _nan_stable, {("nonfinite_loss", "error")}),
     ("loss triples for three steps", {}, _spike, {("loss_spike", "warning")}),
     ("two interior params at 1e-14", {}, _stalled_interior, {("stalled_layers", "warning")}),
+    # the output gradient sums to ~0 (cancelled by what follows): redundant, reported as info only
+    ("a bias stalled while its weight learns", {}, _cancelled_bias, set()),
     ("gradient shrinks 10x per module towards the input", {"n_layers": 24}, _vanishing,
      {("vanishing_gradients", "warning"), ("stalled_layers", "warning")}),
     ("gradient norm grows 3.5 decades over the run", {}, _exploding_steps, {("exploding_gradients", "warning")}),
@@ -265,3 +272,11 @@ def test_light_statistics_match_scipy_stats():
         ref.binomtest(13, 398, 0.01, alternative="greater").pvalue, rel=1e-6)
     ties = np.array([1, 2, 2, 3, 5, 5, 5, 8.0])
     assert _stats.spearman(ties, y[:8]) == pytest.approx(ref.spearmanr(ties, y[:8]).statistic)
+
+
+def test_a_bias_cancelled_by_what_follows_is_info_not_a_stall(tmp_path):
+    findings, _ = _findings(tmp_path, {}, _cancelled_bias)
+    info = [f for f in findings if f.check == "stalled_layers"]
+    # blocks.2.weight (layer 4) learns normally, so blocks.2.bias (layer 5) is a cancelled shift
+    assert [(f.severity, f.evidence["layers"]) for f in info] == [("info", ["blocks.2.bias"])]
+    assert "redundant" in info[0].message

@@ -67,6 +67,19 @@ def test_loss_outside_autocast_gives_low_precision_loss(tmp_path):
     assert f.evidence["loss_dtype"] == "float16" and f.evidence["steps"] == 30
 
 
+def test_a_bias_before_batchnorm_is_reported_as_redundant_not_as_a_stall(tmp_path):
+    kw = dict(width=16)
+    run = rm.train_recorded(tmp_path / "run", model=rm.build_bn_mlp(**kw),
+                            factory="tests.analyzer.report_models:build_bn_mlp", factory_kwargs=kw,
+                            loss_fn=rm.mlp_loss, steps=60, amp_dtype=None, lr=3e-3)
+    rep = build_report(run)
+    assert not _checks(rep, "error", "warning"), [f.message for f in rep.findings]
+    info = next(f for f in rep.findings if f.check == "stalled_layers")
+    # BatchNorm removes the batch mean of its input, so the Linear biases feeding it (0.bias,
+    # 3.bias) get gradients at rounding level while their weights learn
+    assert info.severity == "info" and set(info.evidence["layers"]) == {"0.bias", "3.bias"}
+
+
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16, None], ids=["fp16", "bf16", "fp32"])
 def test_healthy_recorded_run_has_no_errors_or_warnings(tmp_path, amp):
     kw = dict(width=16)
