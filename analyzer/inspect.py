@@ -172,23 +172,23 @@ def _report(e: Entry, stats: TensorStats) -> TensorReport:
 
 
 def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool):
-    ws = Workspace()
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
     total = sum(e.tensor.nbytes for e in cka.entries) + sum(e.tensor.nbytes for e in by_b.values())
     prog = _Progress(total, progress)
     rep_a, rep_b, changes = [], {}, []
-    for e in cka.entries:
-        eb = by_b.get(e.name)
-        if eb is not None and eb.tensor.shape == e.tensor.shape:
-            sa, sb, ch = scan_pair(e.tensor, eb.tensor, ws, prog)
-            rep_b[e.name] = _report(eb, sb)
-            changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
-        else:
-            sa = scan_tensor(e.tensor, ws, prog)
-        rep_a.append(_report(e, sa))
-    for name, eb in by_b.items():
-        if name not in rep_b:
-            rep_b[name] = _report(eb, scan_tensor(eb.tensor, ws, prog))
+    with Workspace() as ws:
+        for e in cka.entries:
+            eb = by_b.get(e.name)
+            if eb is not None and eb.tensor.shape == e.tensor.shape:
+                sa, sb, ch = scan_pair(e.tensor, eb.tensor, ws, prog)
+                rep_b[e.name] = _report(eb, sb)
+                changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+            else:
+                sa = scan_tensor(e.tensor, ws, prog)
+            rep_a.append(_report(e, sa))
+        for name, eb in by_b.items():
+            if name not in rep_b:
+                rep_b[name] = _report(eb, scan_tensor(eb.tensor, ws, prog))
     prog.close()
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:

@@ -2,7 +2,11 @@
 
 Writes a synthetic training checkpoint (FP32 weights, Adam exp_avg and exp_avg_sq in equal parts,
 so both the fast path and the flush-to-zero counting path run) into a temporary directory, runs
-the two variants interleaved, prints medians and the ratio from the same run, then deletes the file.
+the variants interleaved, prints medians and ratios from the same run, then deletes the file.
+
+Each variant runs on one thread and on ``--threads`` threads (default 2): the floor's sum through
+``torch.set_num_threads``, the scan through ``Workspace(threads=...)``. Ratios are given against
+the one-thread floor and against the floor on the same number of threads.
 
     python bench/inspect_throughput.py             # ~2 GB, 5 rounds
     python bench/inspect_throughput.py --quick     # ~0.25 GB, 3 rounds
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from analyzer import _tensorstats
 from analyzer.inspect import inspect_checkpoints
 
 TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
@@ -44,7 +49,8 @@ def write_checkpoint(path: Path, size_gb: float) -> int:
     return n * TENSOR_ELEMS * 4
 
 
-def floor(path: Path) -> None:
+def floor(path: Path, threads: int) -> None:
+    torch.set_num_threads(threads)
     sd = torch.load(path, mmap=True, weights_only=True)
     total = 0.0
     for t in sd["model"].values():
@@ -54,7 +60,8 @@ def floor(path: Path) -> None:
             total += float(t.sum())
 
 
-def inspect(path: Path) -> None:
+def inspect(path: Path, threads: int) -> None:
+    torch.set_num_threads(threads)  # what Workspace() takes as its thread count
     result = inspect_checkpoints(path)
     assert not [f for f in result.findings if f.severity == "error"], "the synthetic checkpoint is healthy"
 
@@ -74,36 +81,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for both variants (default 1)")
+    ap.add_argument("--threads", type=int, default=2, help="the second thread count to run both at (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
     ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
     args = ap.parse_args()
     if args.quick:
         args.size_gb, args.rounds = 0.25, 3
-    torch.set_num_threads(args.threads)
+    threads = sorted({1, args.threads})
     tmp = Path(tempfile.mkdtemp(prefix="inspect-bench-", dir=args.dir))
     try:
         path = tmp / "ckpt.pt"
         t0 = time.perf_counter()
         nbytes = write_checkpoint(path, args.size_gb)
         print(f"wrote {nbytes / 1e9:.2f} GB of tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
-              f"in {time.perf_counter() - t0:.1f} s; torch threads {args.threads}, {args.rounds} rounds, "
-              f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}")
-        variants = {"floor: torch.load(mmap) + sum": floor, "analyzer inspect": inspect}
-        times: dict[str, list[float]] = {k: [] for k in variants}
+              f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
+              f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}; "
+              f"scan chunks {_tensorstats.CHUNK} elements, "
+              f"{_tensorstats.THREAD_CHUNK} in a tensor split between threads")
+        variants = {(name, n): fn for n in threads
+                    for name, fn in (("floor: torch.load(mmap) + sum", floor), ("analyzer inspect", inspect))}
+        times: dict[tuple[str, int], list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
-            for name, fn in variants.items():  # interleaved, so machine noise hits both alike
+            for (name, n), fn in variants.items():  # interleaved, so machine noise hits all alike
                 if args.cold:
                     evict(path)
                 t = time.perf_counter()
-                fn(path)
-                times[name].append(time.perf_counter() - t)
-        base = statistics.median(times["floor: torch.load(mmap) + sum"])
-        print(f"{'variant':32} {'median s':>9} {'GB/s':>7} {'vs floor':>9}   (min .. max s)")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"{name:32} {med:9.3f} {nbytes / med / 1e9:7.2f} {med / base:8.2f}x   "
+                fn(path, n)
+                times[name, n].append(time.perf_counter() - t)
+        med = {k: statistics.median(ts) for k, ts in times.items()}
+        base = med["floor: torch.load(mmap) + sum", 1]
+        print(f"{'variant':32} {'threads':>7} {'median s':>9} {'GB/s':>7} {'vs floor@1':>11} "
+              f"{'vs floor@same':>14}   (min .. max s)")
+        for (name, n), ts in times.items():
+            m = med[name, n]
+            same = m / med["floor: torch.load(mmap) + sum", n]
+            print(f"{name:32} {n:7} {m:9.3f} {nbytes / m / 1e9:7.2f} {m / base:10.2f}x {same:13.2f}x   "
                   f"({min(ts):.3f} .. {max(ts):.3f})")
     finally:
         shutil.rmtree(tmp)

@@ -237,6 +237,72 @@ def test_chunks_whose_every_nonzero_value_flushes_are_counted_without_a_pass_and
     assert s.bf16_flush == int(((x.bfloat16() == 0) & (x != 0)).sum())
 
 
+def _expected(x: torch.Tensor) -> dict:
+    """What real casts do to x: the reference every scan path must equal."""
+    fin = x[torch.isfinite(x)]
+    h, b = fin.half(), fin.bfloat16()
+    nz = fin.abs()[fin != 0]
+    return {"nan": int(x.isnan().sum()), "inf": int(x.isinf().sum()), "zeros": int((x == 0).sum()),
+            "abs_max": fin.abs().max().item() if fin.numel() else None,
+            "min_nonzero": nz.min().item() if nz.numel() else None,
+            "fp16_overflow": int(h.isinf().sum()), "fp16_flush": int(((h == 0) & (fin != 0)).sum()),
+            "bf16_overflow": int(b.isinf().sum()), "bf16_flush": int(((b == 0) & (fin != 0)).sum())}
+
+
+_ODD = {  # one value planted in healthy weights, |x| in [0.5, 1.5): which path it must send its chunk down
+    "none": None,                        # fast path: four integer extremes decide everything
+    "inf": float("inf"),                 # float path (bits >= the overflow bits)
+    "nan": float("nan"),
+    "above 65520": 65520.0,              # float path: the smallest value that becomes inf in FP16
+    "just below 65520": 65519.996,       # fast path: rounds down to 65504
+    "at 2**-25": 2.0**-25,               # counting: flushes (ties to even)
+    "just above 2**-25": 2.0**-25 * (1 + 2.0**-23),  # counting: survives as the smallest FP16 subnormal
+    "bf16 subnormal": 1e-40,             # counting: flushes in FP16 and BF16
+    "zero": 0.0,                         # zero counting, then the smallest non-zero among the rest
+    "negative zero": -0.0,
+}
+
+
+@pytest.mark.parametrize("odd", list(_ODD))
+@pytest.mark.parametrize("signs", ["mixed", "non-negative"])  # non-negative chunks skip the uint32 extremes
+@pytest.mark.parametrize("chunk, threads", [(1 << 17, 1), (1 << 15, 2)])  # large chunks; split in 2 parts
+def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, signs, chunk, threads):
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(1 << 20, generator=g) + 0.5
+    if signs == "mixed":
+        x *= torch.where(torch.rand(1 << 20, generator=g) < 0.5, -1.0, 1.0)
+    if _ODD[odd] is not None:
+        x[700_001] = _ODD[odd]  # in the 6th of 8 chunks of 128K, in the second part of 2
+    with Workspace(chunk, threads) as ws:
+        s = scan_tensor(x, ws)
+    assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
+
+
+def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not():
+    # chunk 1 healthy, 2 and 3 with flushing values (the second with zeros too), 4 healthy again
+    x = (torch.rand(4000) + 0.5) * torch.where(torch.rand(4000) < 0.5, -1.0, 1.0)
+    x[1000:2000:7] = 1e-9
+    x[2000:3000:5] = -3e-8
+    x[2000:3000:11] = 0.0
+    x[2500] = -1e-41
+    x[2600], x[2601] = 2.0**-25, -(2.0**-25) * (1 + 2.0**-23)  # at the threshold and one step above, with zeros
+    s = scan_tensor(x, Workspace(1000, threads=1))
+    assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
+
+
+def test_a_workspace_splits_large_tensors_between_threads_and_restores_torch_threads():
+    before = torch.get_num_threads()
+    x = _edge_values()
+    with Workspace(500, threads=3) as ws:  # 20029 values: 3 parts of 7000, 7000 and 6029
+        assert torch.get_num_threads() == 1  # the scan's own threads replace torch's
+        assert len(ws.parts(x.numel())) == 3 and ws.parts(x.numel())[-1][1] == x.numel()
+        split = scan_tensor(x, ws)
+        bf16 = scan_tensor(x.bfloat16(), ws)  # converted chunks, one scratch per thread
+    assert torch.get_num_threads() == before
+    assert split == scan_tensor(x, Workspace(1000, threads=1))
+    assert bf16 == scan_tensor(x.bfloat16(), Workspace(1000, threads=1))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_other_float_dtypes_are_scanned_exactly(dtype):
     x = _edge_values().to(dtype)
