@@ -4,6 +4,10 @@ Writes a synthetic training checkpoint (FP32 weights, Adam exp_avg and exp_avg_s
 so both the fast path and the flush-to-zero counting path run) into a temporary directory, runs
 the variants interleaved, prints medians and ratios from the same run, then deletes the file.
 
+Variants: the floor; ``analyzer inspect`` with its default scan (the compiled one, ``analyzer/_scan.c``,
+when it was built); and, when that is the compiled one, ``analyzer inspect`` with the numpy scan, the
+fallback for installs without a C compiler.
+
 Each variant runs on one thread and on ``--threads`` threads (default 2): the floor's sum through
 ``torch.set_num_threads``, the scan through ``Workspace(threads=...)``. Ratios are given against
 the one-thread floor and against the floor on the same number of threads.
@@ -60,10 +64,18 @@ def floor(path: Path, threads: int) -> None:
             total += float(t.sum())
 
 
-def inspect(path: Path, threads: int) -> None:
+def inspect(path: Path, threads: int, kernel: str = _tensorstats.KERNEL) -> None:
     torch.set_num_threads(threads)  # what Workspace() takes as its thread count
-    result = inspect_checkpoints(path)
+    default, _tensorstats.KERNEL = _tensorstats.KERNEL, kernel  # what Workspace() takes as its kernel
+    try:
+        result = inspect_checkpoints(path)
+    finally:
+        _tensorstats.KERNEL = default
     assert not [f for f in result.findings if f.severity == "error"], "the synthetic checkpoint is healthy"
+
+
+def inspect_numpy(path: Path, threads: int) -> None:
+    inspect(path, threads, "numpy")
 
 
 def evict(path: Path) -> None:
@@ -97,10 +109,12 @@ def main() -> None:
         print(f"wrote {nbytes / 1e9:.2f} GB of tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
               f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}; "
-              f"scan chunks {_tensorstats.CHUNK} elements, "
+              f"default scan: {_tensorstats.KERNEL!r}; numpy scan chunks {_tensorstats.CHUNK} elements, "
               f"{_tensorstats.THREAD_CHUNK} in a tensor split between threads")
-        variants = {(name, n): fn for n in threads
-                    for name, fn in (("floor: torch.load(mmap) + sum", floor), ("analyzer inspect", inspect))}
+        named = [("floor: torch.load(mmap) + sum", floor), (f"analyzer inspect ({_tensorstats.KERNEL})", inspect)]
+        if _tensorstats.KERNEL == "c":  # the fallback for installs without a C compiler, measured alongside
+            named.append(("analyzer inspect (numpy)", inspect_numpy))
+        variants = {(name, n): fn for n in threads for name, fn in named}
         times: dict[tuple[str, int], list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
             for (name, n), fn in variants.items():  # interleaved, so machine noise hits all alike

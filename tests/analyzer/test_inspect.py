@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
+import subprocess
+import sys
+import sysconfig
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from analyzer import inspect as insp
+from analyzer import _tensorstats
 from analyzer._tensorstats import Workspace, scan_tensor
 from analyzer.cli import main
 from analyzer.errors import BadInputError, VersionError
@@ -199,6 +204,52 @@ def test_a_noncontiguous_saved_tensor_gives_the_stats_of_its_values(tmp_path):
 
 # --- statistics against real casts -----------------------------------------------------------
 
+# Every statistics test runs on both scans: the compiled one (analyzer/_scan.c) and the numpy one.
+KERNELS = ["c", "numpy"] if _tensorstats.KERNEL == "c" else ["numpy"]
+
+
+def test_the_compiled_scan_is_built_wherever_a_c_compiler_is_present():
+    # pip install builds analyzer/_scan.c when it can (optional=true): CI must not quietly lose it
+    compiler = sysconfig.get_config_var("CC") or "cc"
+    if shutil.which(compiler.split()[0]) is None:
+        pytest.skip(f"no C compiler ({compiler}): the numpy scan is the only one")
+    assert _tensorstats.KERNEL == "c", "analyzer._scan did not build: run pip install -e . and read its log"
+
+
+_WITHOUT_SCAN = """
+import json, sys
+
+class NoCompiledScan:  # as if pip had found no C compiler: analyzer._scan cannot be imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "analyzer._scan":
+            raise ImportError("not built")
+
+sys.meta_path.insert(0, NoCompiledScan())
+from analyzer import _tensorstats
+from analyzer.inspect import inspect_checkpoints
+try:
+    _tensorstats.Workspace(kernel="c")
+except ValueError as e:
+    refused = str(e)
+print(json.dumps({"kernel": _tensorstats.KERNEL, "refused": refused,
+                  "result": inspect_checkpoints(sys.argv[1], sys.argv[2]).to_dict()}))
+"""
+
+
+def test_without_the_compiled_scan_inspect_falls_back_to_numpy_with_the_same_report(tmp_path):
+    a, _, _ = _trained(tmp_path, "a.pt", steps=2)
+    b, _, _ = _trained(tmp_path, "b.pt", steps=3)
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_SCAN, str(a), str(b)], capture_output=True, text=True,
+                         check=True).stdout
+    got = json.loads(out)
+    assert got["kernel"] == "numpy" and "was not compiled at install" in got["refused"]
+    assert got["result"] == json.loads(json.dumps(inspect_checkpoints(a, b).to_dict()))
+
+
+def test_a_workspace_refuses_an_unknown_kernel():
+    with pytest.raises(ValueError, match="kernel must be 'c' or 'numpy'"):
+        Workspace(kernel="cuda")
+
 def _edge_values() -> torch.Tensor:
     # log-uniform magnitudes over the whole float32 range plus every cast boundary and its neighbours
     mags = torch.exp(torch.empty(20_000).uniform_(-100, 88))
@@ -209,11 +260,12 @@ def _edge_values() -> torch.Tensor:
     return torch.cat([mags * signs, near, torch.zeros(5), torch.tensor([float("nan"), float("inf"), -float("inf")])])
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("chunk", [1000, 1 << 18])  # many chunks with a ragged tail, and one chunk
 @pytest.mark.parametrize("signs", ["mixed", "non-negative"])  # non-negative skips the abs pass
-def test_flush_and_overflow_counts_equal_what_a_real_fp16_and_bf16_cast_does(chunk, signs):
+def test_flush_and_overflow_counts_equal_what_a_real_fp16_and_bf16_cast_does(chunk, signs, kernel):
     x = _edge_values() if signs == "mixed" else _edge_values().abs()
-    s = scan_tensor(x, Workspace(chunk))
+    s = scan_tensor(x, Workspace(chunk, kernel=kernel))
     fin = x[torch.isfinite(x)]
     h, b = fin.half(), fin.bfloat16()
     assert (s.nan, s.inf, s.zeros) == (1, 2, 5)  # as built by _edge_values
@@ -226,11 +278,12 @@ def test_flush_and_overflow_counts_equal_what_a_real_fp16_and_bf16_cast_does(chu
     assert s.fp16_flush > 0 and s.fp16_overflow > 0 and s.bf16_flush > 0  # the test exercises each
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("scale", [2.0**-26, 2.0**-135])  # all below FP16's flush point; also below BF16's
-def test_chunks_whose_every_nonzero_value_flushes_are_counted_without_a_pass_and_exactly(scale):
+def test_chunks_whose_every_nonzero_value_flushes_are_counted_without_a_pass_and_exactly(scale, kernel):
     x = torch.rand(5000) * scale
     x[::7] = 0.0
-    s = scan_tensor(x, Workspace(1000))
+    s = scan_tensor(x, Workspace(1000, kernel=kernel))
     nonzero = int((x != 0).sum())
     assert s.zeros == 5000 - nonzero and s.min_nonzero == x[x != 0].min().item()
     assert s.fp16_flush == int(((x.half() == 0) & (x != 0)).sum()) == nonzero
@@ -263,50 +316,77 @@ _ODD = {  # one value planted in healthy weights, |x| in [0.5, 1.5): which path 
 }
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("odd", list(_ODD))
 @pytest.mark.parametrize("signs", ["mixed", "non-negative"])  # non-negative chunks skip the uint32 extremes
 @pytest.mark.parametrize("chunk, threads", [(1 << 17, 1), (1 << 15, 2)])  # large chunks; split in 2 parts
-def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, signs, chunk, threads):
+def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, signs, chunk, threads, kernel):
     g = torch.Generator().manual_seed(7)
     x = torch.rand(1 << 20, generator=g) + 0.5
     if signs == "mixed":
         x *= torch.where(torch.rand(1 << 20, generator=g) < 0.5, -1.0, 1.0)
     if _ODD[odd] is not None:
         x[700_001] = _ODD[odd]  # in the 6th of 8 chunks of 128K, in the second part of 2
-    with Workspace(chunk, threads) as ws:
+    with Workspace(chunk, threads, kernel=kernel) as ws:
         s = scan_tensor(x, ws)
     assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
 
 
-def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not():
-    # chunk 1 healthy, 2 and 3 with flushing values (the second with zeros too), 4 healthy again
-    x = (torch.rand(4000) + 0.5) * torch.where(torch.rand(4000) < 0.5, -1.0, 1.0)
-    x[1000:2000:7] = 1e-9
-    x[2000:3000:5] = -3e-8
-    x[2000:3000:11] = 0.0
-    x[2500] = -1e-41
-    x[2600], x[2601] = 2.0**-25, -(2.0**-25) * (1 + 2.0**-23)  # at the threshold and one step above, with zeros
-    s = scan_tensor(x, Workspace(1000, threads=1))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(kernel):
+    # Segments of 4096, the numpy chunk here and the compiled scan's block: 1 healthy, 2 and 3 with
+    # flushing values (the second with zeros, so the kernel's fused count must subtract them), 4 healthy
+    # again (after a counting block the kernel fuses the count: it must find none), 5 flushing after a
+    # healthy one, 6 NaN among flushing values right after counting ones.
+    n = 4096
+    x = (torch.rand(6 * n) + 0.5) * torch.where(torch.rand(6 * n) < 0.5, -1.0, 1.0)
+    x[n:2 * n:7] = 1e-9
+    x[2 * n:3 * n:5] = -3e-8
+    x[2 * n:3 * n:11] = 0.0
+    x[2 * n + 500] = -1e-41
+    x[2 * n + 600], x[2 * n + 601] = 2.0**-25, -(2.0**-25) * (1 + 2.0**-23)  # at the threshold, one step above
+    x[4 * n + 9] = 2.0**-25
+    x[5 * n:6 * n:3] = 1e-8
+    x[5 * n + 1], x[5 * n + 2] = float("nan"), -float("inf")
+    s = scan_tensor(x, Workspace(n, threads=1, kernel=kernel))
     assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
 
 
-def test_a_workspace_splits_large_tensors_between_threads_and_restores_torch_threads():
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_and_numpy_scans_agree_on_random_mixtures_of_every_kind_of_value(seed):
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    g = torch.Generator().manual_seed(seed)
+    n = 50_000 + seed * 997  # about 12 kernel blocks, ragged tail
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-45, 39, (n,), generator=g).float()
+    pool = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 65520.0, -65504.0, 2.0**-25,
+                         1e-45, -(2.0**-134), 3.4e38])
+    where = torch.randint(0, n, (200 * seed,), generator=g)
+    x[where] = pool[torch.randint(0, len(pool), where.shape, generator=g)]
+    c = scan_tensor(x, Workspace(1000, threads=1, kernel="c"))
+    assert c == scan_tensor(x, Workspace(1000, threads=1, kernel="numpy"))
+    assert {k: getattr(c, k) for k in _expected(x)} == _expected(x)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_workspace_splits_large_tensors_between_threads_and_restores_torch_threads(kernel):
     before = torch.get_num_threads()
     x = _edge_values()
-    with Workspace(500, threads=3) as ws:  # 20029 values: 3 parts of 7000, 7000 and 6029
+    with Workspace(500, threads=3, kernel=kernel) as ws:  # 20029 values: 3 parts of 7000, 7000 and 6029
         assert torch.get_num_threads() == 1  # the scan's own threads replace torch's
         assert len(ws.parts(x.numel())) == 3 and ws.parts(x.numel())[-1][1] == x.numel()
         split = scan_tensor(x, ws)
         bf16 = scan_tensor(x.bfloat16(), ws)  # converted chunks, one scratch per thread
     assert torch.get_num_threads() == before
-    assert split == scan_tensor(x, Workspace(1000, threads=1))
-    assert bf16 == scan_tensor(x.bfloat16(), Workspace(1000, threads=1))
+    assert split == scan_tensor(x, Workspace(1000, threads=1, kernel=kernel))
+    assert bf16 == scan_tensor(x.bfloat16(), Workspace(1000, threads=1, kernel=kernel))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_other_float_dtypes_are_scanned_exactly(dtype):
+def test_other_float_dtypes_are_scanned_exactly(dtype, kernel):
     x = _edge_values().to(dtype)
-    s = scan_tensor(x, Workspace(1000))
+    s = scan_tensor(x, Workspace(1000, kernel=kernel))
     fin = x[torch.isfinite(x)].double()
     assert s.nonfinite == int((~torch.isfinite(x)).sum())
     assert s.abs_max == fin.abs().max().item()
@@ -382,6 +462,20 @@ def test_a_pair_with_different_dtypes_is_compared_value_by_value(tmp_path):
     (c,) = inspect_checkpoints(tmp_path / "a.pt", tmp_path / "b.pt").changes
     # bf16 keeps 8 significant bits: each value moves by at most 2**-9 of itself, so the L2 change does too
     assert 0 < c.change.rel_change <= 2.0**-9 and c.change.changed > 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_pair_scan_gives_each_side_the_statistics_of_a_single_scan(kernel):
+    a = _edge_values()
+    b = a.clone()
+    b[:5000] *= 3.0  # some values move, some become inf or flush differently
+    b[7] = float("nan")
+    with Workspace(1000, threads=1, kernel=kernel) as ws:
+        sa, sb, change = _tensorstats.scan_pair(a, b, ws)
+        assert (sa, sb) == (scan_tensor(a, ws), scan_tensor(b, ws))
+    assert {k: getattr(sb, k) for k in _expected(b)} == _expected(b)
+    # NaN != NaN, so the unchanged NaN and the new one both count as changed; x * 3 == x only for 0
+    assert change.changed == int((a != b).sum()) and change.rel_change is None  # B holds NaN
 
 
 def test_identical_checkpoints_are_called_out_rather_than_listing_every_tensor_as_stalled(tmp_path):
