@@ -12,7 +12,7 @@ The thresholds are those of a round-to-nearest-even cast, so the counts equal wh
 - BF16 overflow: ``|x| >= (2 - 2**-8) * 2**127`` (~3.396e38); BF16 flush: ``0 < |x| <= 2**-134``.
 
 How, with the compiled kernel (``analyzer/_scan.c``, built at install; ``compiled()``): float32 data
-is read once, in blocks of 4096 elements, as bit patterns with the sign cleared, whose integer order is the
+is read once, in blocks of 8192 elements, as bit patterns with the sign cleared, whose integer order is the
 order of the magnitudes (inf and NaN above every finite value). One pass takes each block's greatest, least
 and least non-zero magnitude; only a block whose extremes cross a threshold is counted again while it is in
 L1, and a block after one with FP16 flushes counts them in the extremes pass itself. It runs at about the

@@ -14,6 +14,7 @@ the one-thread floor and against the floor on the same number of threads.
 
     python bench/inspect_throughput.py             # ~2 GB, 5 rounds
     python bench/inspect_throughput.py --quick     # ~0.25 GB, 3 rounds
+    python bench/inspect_throughput.py --per-kind  # also the kernel alone on weights, exp_avg, exp_avg_sq
 
 NB: by default the file is in the page cache (it was just written), so this measures scanning, not
 the disk. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)``, nothing else) before
@@ -78,6 +79,36 @@ def inspect_numpy(path: Path, threads: int) -> None:
     inspect(path, threads, "numpy")
 
 
+def per_kind(path: Path, rounds: int) -> None:
+    """The compiled kernel alone, called per tensor on one thread, against a sum of the same tensors."""
+    from analyzer import _rangestats
+    if not _rangestats.compiled():
+        print("per kind: analyzer._scan is not built, nothing to measure")
+        return
+    torch.set_num_threads(1)
+    kinds = {"weights": lambda sd: sd["model"].values(),
+             "exp_avg": lambda sd: [s["exp_avg"] for s in sd["optimizer"]["state"].values()],
+             "exp_avg_sq": lambda sd: [s["exp_avg_sq"] for s in sd["optimizer"]["state"].values()]}
+
+    def run(pick, scan: bool) -> float:
+        sd = torch.load(path, mmap=True, weights_only=True)
+        t = time.perf_counter()
+        for x in pick(sd):
+            if scan:
+                _rangestats._scan.scan_f32(x.reshape(-1).numpy(), *_rangestats._KERNEL_LIMITS)
+            else:
+                float(x.sum())
+        return time.perf_counter() - t
+
+    for kind, pick in kinds.items():
+        times = {False: [], True: []}
+        for _ in range(rounds):
+            for scan in (False, True):
+                times[scan].append(run(pick, scan))
+        ratio = statistics.median(times[True]) / statistics.median(times[False])
+        print(f"per kind, kernel alone vs sum, 1 thread: {kind:10} {ratio:.2f}x")
+
+
 def evict(path: Path) -> None:
     """Drop this file's pages from the page cache (Linux; a no-op elsewhere)."""
     if hasattr(os, "posix_fadvise"):
@@ -96,6 +127,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="the second thread count to run both at (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
+    ap.add_argument("--per-kind", action="store_true",
+                    help="also time the compiled kernel alone on each kind of tensor (1 thread)")
     ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
     args = ap.parse_args()
     if args.quick:
@@ -132,6 +165,8 @@ def main() -> None:
             same = m / med["floor: torch.load(mmap) + sum", n]
             print(f"{name:32} {n:7} {m:9.3f} {nbytes / m / 1e9:7.2f} {m / base:10.2f}x {same:13.2f}x   "
                   f"({min(ts):.3f} .. {max(ts):.3f})")
+        if args.per_kind:
+            per_kind(path, args.rounds)
     finally:
         shutil.rmtree(tmp)
 

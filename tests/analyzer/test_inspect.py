@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from analyzer import inspect as insp
-from analyzer import _tensorstats
+from analyzer import _rangestats, _tensorstats
 from analyzer._tensorstats import Workspace, scan_tensor
 from analyzer.cli import main
 from analyzer.errors import BadInputError, VersionError
@@ -225,7 +225,7 @@ class NoCompiledScan:  # as if pip had found no C compiler: analyzer._scan canno
             raise ImportError("not built")
 
 sys.meta_path.insert(0, NoCompiledScan())
-from analyzer import _tensorstats
+from analyzer import _rangestats, _tensorstats
 from analyzer.inspect import inspect_checkpoints
 try:
     _tensorstats.Workspace(kernel="c")
@@ -334,11 +334,11 @@ def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(kernel):
-    # Segments of 4096, the numpy chunk here and the compiled scan's block: 1 healthy, 2 and 3 with
+    # Segments of the compiled scan's block, also the numpy chunk here: 1 healthy, 2 and 3 with
     # flushing values (the second with zeros, so the kernel's fused count must subtract them), 4 healthy
     # again (after a counting block the kernel fuses the count: it must find none), 5 flushing after a
     # healthy one, 6 NaN among flushing values right after counting ones.
-    n = 4096
+    n = _rangestats._scan.BLOCK if _rangestats.compiled() else 8192
     x = (torch.rand(6 * n) + 0.5) * torch.where(torch.rand(6 * n) < 0.5, -1.0, 1.0)
     x[n:2 * n:7] = 1e-9
     x[2 * n:3 * n:5] = -3e-8
