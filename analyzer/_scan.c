@@ -20,8 +20,9 @@
 
 /* One copy of each loop per instruction set, picked at load time (GCC; clang from 14). AVX-512 doubled the
  * in-cache speed of the extremes pass on this project's Zen 4 machine; from memory it is what lets the
- * pass keep up with a plain sum. Elsewhere the loops are compiled for the baseline (SSE2). */
-#if defined(__x86_64__) && !defined(__APPLE__) && \
+ * pass keep up with a plain sum. Elsewhere the loops are compiled for the baseline (SSE2).
+ * -DAMP_AUTOPSY_NO_CLONES builds one copy for the flags given (the tests build the SSE2 and AVX2 ones). */
+#if !defined(AMP_AUTOPSY_NO_CLONES) && defined(__x86_64__) && !defined(__APPLE__) && \
     ((defined(__GNUC__) && !defined(__clang__)) || (defined(__clang__) && __clang_major__ >= 14))
 #define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

@@ -39,7 +39,7 @@ from ._checkpoint import Checkpoint, Entry, load_checkpoint
 from ._inspect_text import render_inspect_text
 from ._tensorstats import (
     BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats, Workspace,
-    scan_pair, scan_tensor,
+    scan_pair, scan_tensors,
 )
 from .findings import Finding, json_safe, sort_findings
 
@@ -175,20 +175,23 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool):
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
     total = sum(e.tensor.nbytes for e in cka.entries) + sum(e.tensor.nbytes for e in by_b.values())
     prog = _Progress(total, progress)
-    rep_a, rep_b, changes = [], {}, []
+    paired = [by_b.get(e.name) for e in cka.entries]  # B's tensor of the same name and shape, or None
+    paired = [eb if eb is not None and eb.tensor.shape == e.tensor.shape else None
+              for e, eb in zip(cka.entries, paired)]
+    alone = [e for e, eb in zip(cka.entries, paired) if eb is None]
+    paired_names = {eb.name for eb in paired if eb is not None}
+    alone_b = [eb for name, eb in by_b.items() if name not in paired_names]
+    changes = []
     with Workspace() as ws:
-        for e in cka.entries:
-            eb = by_b.get(e.name)
-            if eb is not None and eb.tensor.shape == e.tensor.shape:
+        # every unpaired tensor first, side by side on the workspace's threads; then the pairs
+        stats = iter(scan_tensors([e.tensor for e in alone + alone_b], ws, prog))
+        rep_a = [None if eb is not None else _report(e, next(stats)) for e, eb in zip(cka.entries, paired)]
+        rep_b = {eb.name: _report(eb, next(stats)) for eb in alone_b}
+        for i, (e, eb) in enumerate(zip(cka.entries, paired)):
+            if eb is not None:
                 sa, sb, ch = scan_pair(e.tensor, eb.tensor, ws, prog)
-                rep_b[e.name] = _report(eb, sb)
+                rep_a[i], rep_b[eb.name] = _report(e, sa), _report(eb, sb)
                 changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
-            else:
-                sa = scan_tensor(e.tensor, ws, prog)
-            rep_a.append(_report(e, sa))
-        for name, eb in by_b.items():
-            if name not in rep_b:
-                rep_b[name] = _report(eb, scan_tensor(eb.tensor, ws, prog))
     prog.close()
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:

@@ -1,13 +1,17 @@
 """analyzer inspect: real checkpoints from tiny models trained a few real steps, with faults injected."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import platform
 import shutil
 import struct
 import subprocess
 import sys
 import sysconfig
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,6 +372,43 @@ def test_the_compiled_and_numpy_scans_agree_on_random_mixtures_of_every_kind_of_
     assert {k: getattr(c, k) for k in _expected(x)} == _expected(x)
 
 
+def _build_scan(tmp_path, flags: list[str]):
+    """analyzer/_scan.c compiled here with `flags` and without per-CPU clones, loaded as a module."""
+    src = Path(_rangestats.__file__).with_name("_scan.c")
+    out = tmp_path / ("_scan" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    cmd = [*cc, "-O3", "-fwrapv", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+           "-DAMP_AUTOPSY_NO_CLONES", *flags, str(src), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("_scan", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+def test_every_instruction_set_copy_of_the_kernel_gives_the_same_numbers(tmp_path, isa):
+    # The installed kernel runs the copy for this CPU (AVX-512 here); the others only run elsewhere,
+    # so they are built and checked here against it, on every kind of value
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    if isa == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text(errors="replace"):
+        pytest.skip("this CPU has no AVX2")
+    flags = {"baseline": [], "avx2": ["-mavx2"]}[isa]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        flags = []
+    mod = _build_scan(tmp_path, flags)
+    g = torch.Generator().manual_seed(3)
+    n = 3 * mod.BLOCK + 77
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-45, 39, (n,), generator=g).float()
+    odd = torch.tensor([0.0, float("nan"), -float("inf"), 65520.0, 2.0**-25, 1e-45])
+    x[::501] = odd.repeat(20)[: len(x[::501])]
+    x[mod.BLOCK:2 * mod.BLOCK] = torch.rand(mod.BLOCK, generator=g) * 1e-4  # a block of flushes, then a fused one
+    for part in (x, x[5:], x[: mod.BLOCK], x[:7]):  # ragged tails, one block, fewer values than lanes
+        a, limits = part.numpy(), _rangestats._KERNEL_LIMITS
+        assert mod.scan_f32(a, *limits) == _rangestats._scan.scan_f32(a, *limits)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_workspace_splits_large_tensors_between_threads_and_restores_torch_threads(kernel):
     before = torch.get_num_threads()
@@ -380,6 +421,23 @@ def test_a_workspace_splits_large_tensors_between_threads_and_restores_torch_thr
     assert torch.get_num_threads() == before
     assert split == scan_tensor(x, Workspace(1000, threads=1, kernel=kernel))
     assert bf16 == scan_tensor(x.bfloat16(), Workspace(1000, threads=1, kernel=kernel))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_tensors_scanned_side_by_side_give_each_its_own_statistics_in_order(kernel, threads):
+    g = torch.Generator().manual_seed(11)
+    ts = [torch.randn(n, generator=g) * 10.0 ** e for n, e in [(5000, 0), (30_000, -9), (7, 4), (0, 0), (64_000, 6)]]
+    ts[1][3] = float("nan")
+    ts += [ts[0].bfloat16(), ts[4].double(), _edge_values()]
+    seen = []
+    # split_at 20000: the 30000-, 64000- and 20029-value tensors are split between threads, the rest are
+    # scanned whole, side by side; progress comes in order, tensor by tensor
+    with Workspace(1000, threads=threads, kernel=kernel, split_at=20_000) as ws:
+        got = _tensorstats.scan_tensors(ts, ws, seen.append)
+        assert got == [scan_tensor(t, ws) for t in ts]
+    assert [{k: getattr(s, k) for k in _expected(t)} for s, t in zip(got, ts)] == [_expected(t) for t in ts]
+    assert sum(seen) == sum(t.nbytes for t in ts)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
