@@ -44,6 +44,22 @@ typedef struct {
  * a zero makes the second -1, and only then does a second look (in L1) find the least non-zero one. */
 #define LANES 32 /* independent accumulators (4 AVX2 or 2 AVX-512 registers each): no chain of dependent
                      max/min; 1.7x faster in cache than one accumulator, 64 lanes measured level */
+/* One pass over b[0:full] (full: a multiple of LANES) into per-lane extremes and counts. `count` is a
+ * constant at each call site, so inlining compiles a loop with the count and one without. */
+static inline __attribute__((always_inline)) void
+lane_pass(const uint32_t *b, size_t full, int32_t t, int count, int32_t *h, int32_t *z, int32_t *c)
+{
+    for (size_t i = 0; i < full; i += LANES)
+        for (size_t j = 0; j < LANES; j++) {
+            int32_t m = (int32_t)(b[i + j] & MAG);
+            int32_t d = m - 1;
+            h[j] = m > h[j] ? m : h[j];
+            z[j] = d < z[j] ? d : z[j];
+            if (count)
+                c[j] += m <= t;
+        }
+}
+
 VECTOR_CLONES static int32_t
 extremes(const uint32_t *b, int32_t n, int32_t t, int32_t *hi, int32_t *mn, int32_t *nz)
 {
@@ -56,25 +72,11 @@ extremes(const uint32_t *b, int32_t n, int32_t t, int32_t *hi, int32_t *mn, int3
     /* NB: unsigned size_t indices. Python builds extensions with -fwrapv, under which GCC cannot prove that
      * an int32 `i + j` does not wrap, and then does not vectorize these loops at all (15 GB/s, not 200) */
     const size_t full = (size_t)n - (size_t)n % LANES;
-    size_t i = 0;
-    if (t < 0) {
-        for (; i < full; i += LANES)
-            for (size_t j = 0; j < LANES; j++) {
-                int32_t m = (int32_t)(b[i + j] & MAG);
-                int32_t d = m - 1;
-                h[j] = m > h[j] ? m : h[j];
-                z[j] = d < z[j] ? d : z[j];
-            }
-    } else {
-        for (; i < full; i += LANES)
-            for (size_t j = 0; j < LANES; j++) {
-                int32_t m = (int32_t)(b[i + j] & MAG);
-                int32_t d = m - 1;
-                h[j] = m > h[j] ? m : h[j];
-                z[j] = d < z[j] ? d : z[j];
-                c[j] += m <= t;
-            }
-    }
+    if (t < 0)
+        lane_pass(b, full, t, 0, h, z, c);
+    else
+        lane_pass(b, full, t, 1, h, z, c);
+    size_t i = full;
     for (; i < (size_t)n; i++) {  /* the ragged tail, into lane 0 */
         int32_t m = (int32_t)(b[i] & MAG);
         int32_t d = m - 1;
