@@ -13,10 +13,11 @@ The thresholds are those of a round-to-nearest-even cast, so the counts equal wh
 
 How, with the compiled kernel (``analyzer/_scan.c``, built at install; ``compiled()``): float32 data
 is read once, in blocks of 8192 elements, as bit patterns with the sign cleared, whose integer order is the
-order of the magnitudes (inf and NaN above every finite value). One pass takes each block's greatest, least
-and least non-zero magnitude; only a block whose extremes cross a threshold is counted again while it is in
-L1, and a block after one with FP16 flushes counts them in the extremes pass itself. It runs at about the
-speed of a plain sum (``bench/inspect_throughput.py``) and releases the GIL.
+order of the magnitudes (inf and NaN above every finite value). One pass takes each block's greatest
+magnitude and least magnitude minus 1 (a zero shows as -1), over 32 independent lanes; only a block whose
+extremes cross a threshold is counted again while it is in L1, and a block after one with FP16 flushes
+counts them in the extremes pass itself. It runs at about the speed of a plain sum
+(``bench/inspect_throughput.py``) and releases the GIL.
 
 Without it (no C compiler at install, or ``Workspace(kernel="numpy")``), the same numbers come from numpy:
 float32 chunks (bf16/fp16 converted, exactly) are read as their int32 and uint32 bit patterns.

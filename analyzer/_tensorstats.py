@@ -49,13 +49,14 @@ class PairChange:
 class Workspace:
     """Scratch buffers reused across tensors, so a scan allocates O(CHUNK) per thread, never O(tensor).
 
-    A tensor of at least ``16 * part_chunk`` elements is split into up to ``threads`` contiguous parts
-    of at least 8 chunks of ``part_chunk``, scanned at once (both scans release the GIL); others are
-    scanned on this thread. ``kernel`` is ``"c"`` (the compiled scan, the default when it was built:
-    float32 data then goes to it in one call per part) or ``"numpy"`` (chunks of ``chunk``).
-    ``threads`` defaults to ``torch.get_num_threads()``, so ``torch.set_num_threads(1)`` (or
-    ``OMP_NUM_THREADS=1``) keeps the scan on one core. ``chunk`` defaults to ``CHUNK``, ``part_chunk``
-    to ``THREAD_CHUNK`` (or ``chunk`` when given), ``split_at`` (see ``scan_tensors``) to ``SPLIT_AT``; all were measured with ``bench/inspect_throughput.py``.
+    ``kernel`` is ``"c"`` (the compiled scan, the default when it was built: float32 data goes to it in
+    one call per part) or ``"numpy"`` (chunks of ``chunk``). Both release the GIL, so threads help:
+    ``scan_tensor`` splits a tensor of at least ``16 * part_chunk`` elements into up to ``threads``
+    contiguous parts of at least 8 chunks of ``part_chunk``; ``scan_tensors`` scans tensors under
+    ``split_at`` elements whole, side by side. ``threads`` defaults to ``torch.get_num_threads()``, so
+    ``torch.set_num_threads(1)`` (or ``OMP_NUM_THREADS=1``) keeps the scan on one core. ``chunk``
+    defaults to ``CHUNK``, ``part_chunk`` to ``THREAD_CHUNK`` (or ``chunk`` when given), ``split_at``
+    to ``SPLIT_AT``; all were measured with ``bench/inspect_throughput.py``.
 
     Example:
         >>> with Workspace() as ws:
@@ -224,10 +225,11 @@ def scan_tensors(ts: Sequence[torch.Tensor], ws: Workspace,
                  on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Statistics of many tensors, in order.
 
-    With threads, tensors under ``ws.split_at`` (default ``SPLIT_AT``) elements are scanned whole and side by side, one per thread,
-    so no thread waits for the others after every tensor (splitting each tensor in two measured 1.11x
-    of the floor on 2 threads, tensors side by side 1.02x). Larger ones are split as ``scan_tensor``
-    splits them. Progress is reported on this thread, tensor by tensor, in order.
+    With threads, tensors under ``ws.split_at`` (default ``SPLIT_AT``) elements are scanned whole and
+    side by side, one per thread, so no thread waits for the others after every tensor (splitting each
+    tensor in two measured 1.11x of the floor on 2 threads, tensors side by side 1.02x). Larger ones
+    are split as ``scan_tensor`` splits them. Progress is reported on this thread, tensor by tensor, in
+    order.
 
     Example:
         >>> with Workspace(threads=2) as ws:
