@@ -29,6 +29,12 @@
 #define VECTOR_CLONES
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE static inline
+#endif
+
 #define MAG 0x7FFFFFFF
 #define INF_BITS 0x7F800000
 #define BLOCK 8192 /* 32 KiB: a recount stays in L1; 4K..32K measured level */
@@ -46,7 +52,7 @@ typedef struct {
                      max/min; 1.7x faster in cache than one accumulator, 64 lanes measured level */
 /* One pass over b[0:full] (full: a multiple of LANES) into per-lane extremes and counts. `count` is a
  * constant at each call site, so inlining compiles a loop with the count and one without. */
-static inline __attribute__((always_inline)) void
+ALWAYS_INLINE void
 lane_pass(const uint32_t *b, size_t full, int32_t t, int count, int32_t *h, int32_t *z, int32_t *c)
 {
     for (size_t i = 0; i < full; i += LANES)
