@@ -146,9 +146,12 @@ class _Acc:
             bf16_flush=self.bf16_flush,
         )
 
-    def add_scanned(self, x: np.ndarray) -> None:
-        """Fold in float32 data `x` (any length) through the compiled kernel: one call, one read."""
-        hi, lo, nan, inf, zeros, o16, f16, obf, fbf = _scan.scan_f32(x, *_KERNEL_LIMITS)
+    def add_scanned(self, x: np.ndarray, kind: str = "f32") -> None:
+        """Fold in data `x` (any length) through the compiled kernel: one call, one read. `kind` "f32":
+        float32 data; "bf16" / "f16": bfloat16 / float16 bit patterns (an int16 view), scanned as the
+        float32 values they convert to exactly."""
+        scan = {"f32": _scan.scan_f32, "bf16": _scan.scan_bf16, "f16": _scan.scan_f16}[kind]
+        hi, lo, nan, inf, zeros, o16, f16, obf, fbf = scan(x, *_KERNEL_LIMITS)
         self.hi_bits = max(self.hi_bits, hi)
         if lo >= 0:
             self.lo_bits = min(self.lo_bits, lo)

@@ -1,12 +1,16 @@
-/* The float32 range scan of `analyzer inspect` in one read of memory: optional, with a numpy fallback.
+/* The float32, bfloat16 and float16 range scan of `analyzer inspect` in one read of memory: optional, with a numpy
+ * fallback.
  *
  * scan_f32(buffer, fp16_overflow, fp16_flush, bf16_overflow, bf16_flush) -> 9 ints
  *   buffer: C-contiguous float32 data (any object with the buffer protocol: a numpy array, a memoryview);
- *   the four thresholds: the float32 bit patterns of the magnitudes in analyzer/_tensorstats.py.
+ *   the four thresholds: the float32 bit patterns of the magnitudes in analyzer/_rangestats.py.
  * Returns (hi, lo, nan, inf, zeros, fp16_overflow, fp16_flush, bf16_overflow, bf16_flush):
- *   hi: the bit pattern of the greatest finite magnitude, -1 when no element is finite;
- *   lo: the bit pattern of the least non-zero finite magnitude, -1 when there is none;
- *   the counts as _tensorstats.TensorStats defines them (overflows count finite values only).
+ *   hi: the float32 bit pattern of the greatest finite magnitude, -1 when no element is finite;
+ *   lo: the float32 bit pattern of the least non-zero finite magnitude, -1 when there is none;
+ *   the counts as _rangestats.TensorStats defines them (overflows count finite values only).
+ * scan_bf16(buffer, ...) is the same for bfloat16 data (2-byte items, e.g. an int16 view), which is the top
+ * half of a float32: each block is widened to float32 bit patterns in L1 first, so every number is as
+ * the float32 scan of the exactly converted values gives it. scan_f16(buffer, ...) likewise for float16.
  *
  * Every comparison is on magnitudes as int32 bit patterns (sign bit cleared), whose order is the order of
  * the magnitudes, with inf (0x7F800000) and NaN above every finite value. The data is read in blocks of
@@ -22,7 +26,11 @@
  * in-cache speed of the extremes pass on this project's Zen 4 machine; from memory it is what lets the
  * pass keep up with a plain sum. Elsewhere the loops are compiled for the baseline (SSE2).
  * -DAMP_AUTOPSY_NO_CLONES builds one copy for the flags given (the tests build the SSE2 and AVX2 ones). */
-#if !defined(AMP_AUTOPSY_NO_CLONES) && defined(__x86_64__) && !defined(__APPLE__) && \
+#if !defined(AMP_AUTOPSY_NO_CLONES) && defined(__x86_64__) && !defined(__APPLE__) && defined(__GNUC__) && \
+    !defined(__clang__) && __GNUC__ >= 11
+/* x86-64-v4 adds AVX-512BW to AVX-512F: the 16-bit (bf16/fp16) loops need it for 512-bit vectors */
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif !defined(AMP_AUTOPSY_NO_CLONES) && defined(__x86_64__) && !defined(__APPLE__) && \
     ((defined(__GNUC__) && !defined(__clang__)) || (defined(__clang__) && __clang_major__ >= 14))
 #define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -184,40 +192,247 @@ scan_block(const uint32_t *b, int32_t k, const int32_t lim[4], int fused, acc_t 
     return nz < lim[1];
 }
 
+/* bf16 is the top half of a float32: its magnitude m16 as a float32 pattern is m16 << 16, so m16 <= T >> 16
+ * exactly when (m16 << 16) <= T. Its extremes pass runs on 16-bit magnitudes, twice the elements per
+ * instruction; only a block that needs a count other than FP16 flushes (a zero, NaN/inf, an overflow, a
+ * BF16 flush) is widened into float32 patterns (in L1) and takes the float32 path. */
+#define LANES16 64 /* 16-bit lanes; a lane counts at most BLOCK / LANES16 + LANES16 values: fits int16 */
+
+ALWAYS_INLINE void
+lane_pass16(const uint16_t *b, size_t full, int16_t t, int count, int16_t *h, int16_t *z, int16_t *c)
+{
+    for (size_t i = 0; i < full; i += LANES16)
+        for (size_t j = 0; j < LANES16; j++) {
+            int16_t m = (int16_t)(b[i + j] & 0x7FFF);
+            int16_t d = (int16_t)(m - 1);
+            h[j] = m > h[j] ? m : h[j];
+            z[j] = d < z[j] ? d : z[j];
+            if (count)
+                c[j] = (int16_t)(c[j] + (m <= t));
+        }
+}
+
+/* extremes() for bf16 data, in 16-bit magnitudes (t: a 16-bit threshold, < 0 for no count). */
+VECTOR_CLONES static int32_t
+extremes16(const uint16_t *b, int32_t n, int32_t t, int32_t *hi, int32_t *mn, int32_t *nz)
+{
+    int16_t h[LANES16], z[LANES16], c[LANES16];
+    for (int j = 0; j < LANES16; j++) {
+        h[j] = 0;
+        z[j] = 0x7FFF;
+        c[j] = 0;
+    }
+    const size_t full = (size_t)n - (size_t)n % LANES16; /* size_t: see extremes() */
+    if (t < 0)
+        lane_pass16(b, full, 0, 0, h, z, c);
+    else
+        lane_pass16(b, full, (int16_t)t, 1, h, z, c);
+    for (size_t i = full; i < (size_t)n; i++) {
+        int16_t m = (int16_t)(b[i] & 0x7FFF);
+        int16_t d = (int16_t)(m - 1);
+        h[0] = m > h[0] ? m : h[0];
+        z[0] = d < z[0] ? d : z[0];
+        c[0] = (int16_t)(c[0] + (t >= 0 && m <= t));
+    }
+    int32_t hh = 0, zz = 0x7FFF, cc = 0;
+    for (int j = 0; j < LANES16; j++) {
+        hh = h[j] > hh ? h[j] : hh;
+        zz = z[j] < zz ? z[j] : zz;
+        cc += c[j];
+    }
+    *hi = hh;
+    *mn = zz < 0 ? 0 : zz + 1;
+    *nz = zz;
+    return cc;
+}
+
+VECTOR_CLONES static void
+widen_bf16(const uint16_t *s, int32_t n, uint32_t *d)
+{
+    for (int32_t i = 0; i < n; i++)
+        d[i] = (uint32_t)s[i] << 16;
+}
+
+/* One bf16 block; returns scan_block's `fused` flag (this block had FP16 flushes). */
+static int
+scan_block_bf16(const uint16_t *s, int32_t k, const int32_t lim[4], int fused, uint32_t *wide, acc_t *a)
+{
+    int32_t hi, mn, nz;
+    int32_t c16 = extremes16(s, k, fused ? lim[1] >> 16 : -1, &hi, &mn, &nz);
+    int32_t hi32 = hi << 16, lo32 = (nz + 1) << 16; /* the float32 patterns of those magnitudes */
+    int f16 = lo32 <= lim[1], fbf = lo32 <= lim[3];
+    /* lim[0] < inf, so hi32 < lim[0] also means finite; a BF16 flush is counted only when all flush */
+    if (mn == 0 || hi32 >= lim[0] || (fbf && hi32 > lim[3]) || (f16 && hi32 > lim[1] && !fused)) {
+        widen_bf16(s, k, wide);
+        return scan_block(wide, k, lim, fused, a);
+    }
+    a->hi = hi32 > a->hi ? hi32 : a->hi;
+    a->lo = lo32 < a->lo ? lo32 : a->lo;
+    if (f16)
+        a->f16 += (uint64_t)(hi32 <= lim[1] ? k : c16);
+    if (fbf)
+        a->fbf += (uint64_t)k;
+    return f16;
+}
+
+/* float16 data cannot overflow FP16 (its finite values are <= 65504) or BF16, and cannot flush in either
+ * (its least non-zero magnitude, 2**-24, is above both flush points), so only NaN/inf, zeros and the
+ * extremes are left to find: the 16-bit extremes settle a block without a zero or NaN/inf; one with them
+ * is counted by rare16(). The magnitudes' bit order is their order, inf is 0x7C00, NaN above it. */
+#define F16_INF 0x7C00
+
+/* The float32 bit pattern of a finite float16 magnitude pattern h (exact: float32 holds every float16). */
+static int32_t
+f16_bits_to_f32(int32_t h)
+{
+    int32_t e = h >> 10, m = h & 0x3FF;
+    if (h == 0)
+        return 0;
+    if (e == 0) { /* subnormal, m * 2**-24: normalise the mantissa */
+        e = 1;
+        while (!(m & 0x400)) {
+            m <<= 1;
+            e--;
+        }
+        m &= 0x3FF;
+    }
+    return ((e + 112) << 23) | (m << 13);
+}
+
+/* A float16 block with a zero or NaN/inf: every count, branch-free, in 16-bit lanes like extremes16(). */
+VECTOR_CLONES static void
+rare16(const uint16_t *b, int32_t n, int32_t *zeros, int32_t *nan, int32_t *inf, int32_t *hi, int32_t *lo)
+{
+    int16_t z[LANES16], na[LANES16], in[LANES16], h[LANES16], l[LANES16];
+    for (int j = 0; j < LANES16; j++) {
+        z[j] = na[j] = in[j] = 0;
+        h[j] = -1;
+        l[j] = 0x7FFF;
+    }
+    const size_t full = (size_t)n - (size_t)n % LANES16;
+    for (size_t i = 0; i < (size_t)n; i += LANES16) {
+        size_t w = i < full ? LANES16 : (size_t)n - i; /* the ragged tail: one partial group, its own loop */
+        for (size_t j = 0; j < w; j++) {
+            int16_t m = (int16_t)(b[i + j] & 0x7FFF);
+            int16_t fh = m < F16_INF ? m : -1;                          /* candidates for the finite max */
+            int16_t fl = (m != 0 && m < F16_INF) ? m : (int16_t)0x7FFF; /* and the least non-zero finite */
+            z[j] = (int16_t)(z[j] + (m == 0));
+            na[j] = (int16_t)(na[j] + (m > F16_INF));
+            in[j] = (int16_t)(in[j] + (m == F16_INF));
+            h[j] = fh > h[j] ? fh : h[j];
+            l[j] = fl < l[j] ? fl : l[j];
+        }
+    }
+    int32_t zz = 0, nn = 0, ii = 0, hh = -1, ll = 0x7FFF;
+    for (int j = 0; j < LANES16; j++) {
+        zz += z[j];
+        nn += na[j];
+        ii += in[j];
+        hh = h[j] > hh ? h[j] : hh;
+        ll = l[j] < ll ? l[j] : ll;
+    }
+    *zeros = zz;
+    *nan = nn;
+    *inf = ii;
+    *hi = hh;
+    *lo = ll;
+}
+
+static int
+scan_block_f16(const uint16_t *s, int32_t k, acc_t *a)
+{
+    int32_t hi, mn, nz, lo;
+    extremes16(s, k, -1, &hi, &mn, &nz);
+    lo = nz + 1;
+    if (mn == 0 || hi >= F16_INF) {
+        int32_t z, na, in;
+        rare16(s, k, &z, &na, &in, &hi, &lo);
+        a->zeros += (uint64_t)z;
+        a->nan += (uint64_t)na;
+        a->inf += (uint64_t)in;
+    }
+    if (hi >= 0)
+        a->hi = f16_bits_to_f32(hi) > a->hi ? f16_bits_to_f32(hi) : a->hi;
+    if (lo < 0x7FFF && f16_bits_to_f32(lo) < a->lo)
+        a->lo = f16_bits_to_f32(lo);
+    return 0;
+}
+
+enum { F32, BF16, F16 };
+
 static PyObject *
-scan_f32(PyObject *self, PyObject *args)
+scan(PyObject *args, int kind)
 {
     Py_buffer view;
     unsigned int o16, f16, obf, fbf;
-    if (!PyArg_ParseTuple(args, "y*IIII:scan_f32", &view, &o16, &f16, &obf, &fbf))
+    const Py_ssize_t item = kind == F32 ? 4 : 2;
+    const char *fmt = kind == F32 ? "y*IIII:scan_f32" : kind == BF16 ? "y*IIII:scan_bf16" : "y*IIII:scan_f16";
+    int bf16 = kind == BF16;
+    if (!PyArg_ParseTuple(args, fmt, &view, &o16, &f16, &obf, &fbf))
         return NULL;
-    if (view.len % 4 != 0) {
+    uint32_t *wide = bf16 ? PyMem_Malloc(BLOCK * sizeof(uint32_t)) : NULL;
+    if (view.len % item != 0 || (bf16 && wide == NULL)) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "scan_f32: buffer length is not a multiple of 4 bytes");
+        PyMem_Free(wide);
+        if (view.len % item != 0)
+            PyErr_Format(PyExc_ValueError, "buffer length %zd is not a multiple of %zd bytes", view.len, item);
+        else
+            PyErr_NoMemory();
         return NULL;
     }
     const int32_t lim[4] = {(int32_t)o16, (int32_t)f16, (int32_t)obf, (int32_t)fbf};
-    const uint32_t *b = (const uint32_t *)view.buf;
-    Py_ssize_t n = view.len / 4;
+    Py_ssize_t n = view.len / item;
     acc_t a = {-1, MAG, 0, 0, 0, 0, 0, 0, 0};
-    int fused = 0;
+    int fused = 0; /* per block: what the previous block leaves the next (see scan_block, scan_block_bf16) */
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i += BLOCK)
-        fused = scan_block(b + i, (int32_t)(n - i < BLOCK ? n - i : BLOCK), lim, fused, &a);
+    for (Py_ssize_t i = 0; i < n; i += BLOCK) {
+        int32_t k = (int32_t)(n - i < BLOCK ? n - i : BLOCK);
+        if (kind == BF16)
+            fused = scan_block_bf16((const uint16_t *)view.buf + i, k, lim, fused, wide, &a);
+        else if (kind == F16)
+            fused = scan_block_f16((const uint16_t *)view.buf + i, k, &a);
+        else
+            fused = scan_block((const uint32_t *)view.buf + i, k, lim, fused, &a);
+    }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    PyMem_Free(wide);
     return Py_BuildValue("(iiKKKKKKK)", a.hi, a.lo == MAG ? -1 : a.lo,
                          (unsigned long long)a.nan, (unsigned long long)a.inf, (unsigned long long)a.zeros,
                          (unsigned long long)a.o16, (unsigned long long)a.f16,
                          (unsigned long long)a.obf, (unsigned long long)a.fbf);
 }
 
+static PyObject *
+scan_f32(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return scan(args, F32);
+}
+
+static PyObject *
+scan_bf16(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return scan(args, BF16);
+}
+
+static PyObject *
+scan_f16(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return scan(args, F16);
+}
+
 static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Range statistics of float32 data as bit patterns (see _scan.c)."},
+    {"scan_bf16", scan_bf16, METH_VARARGS, "scan_f32 for bfloat16 data (2-byte items), in float32 terms."},
+    {"scan_f16", scan_f16, METH_VARARGS, "scan_f32 for float16 data (2-byte items), in float32 terms."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "The compiled float32 range scan.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "The compiled float32/bfloat16/float16 range scan.",
+                                     -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC
 PyInit__scan(void)

@@ -139,6 +139,7 @@ class Workspace:
 
 
 _TORCH_OF = {np.float32: torch.float32, np.float64: torch.float64}
+_KERNEL_KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # what _scan.c reads natively
 
 
 def _np_dtype(*tensors: torch.Tensor):
@@ -179,11 +180,12 @@ def _scan_part(flat: torch.Tensor, ws: Workspace, slot: int, dtype, step: int,
                on_bytes: Callable[[int], None] | None) -> _Acc:
     acc = _Acc(flat.numel(), ws.kernel == "c")
     item = flat.element_size()
-    if acc.kernel and flat.dtype == torch.float32:  # no chunks, no scratch: the kernel blocks for the cache
-        view = flat.numpy()
+    kind = _KERNEL_KIND.get(flat.dtype)
+    if acc.kernel and kind is not None:  # no chunks: the kernel blocks for the cache
+        view = flat.numpy() if kind == "f32" else flat.view(torch.int16).numpy()  # 16-bit kinds: their bits
         for i in range(0, view.size, KERNEL_STEP):
             x = view[i:i + KERNEL_STEP]
-            acc.add_scanned(x)
+            acc.add_scanned(x, kind)
             if on_bytes is not None:
                 on_bytes(x.size * item)
         return acc

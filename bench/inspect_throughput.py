@@ -15,6 +15,7 @@ the one-thread floor and against the floor on the same number of threads.
     python bench/inspect_throughput.py             # ~2 GB, 5 rounds
     python bench/inspect_throughput.py --quick     # ~0.25 GB, 3 rounds
     python bench/inspect_throughput.py --per-kind  # also the kernel alone on weights, exp_avg, exp_avg_sq
+    python bench/inspect_throughput.py --dtype bfloat16  # every tensor bf16 (the kernel's 16-bit path)
 
 NB: by default the file is in the page cache (it was just written), so this measures scanning, not
 the disk. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)``, nothing else) before
@@ -38,20 +39,22 @@ from analyzer.inspect import inspect_checkpoints
 TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
 
 
-def write_checkpoint(path: Path, size_gb: float) -> int:
+def write_checkpoint(path: Path, size_gb: float, dtype: torch.dtype = torch.float32) -> int:
     """A {"model": ..., "optimizer": ...} checkpoint of about size_gb, built one tensor at a time."""
-    n = max(3, round(size_gb * 1e9 / (TENSOR_ELEMS * 4) / 3) * 3)
+    item = torch.empty((), dtype=dtype).element_size()
+    n = max(3, round(size_gb * 1e9 / (TENSOR_ELEMS * item) / 3) * 3)
     g = torch.Generator().manual_seed(0)
     params = n // 3
-    model = {f"layers.{i}.weight": torch.randn(TENSOR_ELEMS, generator=g).mul_(0.02).view(2048, -1)
+    model = {f"layers.{i}.weight": torch.randn(TENSOR_ELEMS, generator=g).mul_(0.02).view(2048, -1).to(dtype)
              for i in range(params)}
     state = {}
     for i in range(params):  # Adam after some steps: small first moments, tiny second moments
         grad = torch.randn(TENSOR_ELEMS, generator=g).mul_(1e-4).view(2048, -1)
-        state[i] = {"step": torch.tensor(100.0), "exp_avg": grad, "exp_avg_sq": grad.square().mul_(0.01)}
+        state[i] = {"step": torch.tensor(100.0), "exp_avg": grad.to(dtype),
+                    "exp_avg_sq": grad.square().mul_(0.01).to(dtype)}
     opt = {"state": state, "param_groups": [{"params": list(range(params)), "lr": 1e-3}]}
     torch.save({"model": model, "optimizer": opt, "step": 100}, path)
-    return n * TENSOR_ELEMS * 4
+    return n * TENSOR_ELEMS * item
 
 
 def floor(path: Path, threads: int) -> None:
@@ -95,7 +98,10 @@ def per_kind(path: Path, rounds: int) -> None:
         t = time.perf_counter()
         for x in pick(sd):
             if scan:
-                _rangestats._scan.scan_f32(x.reshape(-1).numpy(), *_rangestats._KERNEL_LIMITS)
+                flat = x.reshape(-1)
+                kind = _tensorstats._KERNEL_KIND[flat.dtype]
+                view = flat.numpy() if kind == "f32" else flat.view(torch.int16).numpy()
+                getattr(_rangestats._scan, f"scan_{kind}")(view, *_rangestats._KERNEL_LIMITS)
             else:
                 float(x.sum())
         return time.perf_counter() - t
@@ -127,6 +133,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="the second thread count to run both at (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype of every tensor in the checkpoint (default float32)")
     ap.add_argument("--per-kind", action="store_true",
                     help="also time the compiled kernel alone on each kind of tensor (1 thread)")
     ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
@@ -138,8 +146,8 @@ def main() -> None:
     try:
         path = tmp / "ckpt.pt"
         t0 = time.perf_counter()
-        nbytes = write_checkpoint(path, args.size_gb)
-        print(f"wrote {nbytes / 1e9:.2f} GB of tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
+        nbytes = write_checkpoint(path, args.size_gb, getattr(torch, args.dtype))
+        print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
               f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}; "
               f"default scan: {_tensorstats.KERNEL!r}; numpy scan chunks {_tensorstats.CHUNK} elements, "

@@ -324,20 +324,24 @@ _ODD = {  # one value planted in healthy weights, |x| in [0.5, 1.5): which path 
 @pytest.mark.parametrize("odd", list(_ODD))
 @pytest.mark.parametrize("signs", ["mixed", "non-negative"])  # non-negative chunks skip the uint32 extremes
 @pytest.mark.parametrize("chunk, threads", [(1 << 17, 1), (1 << 15, 2)])  # large chunks; split in 2 parts
-def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, signs, chunk, threads, kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # 16-bit kernel paths too
+def test_one_odd_value_in_healthy_weights_is_counted_exactly_by_every_path(odd, signs, chunk, threads, kernel,
+                                                                           dtype):
     g = torch.Generator().manual_seed(7)
     x = torch.rand(1 << 20, generator=g) + 0.5
     if signs == "mixed":
         x *= torch.where(torch.rand(1 << 20, generator=g) < 0.5, -1.0, 1.0)
+    x = x.to(dtype)
     if _ODD[odd] is not None:
-        x[700_001] = _ODD[odd]  # in the 6th of 8 chunks of 128K, in the second part of 2
+        x[700_001] = _ODD[odd]  # in the 6th of 8 chunks of 128K, in the second part of 2 (bf16: rounded)
     with Workspace(chunk, threads, kernel=kernel) as ws:
         s = scan_tensor(x, ws)
     assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(kernel, dtype):
     # Segments of the compiled scan's block, also the numpy chunk here: 1 healthy, 2 and 3 with
     # flushing values (the second with zeros, so the kernel's fused count must subtract them), 4 healthy
     # again (after a counting block the kernel fuses the count: it must find none), 5 flushing after a
@@ -352,12 +356,43 @@ def test_flush_counts_stay_exact_across_chunks_that_switch_between_counting_and_
     x[4 * n + 9] = 2.0**-25
     x[5 * n:6 * n:3] = 1e-8
     x[5 * n + 1], x[5 * n + 2] = float("nan"), -float("inf")
+    x = x.to(dtype)  # bf16/fp16: the same blocks, values rounded (in fp16 the tiny ones become 0)
     s = scan_tensor(x, Workspace(n, threads=1, kernel=kernel))
     assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
 
 
+def test_the_kernel_converts_every_finite_float16_magnitude_exactly():
+    # scan_f16 reports its extremes as float32 bit patterns, converted in C: all 31744 finite
+    # magnitudes (1023 subnormals among them), each alone, against torch's own conversion
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    bits = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16)
+    want = bits.view(torch.float16).float().view(torch.int32).tolist()
+    limits = _rangestats._KERNEL_LIMITS
+    got = [_rangestats._scan.scan_f16(b, *limits)[:2] for b in bits.numpy().reshape(-1, 1)]
+    assert [hi for hi, _ in got] == want
+    assert [lo for _, lo in got] == [-1] + want[1:]  # a lone zero has no non-zero magnitude
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_adam_moments_flush_in_every_block_and_are_counted_exactly(kernel, dtype, moment):
+    # Every block has FP16 flushes, so after the first the kernel counts them inside its extremes pass
+    # (bf16: in 16 bits); second moments flush entirely, so no block needs a count at all
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5 * 8192 + 13, generator=g) * 1e-7  # about a quarter of |x| <= 2**-25
+    x = x.square().add_(2.0**-40) if moment == "exp_avg_sq" else x
+    x = x.to(dtype)
+    assert (x == 0).sum() == 0 and x.isfinite().all()  # no zero or NaN sends a block down another path
+    s = scan_tensor(x, Workspace(8192, threads=1, kernel=kernel))
+    assert {k: getattr(s, k) for k in _expected(x)} == _expected(x)
+    assert 0 < s.fp16_flush <= x.numel() and (s.fp16_flush == x.numel()) == (moment == "exp_avg_sq")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_compiled_and_numpy_scans_agree_on_random_mixtures_of_every_kind_of_value(seed):
+def test_the_compiled_and_numpy_scans_agree_on_random_mixtures_of_every_kind_of_value(seed, dtype):
     if "c" not in KERNELS:
         pytest.skip("analyzer._scan is not built here")
     g = torch.Generator().manual_seed(seed)
@@ -367,6 +402,7 @@ def test_the_compiled_and_numpy_scans_agree_on_random_mixtures_of_every_kind_of_
                          1e-45, -(2.0**-134), 3.4e38])
     where = torch.randint(0, n, (200 * seed,), generator=g)
     x[where] = pool[torch.randint(0, len(pool), where.shape, generator=g)]
+    x = x.to(dtype)
     c = scan_tensor(x, Workspace(1000, threads=1, kernel="c"))
     assert c == scan_tensor(x, Workspace(1000, threads=1, kernel="numpy"))
     assert {k: getattr(c, k) for k in _expected(x)} == _expected(x)
@@ -386,15 +422,15 @@ def _build_scan(tmp_path, flags: list[str]):
     return mod
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512f"])
 def test_every_instruction_set_copy_of_the_kernel_gives_the_same_numbers(tmp_path, isa):
-    # The installed kernel runs the copy for this CPU (AVX-512 here); the others only run elsewhere,
+    # The installed kernel runs the copy for this CPU (x86-64-v4 here); the others only run elsewhere,
     # so they are built and checked here against it, on every kind of value
     if "c" not in KERNELS:
         pytest.skip("analyzer._scan is not built here")
-    if isa == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text(errors="replace"):
-        pytest.skip("this CPU has no AVX2")
-    flags = {"baseline": [], "avx2": ["-mavx2"]}[isa]
+    if isa != "baseline" and isa not in Path("/proc/cpuinfo").read_text(errors="replace"):
+        pytest.skip(f"this CPU has no {isa}")
+    flags = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}[isa]  # avx512f: clang's clone
     if platform.machine() not in ("x86_64", "AMD64"):
         flags = []
     mod = _build_scan(tmp_path, flags)
@@ -404,9 +440,13 @@ def test_every_instruction_set_copy_of_the_kernel_gives_the_same_numbers(tmp_pat
     odd = torch.tensor([0.0, float("nan"), -float("inf"), 65520.0, 2.0**-25, 1e-45])
     x[::501] = odd.repeat(20)[: len(x[::501])]
     x[mod.BLOCK:2 * mod.BLOCK] = torch.rand(mod.BLOCK, generator=g) * 1e-4  # a block of flushes, then a fused one
+    limits = _rangestats._KERNEL_LIMITS
     for part in (x, x[5:], x[: mod.BLOCK], x[:7]):  # ragged tails, one block, fewer values than lanes
-        a, limits = part.numpy(), _rangestats._KERNEL_LIMITS
+        a, b, h = (part.numpy(), part.bfloat16().view(torch.int16).numpy(),
+                   part.half().view(torch.int16).numpy())
         assert mod.scan_f32(a, *limits) == _rangestats._scan.scan_f32(a, *limits)
+        assert mod.scan_bf16(b, *limits) == _rangestats._scan.scan_bf16(b, *limits)
+        assert mod.scan_f16(h, *limits) == _rangestats._scan.scan_f16(h, *limits)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
