@@ -16,7 +16,8 @@ is read once, in blocks of 8192 elements, as bit patterns with the sign cleared,
 order of the magnitudes (inf and NaN above every finite value). One pass takes each block's greatest
 magnitude and least magnitude minus 1 (a zero shows as -1), over 32 independent lanes; only a block whose
 extremes cross a threshold is counted again while it is in L1, and a block after one with FP16 flushes
-counts them in the extremes pass itself. It runs at about the speed of a plain sum
+counts them in the extremes pass itself. bfloat16 and float16 data are read natively, as 16-bit
+magnitudes (``scan_bf16``, ``scan_f16`` in ``_scan.c``). It runs at about the speed of a plain sum
 (``bench/inspect_throughput.py``) and releases the GIL.
 
 Without it (no C compiler at install, or ``Workspace(kernel="numpy")``), the same numbers come from numpy:
