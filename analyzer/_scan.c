@@ -212,7 +212,7 @@ lane_pass16(const uint16_t *b, size_t full, int16_t t, int count, int16_t *h, in
         }
 }
 
-/* extremes() for bf16 data, in 16-bit magnitudes (t: a 16-bit threshold, < 0 for no count). */
+/* extremes() for bf16 and fp16 data, in 16-bit magnitudes (t: a 16-bit threshold, < 0 for no count). */
 VECTOR_CLONES static int32_t
 extremes16(const uint16_t *b, int32_t n, int32_t t, int32_t *hi, int32_t *mn, int32_t *nz)
 {
