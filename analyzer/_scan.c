@@ -371,11 +371,15 @@ scan(PyObject *args, int kind)
     if (!PyArg_ParseTuple(args, fmt, &view, &o16, &f16, &obf, &fbf))
         return NULL;
     uint32_t *wide = bf16 ? PyMem_Malloc(BLOCK * sizeof(uint32_t)) : NULL;
-    if (view.len % item != 0 || (bf16 && wide == NULL)) {
+    /* elements are read as aligned words: a misaligned buffer is refused, never read */
+    int misaligned = (uintptr_t)view.buf % (uintptr_t)item != 0;
+    if (view.len % item != 0 || misaligned || (bf16 && wide == NULL)) {
         PyBuffer_Release(&view);
         PyMem_Free(wide);
         if (view.len % item != 0)
             PyErr_Format(PyExc_ValueError, "buffer length %zd is not a multiple of %zd bytes", view.len, item);
+        else if (misaligned)
+            PyErr_Format(PyExc_ValueError, "buffer is not aligned to its %zd-byte items", item);
         else
             PyErr_NoMemory();
         return NULL;

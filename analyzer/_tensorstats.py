@@ -181,7 +181,9 @@ def _scan_part(flat: torch.Tensor, ws: Workspace, slot: int, dtype, step: int,
     acc = _Acc(flat.numel(), ws.kernel == "c")
     item = flat.element_size()
     kind = _KERNEL_KIND.get(flat.dtype)
-    if acc.kernel and kind is not None:  # no chunks: the kernel blocks for the cache
+    # NB: the kernel needs element-aligned data (it refuses any other); torch.save storages are 64-byte
+    # aligned, and _safetensors copies a tensor that starts off its alignment in the file
+    if acc.kernel and kind is not None:
         view = flat.numpy() if kind == "f32" else flat.view(torch.int16).numpy()  # 16-bit kinds: their bits
         for i in range(0, view.size, KERNEL_STEP):
             x = view[i:i + KERNEL_STEP]

@@ -13,6 +13,7 @@ import sysconfig
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -422,6 +423,19 @@ def _build_scan(tmp_path, flags: list[str]):
     return mod
 
 
+def test_the_kernel_refuses_misaligned_or_ragged_buffers_rather_than_reading_them():
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    raw = np.zeros(64, dtype=np.uint8)
+    limits = _rangestats._KERNEL_LIMITS
+    with pytest.raises(ValueError, match="not aligned to its 4-byte items"):
+        _rangestats._scan.scan_f32(np.frombuffer(raw, np.float32, 4, 2), *limits)  # 4 floats from byte 2
+    with pytest.raises(ValueError, match="not aligned to its 2-byte items"):
+        _rangestats._scan.scan_f16(np.frombuffer(raw, np.int16, 4, 1), *limits)
+    with pytest.raises(ValueError, match="not a multiple of 4 bytes"):
+        _rangestats._scan.scan_f32(raw[:6], *limits)
+
+
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512f"])
 def test_every_instruction_set_copy_of_the_kernel_gives_the_same_numbers(tmp_path, isa):
     # The installed kernel runs the copy for this CPU (x86-64-v4 here); the others only run elsewhere,
@@ -633,7 +647,8 @@ def test_weights_that_mostly_flush_to_zero_in_fp16_are_a_range_risk(tmp_path):
 
 def _write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """The format by hand: u64 LE header size, JSON header, little-endian data (8-byte padded header)."""
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+             torch.int8: "I8"}
     header, blobs, offset = {"__metadata__": metadata}, [], 0
     for name, t in tensors.items():
         raw = t.contiguous().view(torch.uint8).numpy().tobytes()
@@ -655,6 +670,25 @@ def test_a_hand_written_safetensors_file_with_bf16_and_metadata_is_read(tmp_path
     stats = {t.name: t for t in fr.tensors}
     assert stats["w"].stats.abs_max == 1e5 and stats["w"].stats.fp16_overflow == 1
     assert stats["h"].dtype == "bfloat16" and stats["h"].stats.abs_max == tensors["h"].abs().max().item()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tensors_that_start_at_odd_offsets_in_a_safetensors_file_are_scanned_exactly(tmp_path, monkeypatch, kernel):
+    # safetensors packs tensors back to back: float32 "w" starts 2 bytes off its 4-byte alignment (after
+    # 3 bf16 values) and float16 "h" 1 byte off its 2 (past the int8); the reader copies such a tensor,
+    # so the kernel always gets aligned data
+    monkeypatch.setattr(_tensorstats, "KERNEL", kernel)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(70_001, generator=g) * 0.02
+    w[5], w[60_000], w[61_000] = float("nan"), 1e-9, 7e4
+    h = (torch.randn(20_003, generator=g) * 1e4).half()
+    h[3] = 0.0
+    tensors = {"a": torch.tensor([1.0, -2.0, 3.0]).bfloat16(), "w": w, "b": torch.tensor([0.5]).bfloat16(),
+               "odd": torch.ones(1, dtype=torch.int8), "h": h}
+    _write_safetensors(tmp_path / "m.safetensors", tensors, {})
+    stats = {t.name: t.stats for t in inspect_checkpoints(tmp_path / "m.safetensors").files[0].tensors}
+    for name in ("a", "w", "b", "h"):
+        assert {k: getattr(stats[name], k) for k in _expected(tensors[name])} == _expected(tensors[name]), name
 
 
 def test_the_safetensors_package_and_torch_save_give_identical_stats(tmp_path):
