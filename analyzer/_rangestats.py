@@ -73,6 +73,21 @@ def compiled() -> bool:
     return _scan is not None
 
 
+def pair_sums(xa: np.ndarray, xb: np.ndarray) -> tuple[int, float, float]:
+    """(elements that differ, sum((xb - xa)**2), sum(xa**2)) of two float32 arrays, in one compiled pass
+    with float64 sums."""
+    return _scan.pair_f32(xa, xb)
+
+
+def scan_pair_into(acc_a: _Acc, acc_b: _Acc, xa: np.ndarray, xb: np.ndarray) -> tuple[int, float, float]:
+    """Fold float32 arrays xa and xb into their accumulators and return their pair_sums, all in one
+    compiled read of each block."""
+    ra, rb, changed, dd, aa = _scan.scan_pair_f32(xa, xb, *_KERNEL_LIMITS)
+    acc_a.add_result(ra)
+    acc_b.add_result(rb)
+    return changed, dd, aa
+
+
 def _bits(v: float) -> int:
     """The float32 bit pattern of v (v must be exactly representable)."""
     return struct.unpack("<I", struct.pack("<f", v))[0]
@@ -152,7 +167,11 @@ class _Acc:
         float32 data; "bf16" / "f16": bfloat16 / float16 bit patterns (an int16 view), scanned as the
         float32 values they convert to exactly."""
         scan = {"f32": _scan.scan_f32, "bf16": _scan.scan_bf16, "f16": _scan.scan_f16}[kind]
-        hi, lo, nan, inf, zeros, o16, f16, obf, fbf = scan(x, *_KERNEL_LIMITS)
+        self.add_result(scan(x, *_KERNEL_LIMITS))
+
+    def add_result(self, result: tuple[int, ...]) -> None:
+        """Fold in the 9-tuple a kernel scan returned (see _scan.c)."""
+        hi, lo, nan, inf, zeros, o16, f16, obf, fbf = result
         self.hi_bits = max(self.hi_bits, hi)
         if lo >= 0:
             self.lo_bits = min(self.lo_bits, lo)

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from ._rangestats import (
-    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, TensorStats, _Acc, compiled,
+    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, TensorStats, _Acc, compiled, pair_sums,
+    scan_pair_into,
 )
 
 __all__ = [
     "KERNEL", "CHUNK", "THREAD_CHUNK", "FP16_MAX", "FP16_OVERFLOW", "FP16_FLUSH", "BF16_OVERFLOW", "BF16_FLUSH",
-    "TensorStats", "PairChange", "Workspace", "scan_tensor", "scan_tensors", "scan_pair",
+    "TensorStats", "PairChange", "Workspace", "scan_tensor", "scan_tensors", "scan_pair", "scan_pairs",
 ]
 
 KERNEL = "c" if compiled() else "numpy"  # what Workspace() uses by default
@@ -110,12 +111,11 @@ class Workspace:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="amp-autopsy-scan")
         return self._pool
 
-    def scan_whole(self, t: torch.Tensor) -> TensorStats:
-        """scan_tensor without splitting, on the scratch of a free slot: safe to call from several threads."""
+    def with_slot(self, task: Callable[[Any, int], Any], item: Any) -> Any:
+        """task(item, slot) on the scratch of a free slot: safe to run on several threads at once."""
         slot = self._slots.get()
         try:
-            # part_chunk: the chunks of threads running side by side (see THREAD_CHUNK)
-            return _scan_part(_flat(t.detach()), self, slot, _np_dtype(t), self.part_chunk, None).freeze()
+            return task(item, slot)
         finally:
             self._slots.put(slot)
 
@@ -225,6 +225,18 @@ def scan_tensor(t: torch.Tensor, ws: Workspace, on_bytes: Callable[[int], None] 
     return total.freeze()
 
 
+def _side_by_side(ws: Workspace, items: list[Any], task: Callable[[Any, int], Any], nbytes: Callable[[Any], int],
+                  on_bytes: Callable[[int], None] | None) -> list[Any]:
+    """task(item, slot) for every item, on the workspace's threads at once; results and progress in order."""
+    futures = [ws.pool().submit(ws.with_slot, task, item) for item in items]
+    out = []
+    for item, fut in zip(items, futures):
+        out.append(fut.result())
+        if on_bytes is not None:
+            on_bytes(nbytes(item))
+    return out
+
+
 def scan_tensors(ts: Sequence[torch.Tensor], ws: Workspace,
                  on_bytes: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Statistics of many tensors, in order.
@@ -242,48 +254,77 @@ def scan_tensors(ts: Sequence[torch.Tensor], ws: Workspace,
     """
     if ws.threads == 1:
         return [scan_tensor(t, ws, on_bytes) for t in ts]
+
+    def whole(t: torch.Tensor, slot: int) -> TensorStats:  # part_chunk: the chunks of threads side by side
+        return _scan_part(_flat(t.detach()), ws, slot, _np_dtype(t), ws.part_chunk, None).freeze()
+
     out: list[TensorStats] = []
-    pending: list[tuple[torch.Tensor, Any]] = []
-
-    def drain() -> None:
-        for t, fut in pending:
-            out.append(fut.result())
-            if on_bytes is not None:
-                on_bytes(t.nbytes)
-        pending.clear()
-
-    for t in ts:
-        if t.numel() >= ws.split_at:
-            drain()
-            out.append(scan_tensor(t, ws, on_bytes))
+    batch: list[torch.Tensor] = []
+    for t in [*ts, None]:
+        if t is None or t.numel() >= ws.split_at:
+            out += _side_by_side(ws, batch, whole, lambda x: x.nbytes, on_bytes)
+            batch = []
+            if t is not None:
+                out.append(scan_tensor(t, ws, on_bytes))
         else:
-            pending.append((t, ws.pool().submit(ws.scan_whole, t)))
-    drain()
+            batch.append(t)
     return out
 
 
+def scan_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ws: Workspace,
+               on_bytes: Callable[[int], None] | None = None) -> list[tuple[TensorStats, TensorStats, PairChange]]:
+    """scan_pair for each (A, B), in order; with threads, pairs run side by side, one per thread."""
+    if ws.threads == 1:
+        return [scan_pair(ta, tb, ws, on_bytes) for ta, tb in pairs]
+    return _side_by_side(ws, list(pairs), lambda p, slot: scan_pair(p[0], p[1], ws, None, slot, ws.part_chunk),
+                         lambda p: p[0].nbytes + p[1].nbytes, on_bytes)
+
+
 def scan_pair(ta: torch.Tensor, tb: torch.Tensor, ws: Workspace,
-              on_bytes: Callable[[int], None] | None = None) -> tuple[TensorStats, TensorStats, PairChange]:
-    """Statistics of A and B (same shape) and how B differs from A, reading each chunk once."""
+              on_bytes: Callable[[int], None] | None = None, slot: int = 0,
+              step: int | None = None) -> tuple[TensorStats, TensorStats, PairChange]:
+    """Statistics of A and B (same shape) and how B differs from A, reading each chunk once.
+    `slot` picks the workspace scratch (one per thread), `step` the chunk (default ``ws.chunk``)."""
     if ta.shape != tb.shape:
         raise ValueError(f"shapes differ: {tuple(ta.shape)} vs {tuple(tb.shape)}")
     dtype = _np_dtype(ta, tb)
     acc_a, acc_b = _Acc(ta.numel(), ws.kernel == "c"), _Acc(tb.numel(), ws.kernel == "c")
-    a, m, d = ws.buf("abs", dtype), ws.buf("mask", np.bool_), ws.buf("diff", dtype)
     changed, dd, aa = 0, 0.0, 0.0
     item = ta.element_size() + tb.element_size()
+    if ta.stride() == tb.stride():  # the same memory order: flat views pair element with element
+        fa, fb = _flat(ta.detach()), _flat(tb.detach())
+    else:  # NB: copies, so that element i of A and of B are the same index
+        fa, fb = ta.detach().contiguous().reshape(-1), tb.detach().contiguous().reshape(-1)
+    if acc_a.kernel and fa.dtype == fb.dtype == torch.float32:  # one compiled read of each block of both
+        va, vb = fa.numpy(), fb.numpy()
+        for i in range(0, va.size, KERNEL_STEP):
+            c, d2, a2 = scan_pair_into(acc_a, acc_b, va[i:i + KERNEL_STEP], vb[i:i + KERNEL_STEP])
+            changed, dd, aa = changed + c, dd + d2, aa + a2
+            if on_bytes is not None:
+                on_bytes(min(KERNEL_STEP, va.size - i) * item)
+        return _pair_result(acc_a, acc_b, changed, dd, aa)
+    a, m, d = ws.buf("abs", dtype, slot), ws.buf("mask", np.bool_, slot), ws.buf("diff", dtype, slot)
+    compiled_pair = acc_a.kernel and dtype == np.float32
     with np.errstate(all="ignore"):  # inf - inf and overflowing squares are expected, not warnings
-        for xa, xb in zip(_chunks(_flat(ta.detach()), ws, "a", dtype), _chunks(_flat(tb.detach()), ws, "b", dtype)):
+        for xa, xb in zip(_chunks(fa, ws, "a", dtype, slot, step), _chunks(fb, ws, "b", dtype, slot, step)):
             k = xa.size
-            changed += int(np.count_nonzero(np.not_equal(xa, xb, out=m[:k])))
-            np.subtract(xb, xa, out=d[:k])
-            dd += float(np.dot(d[:k], d[:k]))
-            aa += float(np.dot(xa, xa))
-            acc_a.fold(xa, a, m)
+            acc_a.fold(xa, a, m)  # with the kernel: the reads from memory; the pair sums then hit cache
             acc_b.fold(xb, a, m)
+            if compiled_pair:
+                c, d2, a2 = pair_sums(xa, xb)
+                changed, dd, aa = changed + c, dd + d2, aa + a2
+            else:  # NB: float32 dot products (float64 ones would cost a converting pass)
+                changed += int(np.count_nonzero(np.not_equal(xa, xb, out=m[:k])))
+                np.subtract(xb, xa, out=d[:k])
+                dd += float(np.dot(d[:k], d[:k]))
+                aa += float(np.dot(xa, xa))
             if on_bytes is not None:
                 on_bytes(k * item)
+    return _pair_result(acc_a, acc_b, changed, dd, aa)
+
+
+def _pair_result(acc_a: _Acc, acc_b: _Acc, changed: int, dd: float, aa: float):
     sa, sb = acc_a.freeze(), acc_b.freeze()
     ok = sa.nonfinite == 0 and sb.nonfinite == 0 and aa > 0 and math.isfinite(dd) and math.isfinite(aa)
     rel = math.sqrt(dd) / math.sqrt(aa) if ok else None
-    return sa, sb, PairChange(changed=changed, numel=ta.numel(), rel_change=rel)
+    return sa, sb, PairChange(changed=changed, numel=acc_a.numel, rel_change=rel)

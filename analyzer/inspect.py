@@ -39,7 +39,7 @@ from ._checkpoint import Checkpoint, Entry, load_checkpoint
 from ._inspect_text import render_inspect_text
 from ._tensorstats import (
     BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats, Workspace,
-    scan_pair, scan_tensors,
+    scan_pairs, scan_tensors,
 )
 from .findings import Finding, json_safe, sort_findings
 
@@ -187,11 +187,11 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool):
         stats = iter(scan_tensors([e.tensor for e in alone + alone_b], ws, prog))
         rep_a = [None if eb is not None else _report(e, next(stats)) for e, eb in zip(cka.entries, paired)]
         rep_b = {eb.name: _report(eb, next(stats)) for eb in alone_b}
-        for i, (e, eb) in enumerate(zip(cka.entries, paired)):
-            if eb is not None:
-                sa, sb, ch = scan_pair(e.tensor, eb.tensor, ws, prog)
-                rep_a[i], rep_b[eb.name] = _report(e, sa), _report(eb, sb)
-                changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+        both = [(i, e, eb) for i, (e, eb) in enumerate(zip(cka.entries, paired)) if eb is not None]
+        results = scan_pairs([(e.tensor, eb.tensor) for _, e, eb in both], ws, prog)
+        for (i, e, eb), (sa, sb, ch) in zip(both, results):
+            rep_a[i], rep_b[eb.name] = _report(e, sa), _report(eb, sb)
+            changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
     prog.close()
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:

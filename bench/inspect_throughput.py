@@ -1,7 +1,7 @@
 """Throughput of ``analyzer inspect`` against the floor: ``torch.load(mmap=True)`` + a sum over all tensors.
 
-Writes a synthetic training checkpoint (FP32 weights, Adam exp_avg and exp_avg_sq in equal parts,
-so both the fast path and the flush-to-zero counting path run) into a temporary directory, runs
+Writes a synthetic training checkpoint (weights, Adam exp_avg and exp_avg_sq in equal parts, all in
+``--dtype``, float32 by default, so both the fast path and the flush-to-zero counting path run) into a temporary directory, runs
 the variants interleaved, prints medians and ratios from the same run, then deletes the file.
 
 Variants: the floor; ``analyzer inspect`` with its default scan (the compiled one, ``analyzer/_scan.c``,
@@ -16,6 +16,7 @@ the one-thread floor and against the floor on the same number of threads.
     python bench/inspect_throughput.py --quick     # ~0.25 GB, 3 rounds
     python bench/inspect_throughput.py --per-kind  # also the kernel alone on weights, exp_avg, exp_avg_sq
     python bench/inspect_throughput.py --dtype bfloat16  # every tensor bf16 (the kernel's 16-bit path)
+    python bench/inspect_throughput.py --pair      # two checkpoints: inspect A B against summing both
 
 NB: by default the file is in the page cache (it was just written), so this measures scanning, not
 the disk. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)``, nothing else) before
@@ -39,11 +40,11 @@ from analyzer.inspect import inspect_checkpoints
 TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
 
 
-def write_checkpoint(path: Path, size_gb: float, dtype: torch.dtype = torch.float32) -> int:
+def write_checkpoint(path: Path, size_gb: float, dtype: torch.dtype = torch.float32, seed: int = 0) -> int:
     """A {"model": ..., "optimizer": ...} checkpoint of about size_gb, built one tensor at a time."""
     item = torch.empty((), dtype=dtype).element_size()
     n = max(3, round(size_gb * 1e9 / (TENSOR_ELEMS * item) / 3) * 3)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     params = n // 3
     model = {f"layers.{i}.weight": torch.randn(TENSOR_ELEMS, generator=g).mul_(0.02).view(2048, -1).to(dtype)
              for i in range(params)}
@@ -57,29 +58,30 @@ def write_checkpoint(path: Path, size_gb: float, dtype: torch.dtype = torch.floa
     return n * TENSOR_ELEMS * item
 
 
-def floor(path: Path, threads: int) -> None:
+def floor(paths: list[Path], threads: int) -> None:
     torch.set_num_threads(threads)
-    sd = torch.load(path, mmap=True, weights_only=True)
     total = 0.0
-    for t in sd["model"].values():
-        total += float(t.sum())
-    for slots in sd["optimizer"]["state"].values():
-        for t in slots.values():
+    for path in paths:
+        sd = torch.load(path, mmap=True, weights_only=True)
+        for t in sd["model"].values():
             total += float(t.sum())
+        for slots in sd["optimizer"]["state"].values():
+            for t in slots.values():
+                total += float(t.sum())
 
 
-def inspect(path: Path, threads: int, kernel: str = _tensorstats.KERNEL) -> None:
+def inspect(paths: list[Path], threads: int, kernel: str = _tensorstats.KERNEL) -> None:
     torch.set_num_threads(threads)  # what Workspace() takes as its thread count
     default, _tensorstats.KERNEL = _tensorstats.KERNEL, kernel  # what Workspace() takes as its kernel
     try:
-        result = inspect_checkpoints(path)
+        result = inspect_checkpoints(*paths)
     finally:
         _tensorstats.KERNEL = default
     assert not [f for f in result.findings if f.severity == "error"], "the synthetic checkpoint is healthy"
 
 
-def inspect_numpy(path: Path, threads: int) -> None:
-    inspect(path, threads, "numpy")
+def inspect_numpy(paths: list[Path], threads: int) -> None:
+    inspect(paths, threads, "numpy")
 
 
 def per_kind(path: Path, rounds: int) -> None:
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of every tensor in the checkpoint (default float32)")
+    ap.add_argument("--pair", action="store_true",
+                    help="write a second checkpoint (another seed) and inspect A against B; the floor sums both")
     ap.add_argument("--per-kind", action="store_true",
                     help="also time the compiled kernel alone on each kind of tensor (1 thread)")
     ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
@@ -147,7 +151,11 @@ def main() -> None:
         path = tmp / "ckpt.pt"
         t0 = time.perf_counter()
         nbytes = write_checkpoint(path, args.size_gb, getattr(torch, args.dtype))
-        print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors ({os.path.getsize(path) / 1e9:.2f} GB file) "
+        paths = [path]
+        if args.pair:
+            paths.append(tmp / "ckpt_b.pt")
+            nbytes += write_checkpoint(paths[1], args.size_gb, getattr(torch, args.dtype), seed=1)
+        print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors in {len(paths)} file(s) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
               f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}; "
               f"default scan: {_tensorstats.KERNEL!r}; numpy scan chunks {_tensorstats.CHUNK} elements, "
@@ -160,9 +168,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for (name, n), fn in variants.items():  # interleaved, so machine noise hits all alike
                 if args.cold:
-                    evict(path)
+                    for p in paths:
+                        evict(p)
                 t = time.perf_counter()
-                fn(path, n)
+                fn(paths, n)
                 times[name, n].append(time.perf_counter() - t)
         med = {k: statistics.median(ts) for k, ts in times.items()}
         base = med["floor: torch.load(mmap) + sum", 1]

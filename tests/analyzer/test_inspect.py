@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -248,7 +249,15 @@ def test_without_the_compiled_scan_inspect_falls_back_to_numpy_with_the_same_rep
                          check=True).stdout
     got = json.loads(out)
     assert got["kernel"] == "numpy" and "was not compiled at install" in got["refused"]
-    assert got["result"] == json.loads(json.dumps(inspect_checkpoints(a, b).to_dict()))
+    want = json.loads(json.dumps(inspect_checkpoints(a, b).to_dict()))
+    # The same report, except the relative change: float32 dot products in numpy, float64 sums in the kernel
+    rel = [(c["rel_change"], w["rel_change"]) for c, w in zip(got["result"]["diff"]["changes"],
+                                                                want["diff"]["changes"])]
+    assert rel and all(g == pytest.approx(w, rel=1e-5) for g, w in rel)
+    for r in (got["result"], want):
+        for c in r["diff"]["changes"]:
+            c["rel_change"] = None
+    assert got["result"] == want
 
 
 def test_a_workspace_refuses_an_unknown_kernel():
@@ -434,6 +443,11 @@ def test_the_kernel_refuses_misaligned_or_ragged_buffers_rather_than_reading_the
         _rangestats._scan.scan_f16(np.frombuffer(raw, np.int16, 4, 1), *limits)
     with pytest.raises(ValueError, match="not a multiple of 4 bytes"):
         _rangestats._scan.scan_f32(raw[:6], *limits)
+    four = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="A and B differ in length"):
+        _rangestats._scan.scan_pair_f32(four, np.zeros(5, np.float32), *limits)
+    with pytest.raises(ValueError, match="not aligned to its 4-byte items"):
+        _rangestats.pair_sums(four, np.frombuffer(raw, np.float32, 4, 2))
 
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512f"])
@@ -588,6 +602,68 @@ def test_a_pair_scan_gives_each_side_the_statistics_of_a_single_scan(kernel):
     assert {k: getattr(sb, k) for k in _expected(b)} == _expected(b)
     # NaN != NaN, so the unchanged NaN and the new one both count as changed; x * 3 == x only for 0
     assert change.changed == int((a != b).sum()) and change.rel_change is None  # B holds NaN
+
+
+def test_the_kernel_pair_sums_count_changes_like_float_compares_and_sum_in_float64():
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(3 * 8192 + 5, generator=g) * 1e3
+    b = a + torch.randn(a.shape, generator=g) * 1e-3
+    b[:100] = a[:100]  # unchanged
+    a[200], b[200] = 0.0, -0.0  # equal as floats: not a change
+    a[201] = b[201] = float("nan")  # NaN != NaN: a change, as in numpy
+    changed, dd, aa = _rangestats.pair_sums(a.numpy(), b.numpy())
+    assert changed == int((a != b).sum())
+    fin = torch.isfinite(a)
+    a64, b64 = a[fin].double(), b[fin].double()
+    assert math.isnan(dd) and math.isnan(aa)  # the NaN reaches both sums, so inspect reports no rel_change
+    _, dd2, aa2 = _rangestats.pair_sums(a[fin].numpy(), b[fin].numpy())
+    assert dd2 == pytest.approx(float(((b64 - a64) ** 2).sum()), rel=1e-12)
+    assert aa2 == pytest.approx(float((a64 ** 2).sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_pairs_scanned_side_by_side_give_what_one_pair_at_a_time_gives(kernel, threads):
+    g = torch.Generator().manual_seed(4)
+    pairs = []
+    for n, dtype in [(5000, torch.float32), (20_029, torch.bfloat16), (7, torch.float16), (0, torch.float32),
+                     (12_000, torch.float64)]:
+        a = torch.randn(n, generator=g).to(dtype)
+        b = a.clone()
+        b[: n // 3] *= 2
+        pairs.append((a, b))
+    pairs.append((_edge_values(), _edge_values().flip(0)))
+    seen = []
+    with Workspace(1000, threads=threads, kernel=kernel) as ws:
+        got = _tensorstats.scan_pairs(pairs, ws, seen.append)
+        assert got == [_tensorstats.scan_pair(a, b, ws) for a, b in pairs]
+    assert sum(seen) == sum(a.nbytes + b.nbytes for a, b in pairs)
+    assert [c.changed for _, _, c in got][:3] == [5000 // 3, 20_029 // 3, 7 // 3]  # x * 2 != x unless 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_pair_saved_in_different_memory_layouts_is_compared_value_by_value(tmp_path, monkeypatch, kernel):
+    monkeypatch.setattr(_tensorstats, "KERNEL", kernel)
+    x = torch.randn(300, 70)
+    torch.save({"w": x.t().contiguous().t()}, tmp_path / "a.pt")  # the same values, stored column-major
+    y = x.clone()
+    y[5, 7] += 1.0
+    torch.save({"w": y}, tmp_path / "b.pt")
+    (c,) = inspect_checkpoints(tmp_path / "a.pt", tmp_path / "b.pt").changes
+    assert c.change.changed == 1  # in memory order the two would differ almost everywhere
+    assert c.change.rel_change == pytest.approx(1.0 / x.norm().item(), rel=1e-5)
+
+
+def test_the_kernel_gives_the_relative_change_of_huge_values_whose_float32_squares_overflow():
+    if "c" not in KERNELS:
+        pytest.skip("analyzer._scan is not built here")
+    a = torch.randn(10_000) * 1e30  # squares near 1e60: inf in float32, fine in the kernel's float64 sums
+    with Workspace(1000, threads=1, kernel="c") as ws:
+        assert _tensorstats.scan_pair(a, a * 1.5, ws)[2].rel_change == pytest.approx(0.5, rel=1e-6)
+    with Workspace(1000, threads=1, kernel="numpy") as ws:
+        assert _tensorstats.scan_pair(a, a * 1.5, ws)[2].rel_change is None  # the fallback's float32 dots
 
 
 def test_identical_checkpoints_are_called_out_rather_than_listing_every_tensor_as_stalled(tmp_path):
