@@ -73,15 +73,9 @@ def compiled() -> bool:
     return _scan is not None
 
 
-def pair_sums(xa: np.ndarray, xb: np.ndarray) -> tuple[int, float, float]:
-    """(elements that differ, sum((xb - xa)**2), sum(xa**2)) of two float32 arrays, in one compiled pass
-    with float64 sums."""
-    return _scan.pair_f32(xa, xb)
-
-
 def scan_pair_into(acc_a: _Acc, acc_b: _Acc, xa: np.ndarray, xb: np.ndarray) -> tuple[int, float, float]:
-    """Fold float32 arrays xa and xb into their accumulators and return their pair_sums, all in one
-    compiled read of each block."""
+    """Fold float32 arrays xa and xb into their accumulators and return (elements that differ,
+    sum((xb - xa)**2), sum(xa**2)), the sums in float64, all in one compiled read of each block."""
     ra, rb, changed, dd, aa = _scan.scan_pair_f32(xa, xb, *_KERNEL_LIMITS)
     acc_a.add_result(ra)
     acc_b.add_result(rb)

@@ -358,9 +358,9 @@ scan_block_f16(const uint16_t *s, int32_t k, acc_t *a)
     return 0;
 }
 
-/* Two float32 tensors of one shape, A and B: how many elements differ (NaN differs from everything, -0 equals
- * +0), sum((B - A)**2) and sum(A**2), in double. Lanes keep separate sums, so the loop vectorizes without
- * reordering any one sum (no -ffast-math). */
+/* One block (n <= BLOCK) of two float32 tensors of one shape, A and B: how many elements differ (NaN differs
+ * from everything, -0 equals +0), sum((B - A)**2) and sum(A**2), in double. Lanes keep separate sums, so the
+ * loop vectorizes without reordering any one sum (no -ffast-math); a lane counts at most BLOCK / LANESD. */
 #define LANESD 16
 
 VECTOR_CLONES static void
@@ -372,30 +372,24 @@ pair_pass(const float *a, const float *b, size_t n, uint64_t *changed, double *d
         d2[j] = a2[j] = 0.0;
         c[j] = 0;
     }
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i += BLOCK) { /* lane counts restart per block: no int32 overflow */
-        size_t k = n - i < BLOCK ? n - i : BLOCK, full = k - k % LANESD;
-        const float *x = a + i, *y = b + i;
-        for (size_t g = 0; g < full; g += LANESD)
-            for (size_t j = 0; j < LANESD; j++) {
-                double u = x[g + j], v = y[g + j], d = v - u;
-                c[j] += !(x[g + j] == y[g + j]);
-                d2[j] += d * d;
-                a2[j] += u * u;
-            }
-        for (size_t g = full; g < k; g++) {
-            double u = x[g], v = y[g], d = v - u;
-            c[0] += !(x[g] == y[g]);
-            d2[0] += d * d;
-            a2[0] += u * u;
+    const size_t full = n - n % LANESD;
+    for (size_t g = 0; g < full; g += LANESD)
+        for (size_t j = 0; j < LANESD; j++) {
+            double u = a[g + j], v = b[g + j], d = v - u;
+            c[j] += !(a[g + j] == b[g + j]);
+            d2[j] += d * d;
+            a2[j] += u * u;
         }
-        for (int j = 0; j < LANESD; j++) {
-            total += (uint64_t)c[j];
-            c[j] = 0;
-        }
+    for (size_t g = full; g < n; g++) {
+        double u = a[g], v = b[g], d = v - u;
+        c[0] += !(a[g] == b[g]);
+        d2[0] += d * d;
+        a2[0] += u * u;
     }
+    uint64_t total = 0;
     double sd = 0.0, sa = 0.0;
     for (int j = 0; j < LANESD; j++) {
+        total += (uint64_t)c[j];
         sd += d2[j];
         sa += a2[j];
     }
@@ -419,25 +413,6 @@ check_pair(Py_buffer *va, Py_buffer *vb)
     PyBuffer_Release(vb);
     PyErr_SetString(PyExc_ValueError, bad);
     return 0;
-}
-
-static PyObject *
-pair_f32(PyObject *self, PyObject *args)
-{
-    (void)self;
-    Py_buffer va, vb;
-    if (!PyArg_ParseTuple(args, "y*y*:pair_f32", &va, &vb))
-        return NULL;
-    if (!check_pair(&va, &vb))
-        return NULL;
-    uint64_t changed;
-    double dd, aa;
-    Py_BEGIN_ALLOW_THREADS
-    pair_pass((const float *)va.buf, (const float *)vb.buf, (size_t)(va.len / 4), &changed, &dd, &aa);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&va);
-    PyBuffer_Release(&vb);
-    return Py_BuildValue("(Kdd)", (unsigned long long)changed, dd, aa);
 }
 
 /* The 9-tuple scan_f32 returns (see the top of this file). */
@@ -517,8 +492,8 @@ scan_f16(PyObject *self, PyObject *args)
     return scan(args, F16);
 }
 
-/* scan_f32 of A, scan_f32 of B and pair_f32 of both, block by block: each block is read from memory once
- * and the other two passes find it in L1. */
+/* scan_f32 of A, scan_f32 of B and pair_pass of both, block by block: each block is read from memory once
+ * and the other passes find it in L1. */
 static PyObject *
 scan_pair_f32(PyObject *self, PyObject *args)
 {
@@ -562,8 +537,7 @@ static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Range statistics of float32 data as bit patterns (see _scan.c)."},
     {"scan_bf16", scan_bf16, METH_VARARGS, "scan_f32 for bfloat16 data (2-byte items), in float32 terms."},
     {"scan_f16", scan_f16, METH_VARARGS, "scan_f32 for float16 data (2-byte items), in float32 terms."},
-    {"pair_f32", pair_f32, METH_VARARGS, "(changed, sum((B-A)**2), sum(A**2)) of two float32 buffers."},
-    {"scan_pair_f32", scan_pair_f32, METH_VARARGS, "(scan_f32(A), scan_f32(B), *pair_f32(A, B)), one read."},
+    {"scan_pair_f32", scan_pair_f32, METH_VARARGS, "(scan_f32(A), scan_f32(B), changed, sum((B-A)**2), sum(A**2)) in one read."},
     {NULL, NULL, 0, NULL},
 };
 

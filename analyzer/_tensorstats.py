@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ._rangestats import (
-    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, TensorStats, _Acc, compiled, pair_sums,
+    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, TensorStats, _Acc, compiled,
     scan_pair_into,
 )
 
@@ -308,12 +308,12 @@ def scan_pair(ta: torch.Tensor, tb: torch.Tensor, ws: Workspace,
     with np.errstate(all="ignore"):  # inf - inf and overflowing squares are expected, not warnings
         for xa, xb in zip(_chunks(fa, ws, "a", dtype, slot, step), _chunks(fb, ws, "b", dtype, slot, step)):
             k = xa.size
-            acc_a.fold(xa, a, m)  # with the kernel: the reads from memory; the pair sums then hit cache
-            acc_b.fold(xb, a, m)
-            if compiled_pair:
-                c, d2, a2 = pair_sums(xa, xb)
+            if compiled_pair:  # pairs not both float32, converted in chunks: the same call as above
+                c, d2, a2 = scan_pair_into(acc_a, acc_b, xa, xb)
                 changed, dd, aa = changed + c, dd + d2, aa + a2
             else:  # NB: float32 dot products (float64 ones would cost a converting pass)
+                acc_a.fold(xa, a, m)
+                acc_b.fold(xb, a, m)
                 changed += int(np.count_nonzero(np.not_equal(xa, xb, out=m[:k])))
                 np.subtract(xb, xa, out=d[:k])
                 dd += float(np.dot(d[:k], d[:k]))

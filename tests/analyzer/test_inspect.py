@@ -447,7 +447,7 @@ def test_the_kernel_refuses_misaligned_or_ragged_buffers_rather_than_reading_the
     with pytest.raises(ValueError, match="A and B differ in length"):
         _rangestats._scan.scan_pair_f32(four, np.zeros(5, np.float32), *limits)
     with pytest.raises(ValueError, match="not aligned to its 4-byte items"):
-        _rangestats.pair_sums(four, np.frombuffer(raw, np.float32, 4, 2))
+        _rangestats._scan.scan_pair_f32(four, np.frombuffer(raw, np.float32, 4, 2), *limits)
 
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512f"])
@@ -604,7 +604,7 @@ def test_a_pair_scan_gives_each_side_the_statistics_of_a_single_scan(kernel):
     assert change.changed == int((a != b).sum()) and change.rel_change is None  # B holds NaN
 
 
-def test_the_kernel_pair_sums_count_changes_like_float_compares_and_sum_in_float64():
+def test_the_kernel_pair_scan_counts_changes_like_float_compares_and_sums_in_float64():
     if "c" not in KERNELS:
         pytest.skip("analyzer._scan is not built here")
     g = torch.Generator().manual_seed(9)
@@ -613,12 +613,13 @@ def test_the_kernel_pair_sums_count_changes_like_float_compares_and_sum_in_float
     b[:100] = a[:100]  # unchanged
     a[200], b[200] = 0.0, -0.0  # equal as floats: not a change
     a[201] = b[201] = float("nan")  # NaN != NaN: a change, as in numpy
-    changed, dd, aa = _rangestats.pair_sums(a.numpy(), b.numpy())
+    limits = _rangestats._KERNEL_LIMITS
+    changed, dd, aa = _rangestats._scan.scan_pair_f32(a.numpy(), b.numpy(), *limits)[2:]
     assert changed == int((a != b).sum())
     fin = torch.isfinite(a)
     a64, b64 = a[fin].double(), b[fin].double()
     assert math.isnan(dd) and math.isnan(aa)  # the NaN reaches both sums, so inspect reports no rel_change
-    _, dd2, aa2 = _rangestats.pair_sums(a[fin].numpy(), b[fin].numpy())
+    _, dd2, aa2 = _rangestats._scan.scan_pair_f32(a[fin].numpy(), b[fin].numpy(), *limits)[2:]
     assert dd2 == pytest.approx(float(((b64 - a64) ** 2).sum()), rel=1e-12)
     assert aa2 == pytest.approx(float((a64 ** 2).sum()), rel=1e-12)
 
