@@ -72,7 +72,8 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
             fix="pass a .pt file from RUN_DIR/snapshots/; for checkpoints use 'analyzer inspect'",
         )
     check_format_version(snap, path=path, what="snapshot")
-    missing = [k for k in schema.SNAPSHOT_KEYS if k not in snap]
+    # keys added after version 1 (schema.KEYS_ADDED, e.g. cwd) are optional: older snapshots lack them
+    missing = [k for k in schema.SNAPSHOT_KEYS if k not in snap and k not in schema.KEYS_ADDED]
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
     return snap

@@ -10,7 +10,7 @@ import torch
 
 from . import schema
 
-__all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta"]
+__all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta", "current_cwd"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,14 @@ def _scaler_config(scaler: torch.amp.GradScaler | None) -> dict | None:
     return config
 
 
+def current_cwd() -> str | None:
+    """os.getcwd(), where replay looks for the user's code; None if it was deleted under us."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
 def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_type: str,
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
                factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig) -> dict:
@@ -96,6 +104,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "loss_fn": loss_fn,
         "layer_every": config.layer_every,
         "flush_every": config.flush_every,
+        "cwd": current_cwd(),
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -9,14 +9,29 @@ Run-directory layout::
     RUN_DIR/
       meta.json                          # rank 0 (world_size 1: the only rank)
       meta-r00001.json                   # one per extra rank under torch.distributed
+      meta-r00000-w1.json                # a second process that also claimed rank 0 (writer 1)
       trace/steps-r00000-p000000.parquet # one row per step          (STEP_COLUMNS)
       trace/layers-r00000-p000000.parquet# one row per (step, param) (LAYER_COLUMNS)
       snapshots/step00000042-r00000-nonfinite_loss.pt
+      trace/steps-r00000-w1-p000000.parquet  # writer 1's parts; its snapshots: step...-r00000-w1-...pt
 
-Parts are written to a temporary name (leading ``.``, suffix ``.tmp``), fsynced and renamed,
-so a reader never sees half a part: files whose names start with ``.`` are ignored.
+Parts are written to a temporary name (leading ``.``, suffix ``.tmp``), fsynced and then
+*claimed* under their final name with a hard link, which fails instead of overwriting: two
+processes writing one directory never destroy each other's parts. A reader never sees half
+a part: files whose names start with ``.`` are ignored.
+
+Writers: the first process recording a rank writes the version-1 names above (writer 0).
+Another process that finds that rank already claimed by a live process (every process of a
+multi-GPU launch without torch.distributed is rank 0) takes the next writer number and puts
+``-wN`` after the rank in all its file names. Readers list files with ``META_RE``, ``PART_RE``
+and ``SNAPSHOT_RE`` (never glob patterns: a ``[`` in a path is a glob character).
+
+Versions: 1 is the original layout. 2 adds writer names (``-wN``) and the ``cwd`` key to
+meta.json and snapshots (``KEYS_ADDED``: keys that files of older versions may lack).
 """
 from __future__ import annotations
+
+import re
 
 import polars as pl
 
@@ -37,11 +52,15 @@ __all__ = [
     "STEPS_GLOB",
     "LAYERS_GLOB",
     "SNAPSHOT_GLOB",
+    "META_RE",
+    "PART_RE",
+    "SNAPSHOT_RE",
+    "KEYS_ADDED",
     "dtype_name",
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -49,6 +68,11 @@ SNAPSHOT_DIR = "snapshots"
 STEPS_GLOB = "steps-r*-p*.parquet"
 LAYERS_GLOB = "layers-r*-p*.parquet"
 SNAPSHOT_GLOB = "step*-r*-*.pt"
+# Readers match listed names against these (groups: rank, writer; kind, rank, writer, index;
+# step, rank, writer, reason). The writer group is None for writer 0.
+META_RE = re.compile(r"^meta(?:-r(\d+)(?:-w(\d+))?)?\.json$")
+PART_RE = re.compile(r"^(steps|layers)-r(\d+)(?:-w(\d+))?-p(\d+)\.parquet$")
+SNAPSHOT_RE = re.compile(r"^step(\d+)-r(\d+)(?:-w(\d+))?-(.+)\.pt$")
 
 # One row per recorded step and rank.
 STEP_COLUMNS: dict[str, pl.DataType] = {
@@ -79,6 +103,7 @@ META_KEYS = (
     "format", "format_version", "torch_version", "amp_autopsy_version", "created", "host",
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
     "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
+    "cwd",  # since version 2: the training process's os.getcwd(), where replay looks for user code
 )
 META_FORMAT = "amp-autopsy.run"
 
@@ -107,24 +132,35 @@ SNAPSHOT_KEYS = (
     "loss",              # float: the recorded (unscaled) loss, NaN/Inf as is; None if unknown
     "loss_dtype",        # str | None
     "grad_norm",         # float | None: unscaled total gradient norm, if known
+    "cwd",               # str: the training process's os.getcwd() (since version 2)
 )
+# Keys added after version 1, with the version that added them: older files lack them, so
+# readers treat them as optional (and use None).
+KEYS_ADDED: dict[str, int] = {"cwd": 2}
 
 
-def meta_name(rank: int) -> str:
-    """meta.json for rank 0, meta-r00007.json for rank 7."""
+def _writer(writer: int) -> str:
+    return f"-w{writer}" if writer else ""
+
+
+def meta_name(rank: int, writer: int = 0) -> str:
+    """meta.json for rank 0, meta-r00007.json for rank 7, meta-r00000-w1.json for rank 0's writer 1."""
+    if writer:
+        return f"meta-r{rank:05d}{_writer(writer)}.json"
     return META_FILE if rank == 0 else f"meta-r{rank:05d}.json"
 
 
-def part_name(kind: str, rank: int, index: int) -> str:
-    """File name of trace part `index` of `kind` ("steps" or "layers") for `rank`."""
+def part_name(kind: str, rank: int, index: int, writer: int = 0) -> str:
+    """File name of trace part `index` of `kind` ("steps" or "layers") for `rank` (and `writer`)."""
     if kind not in ("steps", "layers"):
         raise ValueError(f"kind must be 'steps' or 'layers', got {kind!r}")
-    return f"{kind}-r{rank:05d}-p{index:06d}.parquet"
+    return f"{kind}-r{rank:05d}{_writer(writer)}-p{index:06d}.parquet"
 
 
-def snapshot_name(step: int, rank: int, reason: str) -> str:
+def snapshot_name(step: int, rank: int, reason: str, writer: int = 0) -> str:
+    """step00000042-r00000-nonfinite_loss.pt; the reason is reduced to [A-Za-z0-9_]."""
     safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or "manual"
-    return f"step{step:08d}-r{rank:05d}-{safe}.pt"
+    return f"step{step:08d}-r{rank:05d}{_writer(writer)}-{safe}.pt"
 
 
 _DTYPES = {

@@ -17,6 +17,7 @@ import torch
 
 from . import schema
 from ._io import atomic_write
+from ._meta import current_cwd
 
 __all__ = ["to_cpu_tree", "build_snapshot", "write_snapshot"]
 
@@ -46,6 +47,12 @@ def to_cpu_tree(obj: Any, path: str = "batch") -> Any:
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (no collective); any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def build_snapshot(
     *,
     step: int,
@@ -65,9 +72,23 @@ def build_snapshot(
     grad_norm: float | None = None,
     rank: int = 0,
     world_size: int = 1,
+    pre_step_buffers: dict[str, torch.Tensor] | None = None,
+    cwd: str | None = None,
 ) -> dict[str, Any]:
-    """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``."""
+    """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
+
+    `pre_step_buffers` holds the values at ``begin_step`` of the buffers the forward mutated in
+    place (BatchNorm running statistics, counters): they replace the live, post-forward values
+    so that replay starts from the state the failing forward saw. Sharded (DTensor) entries are
+    saved as this rank's local shard. `cwd`: the training process's working directory
+    (default: the current one).
+    """
     from . import __version__
+
+    state = {k: _local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    for name, value in (pre_step_buffers or {}).items():
+        if name in state:
+            state[name] = _local(value).detach().to("cpu", copy=True)
 
     snap = {
         "format": schema.SNAPSHOT_FORMAT,
@@ -88,12 +109,13 @@ def build_snapshot(
         "factory_kwargs": dict(factory_kwargs),
         "loss_fn": loss_fn,
         "train_mode": bool(model.training),
-        "model_state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "model_state": state,
         "batch": to_cpu_tree(batch),
         "rng": rng,
         "loss": None if loss is None else float(loss),
         "loss_dtype": loss_dtype,
         "grad_norm": None if grad_norm is None else float(grad_norm),
+        "cwd": current_cwd() if cwd is None else str(cwd),
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap
