@@ -22,6 +22,9 @@ def check_format_version(obj: dict[str, Any], *, path: str | os.PathLike, what: 
     version = obj.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise BadInputError(f"{what} has no integer format_version", path=path, fix="re-record the run")
+    if version < 0:
+        raise BadInputError(f"{what} format_version {version} is negative", path=path,
+                            fix="the file is damaged or foreign; re-record the run")
     if version > schema.FORMAT_VERSION:
         raise VersionError(
             f"{what} format version {version} is newer than this analyzer's {schema.FORMAT_VERSION}",

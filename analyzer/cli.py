@@ -1,34 +1,104 @@
 """The ``analyzer`` command line: parses options, calls the library, renders. Nothing else.
 
-Errors from ``analyzer.errors`` become one ``Error: ...`` line and exit status 1; click keeps
-exit status 2 for usage errors.
+Exit statuses (documented in docs/; scripts rely on them):
+
+- 0: the command ran (a report may still contain findings);
+- 1: bad input, one ``Error: FILE: what (fix)`` line (``analyzer.errors``, OS errors);
+- 2: a usage error (click's own);
+- 3: an internal error: any other exception, printed as one ``Error: FILE: internal error while
+  <stage>: <type>: <message> (please report this with the file)`` line; ``analyzer --debug ...``
+  adds the traceback.
+
+Everything printed goes through ``_terminal.escape_controls``: names read from files cannot send
+escape sequences to the terminal. Warnings raised while a command runs are held back, dropped if
+the command fails (the ``Error:`` line stays the only line) and printed after its output otherwise.
 """
 from __future__ import annotations
 
 import functools
 import json
 import sys
+import traceback
+import warnings
 
 import click
 
+from ._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, set_max_archive_ratio
+from ._terminal import escape_controls
 from .errors import AnalyzerError
 
 __all__ = ["main"]
 
 
+EXIT_BAD_INPUT = 1
+EXIT_INTERNAL = 3
+
+# what each command was doing, for the internal-error line; the first argument names the file
+_STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo"}
+_FILE_ARGS = ("snapshot", "run", "checkpoint", "out_dir")
+
+
+class _InternalError(click.ClickException):
+    """An exception no loader anticipated: still one line, with its own exit status."""
+
+    exit_code = EXIT_INTERNAL
+
+
+def _one_line(text: str) -> str:
+    return " ".join(escape_controls(text, keep_newlines=False).split())
+
+
+def _internal_message(fn_name: str, kwargs: dict, e: BaseException) -> str:
+    target = next((kwargs[k] for k in _FILE_ARGS if kwargs.get(k) is not None), None)
+    stage = _STAGES.get(fn_name, f"running {fn_name}")
+    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    where = f"{target}: " if target is not None else ""
+    return _one_line(f"{where}internal error while {stage}: {type(e).__name__}: {detail} "
+                     "(please report this with the file; --debug shows the traceback)")
+
+
 def _one_line_errors(fn):
-    """Turn AnalyzerError (and a few OS errors) into a one-line message and exit 1."""
+    """Every failure becomes one ``Error:`` line: AnalyzerError/OSError exit 1, anything else exit 3.
+
+    Warnings are recorded, not printed, so nothing comes before the ``Error:`` line; after a
+    successful command they are printed once each, escaped, after the output.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except AnalyzerError as e:
-            raise click.ClickException(str(e)) from e
-        except (OSError, MemoryError) as e:
-            raise click.ClickException(" ".join(f"{type(e).__name__}: {e}".split())) from e
+        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
+                result = fn(*args, **kwargs)
+            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                raise
+            except AnalyzerError as e:
+                if debug:
+                    traceback.print_exc(file=sys.stderr)
+                raise click.ClickException(_one_line(str(e))) from e
+            except (OSError, MemoryError) as e:
+                if debug:
+                    traceback.print_exc(file=sys.stderr)
+                raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from e
+            except Exception as e:  # noqa: BLE001 - the last line of defence, see the module docstring
+                if debug:
+                    traceback.print_exc(file=sys.stderr)
+                raise _InternalError(_internal_message(fn.__name__, kwargs, e)) from e
+        seen = set()
+        for w in caught:
+            line = _one_line(f"warning: {w.category.__name__}: {w.message}")
+            if line not in seen:
+                seen.add(line)
+                click.echo(line, err=True)
+        return result
 
     return wrapper
+
+
+def _echo(text: str = "", **kwargs) -> None:
+    """click.echo with control characters from file-provided names made visible."""
+    click.echo(escape_controls(str(text)), **kwargs)
 
 
 def _print_json(obj) -> None:
@@ -49,8 +119,20 @@ def _parse_steps(ctx, param, value):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="amp-autopsy")
-def main() -> None:
-    """amp-autopsy: find out why a mixed-precision (FP16/BF16) training run went NaN."""
+@click.option("--debug", is_flag=True, help="On an internal error (exit 3), print the traceback too.")
+@click.option("--max-archive-ratio", type=click.FloatRange(min=0, min_open=True), default=None,
+              envvar=ARCHIVE_RATIO_ENV, show_envvar=True, metavar="N",
+              help=f"Refuse torch files whose zip archive declares more than N times the file's size "
+                   f"(plus 1 MiB) uncompressed: a zip bomb is refused before decompression. "
+                   f"Default {DEFAULT_ARCHIVE_RATIO:g}.")
+@click.pass_context
+def main(ctx, debug, max_archive_ratio) -> None:
+    """amp-autopsy: find out why a mixed-precision (FP16/BF16) training run went NaN.
+
+    Exit status: 0 ran, 1 bad input, 2 usage error, 3 internal error (please report it).
+    """
+    ctx.obj = {"debug": debug}
+    set_max_archive_ratio(max_archive_ratio)
 
 
 @main.command()
@@ -69,8 +151,11 @@ def main() -> None:
 @_one_line_errors
 def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf."""
+    from ._outputs import check_output_path
     from .replay import plot_replay, render_replay_text, replay_snapshot
 
+    if plot_path:
+        check_output_path(plot_path, inputs=[snapshot], option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
     result = replay_snapshot(snapshot, device=device, dtypes=dtype_list, factory=factory,
                              loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json)
@@ -79,7 +164,7 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn):
     if as_json:
         _print_json(result.to_dict())
     else:
-        click.echo(render_replay_text(result, ops=ops))
+        _echo(render_replay_text(result, ops=ops))
 
 
 @main.command()
@@ -94,8 +179,13 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn):
 @_one_line_errors
 def report(run, as_json, plots_dir, html_path, rank, steps):
     """Diagnose a run's traces: a run directory, or a log from HF, Lightning, DeepSpeed, CSV/JSONL."""
+    from ._outputs import check_output_path
     from .report import build_report, render_report_text, write_html, write_plots
 
+    if html_path:
+        check_output_path(html_path, inputs=[run], option="--html")
+    if plots_dir:
+        check_output_path(plots_dir, inputs=[run], option="--plots", is_dir=True)
     rep = build_report(run, rank=rank, steps=steps, progress=sys.stderr.isatty() and not as_json)
     plots = write_plots(rep, plots_dir) if plots_dir else []
     if html_path:
@@ -103,11 +193,11 @@ def report(run, as_json, plots_dir, html_path, rank, steps):
     if as_json:
         _print_json(rep.to_dict())
     else:
-        click.echo(render_report_text(rep))
+        _echo(render_report_text(rep))
         for p in plots:
-            click.echo(f"plot: {p}")
+            _echo(f"plot: {p}")
         if html_path:
-            click.echo(f"html: {html_path}")
+            _echo(f"html: {html_path}")
 
 
 @main.command()
@@ -124,7 +214,7 @@ def inspect(checkpoint, checkpoint_b, as_json, top):
     if as_json:
         _print_json(result.to_dict())
     else:
-        click.echo(render_inspect_text(result, top=top))
+        _echo(render_inspect_text(result, top=top))
 
 
 @main.command()
@@ -137,7 +227,7 @@ def demo(out_dir, scenario):
     """Run a bundled failing training run, then report and replay it, end to end."""
     from .demo import run_demo
 
-    run_demo(out_dir, scenario=scenario, echo=click.echo)
+    run_demo(out_dir, scenario=scenario, echo=_echo)
 
 
 if __name__ == "__main__":

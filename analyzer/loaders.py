@@ -9,6 +9,8 @@ import os
 import pickle
 import re
 import sys
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ import torch
 
 from recorders import schema
 
+from ._limits import ARCHIVE_RATIO_ENV, archive_budget, max_archive_ratio
+from ._validate import check_nesting, validate_snapshot
 from ._versions import check_format_version
 from .errors import BadInputError, FactoryError
 
@@ -25,13 +29,46 @@ __all__ = ["load_snapshot", "resolve_ref", "torch_load_safe"]
 def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with every failure mapped to a one-line BadInputError.
 
-    Loading never executes code from the file: weights_only refuses pickled classes.
+    Loading never executes code from the file: weights_only refuses pickled classes. Memory is
+    bounded before anything is allocated: a zip archive may not declare more uncompressed bytes
+    than ``_limits.archive_budget`` allows for its size (torch itself checks each storage record
+    against the size the pickle declares), and nesting deeper than ``_limits.MAX_NESTING`` is
+    refused. Warnings torch emits while reading are held back: dropped when the file is refused,
+    re-issued after a successful load.
     """
     path = Path(path)
     if not path.exists():
         raise BadInputError("no such file", path=path, fix="check the path")
     if path.is_dir():
         raise BadInputError("is a directory, expected a file", path=path)
+    _check_archive(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        obj = _torch_load(path, mmap)
+    check_nesting(obj, path=path, what="the file's content")
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return obj
+
+
+def _check_archive(path: Path) -> None:
+    """Refuse a zip whose declared uncompressed sizes exceed the file by more than the limit."""
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as zf:
+            declared = sum(max(0, i.file_size) for i in zf.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        return  # not a zip (or a broken one): torch.load reports it
+    if declared > archive_budget(size):
+        raise BadInputError(
+            f"refused: the archive declares {declared} bytes uncompressed in a {size}-byte file "
+            f"(more than {max_archive_ratio():g}x; torch.save files are stored uncompressed), "
+            "so it looks like a zip bomb",
+            path=path, fix=f"if you trust the file, raise the limit with 'analyzer --max-archive-ratio N' "
+            f"or {ARCHIVE_RATIO_ENV}=N")
+
+
+def _torch_load(path: Path, mmap: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -76,6 +113,7 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
     missing = [k for k in schema.SNAPSHOT_KEYS if k not in snap and k not in schema.KEYS_ADDED]
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
+    validate_snapshot(snap, path)
     return snap
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import polars as pl
 
+from ._outputs import atomic_write_bytes, atomic_write_text
 from .checks import CHECKS, Frames, build_frames, run_checks
 from .errors import BadInputError
 from .findings import Finding, json_safe, sort_findings
@@ -233,8 +234,9 @@ def write_plots(rep: Report, out_dir) -> list[Path]:
         fig = make()
         try:
             path = out / f"{stem}.png"
-            fig.savefig(path, dpi=110)
-            paths.append(path)
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=110)
+            paths.append(atomic_write_bytes(path, buf.getvalue()))  # never a half-written PNG
         finally:
             plt.close(fig)
     return paths
@@ -290,7 +292,4 @@ steps {s.get('first')}..{s.get('last')} ({s.get('count')} steps, {s.get('skipped
 <h2>Snapshots</h2>{f'<ul>{snaps}</ul>' if snaps else '<p>No snapshots.</p>'}
 <h2>Plots</h2>{''.join(imgs)}
 </body></html>"""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    return out
+    return atomic_write_text(path, page)  # a crash leaves the old file or the new one

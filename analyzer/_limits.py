@@ -1,0 +1,49 @@
+"""Limits on what a small hostile file may make the analyzer allocate.
+
+``torch.save`` stores tensor data uncompressed, so a genuine archive declares about as many bytes
+as it holds. A re-zipped (deflated) file can declare far more: a 1 MB zip bomb made ``torch.load``
+take 2.3 GB. Archives whose declared uncompressed size exceeds ``max_archive_ratio()`` times the
+file's size (plus ``_SLACK`` bytes) are refused before anything is decompressed.
+
+Raise the limit with ``analyzer --max-archive-ratio N ...`` or ``AMP_AUTOPSY_MAX_ARCHIVE_RATIO=N``.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "max_archive_ratio", "set_max_archive_ratio",
+           "MAX_NESTING", "archive_budget"]
+
+DEFAULT_ARCHIVE_RATIO = 4.0
+ARCHIVE_RATIO_ENV = "AMP_AUTOPSY_MAX_ARCHIVE_RATIO"
+_SLACK = 1 << 20  # small files (a few KiB of pickle) may declare up to 1 MiB regardless
+# Deepest dict/list/tuple nesting read from any file (JSON, batches, checkpoints). Real batches and
+# checkpoints nest a handful of levels; Python's recursion limit is 1000.
+MAX_NESTING = 100
+
+_override: float | None = None
+
+
+def set_max_archive_ratio(ratio: float | None) -> None:
+    """Set the ratio for this process (the CLI's ``--max-archive-ratio``); None restores the default."""
+    global _override
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"max archive ratio must be positive, got {ratio!r}")
+    _override = ratio
+
+
+def max_archive_ratio() -> float:
+    """The ratio in force: the CLI flag, else the environment variable, else the default."""
+    if _override is not None:
+        return _override
+    raw = os.environ.get(ARCHIVE_RATIO_ENV)
+    try:
+        value = float(raw) if raw else DEFAULT_ARCHIVE_RATIO
+    except ValueError:
+        return DEFAULT_ARCHIVE_RATIO
+    return value if value > 0 else DEFAULT_ARCHIVE_RATIO
+
+
+def archive_budget(file_size: int) -> int:
+    """Declared uncompressed bytes allowed for an archive of `file_size` bytes."""
+    return int(max_archive_ratio() * file_size) + _SLACK

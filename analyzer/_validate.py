@@ -1,0 +1,178 @@
+"""Validate values read from files before any analysis touches them.
+
+Loaders call these so that replay, report and inspect can trust what they get: a snapshot's keys
+have the types and ranges the recorder writes, nesting is bounded (a 100k-deep list is refused
+here, not met as a RecursionError later), and every tensor is backed by its own bytes. The last
+rule is what bounds memory: an 867-byte snapshot can hold a stride-0 view declaring 3e9 elements,
+and anything that materialises it (``isfinite``, ``.to(device)``, a forward) allocates 12 GB.
+Every failure is a one-line ``BadInputError`` naming the file, the key and the fix.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from recorders import schema
+
+from ._limits import MAX_NESTING
+from .errors import BadInputError
+
+__all__ = ["check_nesting", "check_dense", "validate_snapshot"]
+
+_REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
+_MAX_TEXT = 4096
+
+
+def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = MAX_NESTING) -> None:
+    """Refuse dict/list/tuple nesting deeper than `limit`, without recursing."""
+    stack = [(obj, 1)]
+    while stack:
+        cur, depth = stack.pop()
+        if isinstance(cur, dict):
+            children = cur.values()
+        elif isinstance(cur, (list, tuple)):
+            children = cur
+        else:
+            continue
+        if depth > limit:
+            raise BadInputError(f"{what} is nested more than {limit} levels deep", path=path,
+                                fix="real files nest a few levels; this one is damaged or hostile")
+        stack.extend((c, depth + 1) for c in children)
+
+
+def check_dense(t: torch.Tensor, *, path: str | os.PathLike, where: str) -> None:
+    """Refuse a tensor that declares more elements than its storage holds (an expanded view)."""
+    if t.layout != torch.strided:
+        raise BadInputError(f"{where} is a {t.layout} tensor; snapshots hold dense (strided) tensors",
+                            path=path, fix=_REFIX)
+    nbytes = t.untyped_storage().nbytes()
+    need = t.numel() * t.element_size()
+    if need > nbytes:
+        raise BadInputError(
+            f"{where} declares {t.numel()} elements ({need} bytes) over {nbytes} bytes of storage "
+            "(an expanded or stride-0 view); refusing to materialise it",
+            path=path, fix="snapshots hold dense tensors; save batch tensors with .contiguous()")
+
+
+def _walk_tensors(obj: Any, prefix: str):
+    """(where, tensor) for every tensor leaf; nesting is already bounded by check_nesting."""
+    stack = [(obj, prefix)]
+    while stack:
+        cur, where = stack.pop()
+        if isinstance(cur, torch.Tensor):
+            yield where, cur
+        elif isinstance(cur, dict):
+            stack.extend((v, f"{where}[{k!r}]") for k, v in cur.items())
+        elif isinstance(cur, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(cur))
+
+
+def _bad(key: str, detail: str, path) -> BadInputError:
+    return BadInputError(f"snapshot {key!r} {detail}", path=path, fix=_REFIX)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_text(snap: dict, key: str, path, *, optional: bool) -> None:
+    v = snap.get(key)
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or len(v) > _MAX_TEXT:
+        raise _bad(key, f"should be a string (up to {_MAX_TEXT} characters), got {type(v).__name__}", path)
+
+
+def _check_int(snap: dict, key: str, path, lo: int) -> None:
+    v = snap.get(key)
+    if not _is_int(v) or not lo <= v < 2**63:
+        raise _bad(key, f"should be an integer >= {lo}, got {v!r}"[:200], path)
+
+
+def _check_real(snap: dict, key: str, path, *, finite: bool = False) -> None:
+    v = snap.get(key)
+    if v is None:
+        return
+    if not _is_real(v) or (finite and not math.isfinite(v)):
+        kind = "a finite number" if finite else "a number"
+        raise _bad(key, f"should be {kind} or None, got {v!r}"[:200], path)
+
+
+def _check_scaler_state(state: Any, path) -> None:
+    if state is None:
+        return
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise _bad("scaler_state", "should be a GradScaler.state_dict() (a dict) or None", path)
+    for key in ("scale", "growth_factor", "backoff_factor"):
+        v = state.get(key)
+        if v is not None and not (_is_real(v) and math.isfinite(v) and v > 0):
+            if key == "scale" and isinstance(v, torch.Tensor) and v.numel() == 1:
+                continue  # GradScaler.state_dict() gives a float; a one-element tensor is tolerated
+            raise _bad("scaler_state", f"{key} should be a positive finite number, got {v!r}"[:200], path)
+    for key in ("growth_interval", "_growth_tracker"):
+        v = state.get(key)
+        if v is not None and not (_is_int(v) and 0 <= v < 2**63):
+            raise _bad("scaler_state", f"{key} should be a non-negative integer, got {v!r}"[:200], path)
+
+
+def _check_model_state(state: Any, path) -> None:
+    if not isinstance(state, dict):
+        raise _bad("model_state", f"should be a dict of name -> tensor, got {type(state).__name__}", path)
+    for name, t in state.items():
+        if not isinstance(name, str):
+            raise _bad("model_state", f"has a non-string key {name!r}"[:200], path)
+        if not isinstance(t, torch.Tensor):
+            raise _bad("model_state", f"entry {name!r} is a {type(t).__name__}, not a tensor"[:200], path)
+        check_dense(t, path=path, where=f"model_state[{name!r}]")
+
+
+def _check_rng(rng: Any, path) -> None:
+    if not isinstance(rng, dict):
+        raise _bad("rng", "should be a dict with a 'cpu' generator state", path)
+    cpu = rng.get("cpu")
+    want = torch.get_rng_state().numel()
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.dim() != 1 or cpu.numel() != want:
+        got = f"{cpu.dtype} of shape {tuple(cpu.shape)}" if isinstance(cpu, torch.Tensor) else type(cpu).__name__
+        raise _bad("rng", f"'cpu' should be a uint8 tensor of {want} bytes (torch.get_rng_state()), got {got}",
+                   path)
+    check_dense(cpu, path=path, where="rng['cpu']")
+    cuda = rng.get("cuda")
+    if cuda is None:
+        return
+    if not isinstance(cuda, (list, tuple)) or not all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 and c.dim() == 1 for c in cuda):
+        raise _bad("rng", "'cuda' should be None or a list of uint8 tensors (one per device)", path)
+    for i, c in enumerate(cuda):
+        check_dense(c, path=path, where=f"rng['cuda'][{i}]")
+
+
+def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
+    """Check every key of a loaded snapshot (``schema.SNAPSHOT_KEYS``); raise BadInputError."""
+    for key in ("torch_version", "amp_autopsy_version", "host", "reason", "device_type"):
+        _check_text(snap, key, path, optional=key in ("amp_autopsy_version", "host"))
+    for key in ("factory", "loss_fn", "amp_dtype", "loss_dtype", "cwd"):
+        _check_text(snap, key, path, optional=True)
+    _check_int(snap, "rank", path, 0)
+    _check_int(snap, "world_size", path, 1)
+    _check_int(snap, "step", path, -2**63)
+    _check_real(snap, "created", path, finite=True)
+    _check_real(snap, "scale", path)
+    _check_real(snap, "loss", path)
+    _check_real(snap, "grad_norm", path)
+    if not isinstance(snap.get("train_mode"), bool):
+        raise _bad("train_mode", f"should be True or False, got {snap.get('train_mode')!r}"[:200], path)
+    kwargs = snap.get("factory_kwargs")
+    if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+        raise _bad("factory_kwargs", "should be a dict with string keys", path)
+    _check_scaler_state(snap.get("scaler_state"), path)
+    _check_model_state(snap.get("model_state"), path)
+    _check_rng(snap.get("rng"), path)
+    for where, t in _walk_tensors(snap.get("batch"), "batch"):
+        check_dense(t, path=path, where=where)
