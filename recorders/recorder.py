@@ -22,8 +22,9 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
-from ._meta import RecorderConfig, amp_dtype_of, build_meta, dist_info
-from ._io import atomic_write
+from ._buffers import BufferTracker
+from ._claim import claim_writer, release_writer
+from ._meta import RecorderConfig, amp_dtype_of, build_meta, current_cwd, dist_info
 from .refs import to_ref
 from .snapshot import build_snapshot, write_snapshot
 from .trace import LayerBuffer, TraceWriter
@@ -33,6 +34,12 @@ __all__ = ["Recorder", "RecorderWarning"]
 
 class RecorderWarning(RuntimeWarning):
     """The recorder could not write something; training goes on, the record is incomplete."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters and gradients; no collective); others as they are."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> torch.Tensor:
@@ -115,7 +122,9 @@ class Recorder:
         self.run_dir = Path(run_dir)
         self.snapshots: list[Path] = []
         self.closed = False
+        self.stopped = False  # an internal error stopped recording; training went on
         self.write_errors = 0
+        self.writer = 0  # >0: another live process already records this rank here (see _claim)
         self.rank, self.world_size = dist_info()
         self.optimizer = optimizer
         if not self.enabled:
@@ -142,21 +151,11 @@ class Recorder:
         self.strict = bool(strict)
         self.sync_failures = bool(sync_failures)
 
-        self._params = list(model.parameters())  # the order of meta.json["params"]
-        devices = {p.device for p in self._params}
-        self._device = self._params[0].device if self._params else torch.device("cpu")
-        self._single_device = len(devices) <= 1
-        self.device_type = self._device.type
-        # float64 keeps counts and sums of squares exact; MPS has no float64
-        self._acc = torch.float32 if self._device.type == "mps" else torch.float64
-        self._numel = torch.tensor([p.numel() for p in self._params], dtype=self._acc,
-                                   device=self._device)
-        self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
-                                            self.config.max_snapshots)
-        self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
-        self._rows: list[dict] = []
-        self._writer: TraceWriter | None = None
         self._warned = False
+        self._stop_warned = False
+        self._rows: list[dict] = []
+        self._layers: LayerBuffer | None = None
+        self._writer: TraceWriter | None = None
         self._step: int | None = None
         self._batch: Any = None
         self._rng: dict | None = None
@@ -164,27 +163,41 @@ class Recorder:
         self._failing = False
         self._peer_failing = False
         self._index_cache: tuple[tuple, torch.Tensor | None] = ((), None)
-
-        self._guard("create the run directory and write meta.json", self._start)
         self._atexit = functools.partial(_atexit_close, weakref.ref(self))
         atexit.register(self._atexit)
+        try:
+            self._setup(model)
+            self._start()
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("start (create the run directory and write meta.json)", e)
 
     # ------------------------------------------------------------------ public API
+    # NB: the public methods raise only for misuse of the API (steps out of order, a loss that
+    # is not a scalar). Any other exception inside the recorder is caught by _stop: one warning,
+    # recording stops, training goes on with its numerics untouched.
     def begin_step(self, step: int, batch: Any = None) -> None:
         """Start step `step`: remember the batch (by reference) and capture the RNG state.
 
         Call it right before the forward pass, after anything else that draws random numbers,
-        so that the captured RNG state is the one dropout will use.
+        so that the captured RNG state is the one dropout will use. Buffers that forwards
+        mutate in place (BatchNorm running statistics) are copied on the device here, so a
+        snapshot of this step holds their pre-forward values.
         """
         if not self.enabled:
             return
         self._check_open()
-        self._step = int(step)
-        self._batch = batch
-        self._last = None
-        # NB: no device sync: a CUDA generator's state is its seed and offset, kept on the host
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
+        if self.stopped:
+            return
+        try:
+            self._step = int(step)
+            self._batch = batch
+            self._last = None
+            # NB: no device sync: a CUDA generator's state is its seed and offset, kept on the host
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+            self._rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
+            self._buffers.begin()
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("begin_step", e)
 
     def end_step(self, loss: torch.Tensor | float | None = None) -> str | None:
         """Record the step whose backward just ran; snapshot it if it failed.
@@ -194,54 +207,57 @@ class Recorder:
 
         Returns:
             The reason this step is a failure (``"nonfinite_loss"``, ``"nonfinite_grads"``,
-            ``"scale_collapse"``, ``"overflow_streak"``, ``"peer_failure"``) or None if healthy.
+            ``"scale_collapse"``, ``"overflow_streak"``, ``"peer_failure"``) or None if healthy
+            (or if recording stopped).
             A failure is snapshotted when its condition starts (edge-triggered) and the
             ``max_snapshots`` limit allows.
         """
         if not self.enabled:
             return None
         self._check_open()
+        if self.stopped:
+            return None
         if self._step is None:
             raise RuntimeError("end_step() without begin_step(): call rec.begin_step(step, batch) "
                                "before the forward pass of every step")
         if self._last is not None:
             raise RuntimeError(f"end_step() called twice for step {self._step}: call "
                                "rec.begin_step(step, batch) at the start of every step")
-        with torch.no_grad():
-            row, failure, snap_reason = self._record(loss)
-        self._rows.append(row)
-        self._last = row
-        if snap_reason is not None:
-            self._snapshot(snap_reason)
-        # Failures reach the disk at once (the process may die next), but only when they start:
-        # a run that stays NaN must not write one part per step.
-        failure_starts = failure is not None and not self._failing
-        self._failing = failure is not None
-        if snap_reason is not None or failure_starts or len(self._rows) >= self.config.flush_every:
-            self.flush()
-        return failure
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(f"end_step(loss) expects a scalar loss, got shape {tuple(loss.shape)}")
+        try:
+            return self._end_step(loss)
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("end_step", e)
+            return None
 
     def snapshot(self, reason: str = _triggers.MANUAL) -> Path | None:
         """Force a snapshot of the current step (call it before ``optimizer.step``).
 
         Manual snapshots do not count towards ``max_snapshots``. Returns the file written, or
-        None if writing failed (after a warning) or the recorder is disabled.
+        None if writing failed (after a warning) or the recorder is disabled or stopped.
         """
         if not self.enabled:
             return None
         self._check_open()
+        if self.stopped:
+            return None
         if self._step is None:
             raise RuntimeError("snapshot() needs a current step: call rec.begin_step(step, batch) first")
-        return self._snapshot(reason)
+        try:
+            return self._snapshot(reason)
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("snapshot", e)
+            return None
 
     def flush(self) -> None:
         """Write the buffered steps as one trace part (parts are atomic: all or nothing)."""
-        if not self.enabled or self.closed or (not self._rows and not len(self._layers)):
+        if not self.enabled or self.closed or self.stopped:
             return
-        rows, self._rows = self._rows, []
-        layers = self._layers.drain(self.rank) if len(self._layers) else None
-        # NB: rows that fail to write are dropped, not retried: memory stays bounded on a full disk.
-        self._guard("write a trace part", self._write_trace, rows, layers)
+        try:
+            self._flush()
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("flush", e)
 
     def close(self) -> None:
         """Flush the trace and release everything. Idempotent; called by ``with`` on exit."""
@@ -251,20 +267,78 @@ class Recorder:
             self.flush()
         finally:
             self.closed = True
-            atexit.unregister(self._atexit)
-            self._batch = self._rng = None
-            self._layers.release()
+            self._release()
 
     @property
     def last(self) -> dict | None:
         """The current step's trace row (``schema.STEP_COLUMNS``) once end_step ran, else None."""
-        return None if not self.enabled or self._last is None else dict(self._last)
+        if not self.enabled or self.stopped or self._last is None:
+            return None
+        return dict(self._last)
 
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ step and stop
+    def _end_step(self, loss) -> str | None:
+        with torch.no_grad():
+            row, failure, snap_reason = self._record(loss)
+        self._rows.append(row)
+        self._last = row
+        if snap_reason is not None:
+            self._snapshot(snap_reason)
+        self._buffers.end()
+        # Failures reach the disk at once (the process may die next), but only when they start:
+        # a run that stays NaN must not write one part per step.
+        failure_starts = failure is not None and not self._failing
+        self._failing = failure is not None
+        if snap_reason is not None or failure_starts or len(self._rows) >= self.config.flush_every:
+            self._flush()
+        return failure
+
+    def _flush(self) -> None:
+        if not self._rows and not (self._layers is not None and len(self._layers)):
+            return
+        rows, self._rows = self._rows, []
+        layers = self._layers.drain(self.rank) if len(self._layers) else None
+        # NB: rows that fail to write are dropped, not retried: memory stays bounded on a full disk.
+        self._guard("write a trace part", self._write_trace, rows, layers)
+
+    def _stop(self, where: str, error: Exception) -> None:
+        """An internal error: warn once, stop recording, keep the rows already written."""
+        self.write_errors += 1
+        if self.strict:
+            raise error
+        self.stopped = True
+        if where != "flush":
+            try:  # keep the complete steps buffered so far
+                self._flush()
+            except Exception:  # noqa: BLE001 - best effort: the warning below says the record ends
+                pass
+        if not self._stop_warned:
+            self._stop_warned = True
+            msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+            warnings.warn(
+                f"amp-autopsy recorder stopped recording {self.run_dir} after an internal error in "
+                f"{where}: {msg}. Training continues, unchanged; the record ends here (please report "
+                "this with the message)", RecorderWarning, stacklevel=3)
+        self._release()
+
+    def _release(self) -> None:
+        """Drop references and device memory; unregister from atexit and the writer claims."""
+        try:
+            atexit.unregister(self._atexit)
+        except AttributeError:  # stopped inside __init__, before atexit registration
+            pass
+        self._batch = self._rng = None
+        self._buffers = None
+        if self._layers is not None:
+            self._layers.release()
+        if self._writer is not None:
+            release_writer(self.run_dir, self.rank, self.writer)
 
     # ------------------------------------------------------------------ hot path
     def _scale_state(self) -> tuple[torch.Tensor | None, bool]:
@@ -291,7 +365,7 @@ class Recorder:
         grads, idx = [], []
         for i, p in enumerate(params):
             if p.grad is not None:
-                grads.append(p.grad)
+                grads.append(_local(p.grad))
                 idx.append(i)
         sel = None if len(idx) == len(params) else idx
 
@@ -303,8 +377,6 @@ class Recorder:
             parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
         loss_t = None
         if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"end_step(loss) expects a scalar loss, got shape {tuple(loss.shape)}")
             loss_t = loss.detach().reshape(()).to(self._device, self._acc)
             parts.append(loss_t)
         if scale_t is not None:
@@ -368,7 +440,7 @@ class Recorder:
         return gnorm, grad_norm, counts
 
     def _layer_row(self, step, sel, grads, gnorm, counts) -> None:
-        pnorm = _norms(self._params, self._device, self._single_device)  # inside no_grad: no detach
+        pnorm = _norms([_local(p) for p in self._params], self._device, self._single_device)  # no_grad: no detach
         # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
         if self._single_device:
             nnz = torch.stack([torch.count_nonzero(g) for g in grads])
@@ -415,19 +487,44 @@ class Recorder:
         return failure, snap_reason
 
     # ------------------------------------------------------------------ cold path and I/O
+    def _setup(self, model: torch.nn.Module) -> None:
+        """The device-side state: parameter list, buffers to copy, trigger state, the layer buffer."""
+        self._params = list(model.parameters())  # the order of meta.json["params"]
+        devices = {p.device for p in self._params}
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._single_device = len(devices) <= 1
+        self.device_type = self._device.type
+        # float64 keeps counts and sums of squares exact; MPS has no float64
+        self._acc = torch.float32 if self._device.type == "mps" else torch.float64
+        # NB: a sharded (FSDP2 DTensor) parameter's statistics are those of this rank's shard
+        self._numel = torch.tensor([_local(p).numel() for p in self._params], dtype=self._acc,
+                                   device=self._device)
+        self._buffers = BufferTracker(model)
+        self._cwd = current_cwd()
+        self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
+                                            self.config.max_snapshots)
+        self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
+
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = TraceWriter(self.run_dir, self.rank)
         meta = build_meta(model=self.model, rank=self.rank, world_size=self.world_size,
                           device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
                           config=self.config)
         data = json.dumps(meta, indent=1).encode()
-        atomic_write(self.run_dir / schema.meta_name(self.rank), lambda f: f.write(data))
+        self.writer, others = claim_writer(self.run_dir, self.rank, data)
+        self._writer = TraceWriter(self.run_dir, self.rank, self.writer)
+        if others:
+            who = ", ".join(f"pid {o.get('pid')} on host {o.get('host')}" for o in others)
+            warnings.warn(
+                f"amp-autopsy recorder: rank {self.rank} of {self.run_dir} is already being recorded by "
+                f"{who}; this process (pid {os.getpid()}) records it as writer {self.writer} (its files "
+                f"are named *-r{self.rank:05d}-w{self.writer}-*). If these are processes of one "
+                "multi-GPU launch, initialise torch.distributed before building the Recorder so each "
+                "has its own rank, or give each process its own run directory", RecorderWarning,
+                stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
-        if self._writer is None:
-            self._writer = TraceWriter(self.run_dir, self.rank)
         self._writer.write(rows, layers)
 
     def _snapshot(self, reason: str) -> Path | None:
@@ -435,7 +532,15 @@ class Recorder:
         scale = last.get("scale")
         if not last and self.scaler is not None and self.scaler._scale is not None:
             scale = self.scaler.get_scale()  # manual snapshot before end_step
-        path = self.run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(self._step, self.rank, reason)
+        path = self.run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(self._step, self.rank, reason,
+                                                                         self.writer)
+        pre, missed = self._buffers.pre_step()
+        if missed and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"amp-autopsy recorder: step {self._step} wrote buffers in place that no earlier step "
+                f"wrote ({', '.join(missed[:4])}); snapshot {path.name} holds their post-forward values",
+                RecorderWarning, stacklevel=4)
 
         def write():
             snap = build_snapshot(
@@ -444,7 +549,7 @@ class Recorder:
                 amp_dtype=self.amp_dtype, device_type=self.device_type, scale=scale,
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
-                rank=self.rank, world_size=self.world_size,
+                rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             return write_snapshot(path, snap)

@@ -5,14 +5,14 @@ stay on the device in a preallocated buffer and cross to the host once per flush
 """
 from __future__ import annotations
 
-import re
+import os
 from pathlib import Path
 
 import polars as pl
 import torch
 
 from . import schema
-from ._io import atomic_write
+from ._io import claim_write
 
 __all__ = ["TraceWriter", "LayerBuffer"]
 
@@ -105,34 +105,44 @@ class LayerBuffer:
 
 
 class TraceWriter:
-    """Writes trace parts for one rank: ``trace/steps-rRRRRR-pNNNNNN.parquet`` and ``layers-...``.
+    """Writes trace parts for one rank and writer: ``trace/steps-rRRRRR[-wN]-pNNNNNN.parquet``, ``layers-...``.
 
-    Part numbers continue after the highest existing part of this rank, so a resumed run that
-    records into the same directory never overwrites what an earlier process wrote.
+    Each part name is claimed when it is written (``claim_write``: a hard link that fails
+    rather than overwrite), so a resumed run, or another process recording into the same
+    directory, never loses a part: a taken index is skipped. Listing the directory first
+    only saves failed claims.
     """
 
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, writer: int = 0):
         self.dir = Path(run_dir) / schema.TRACE_DIR
         self.rank = rank
+        self.writer = writer
         self.next_index = 0
         if self.dir.is_dir():
-            pat = re.compile(rf"^(steps|layers)-r{rank:05d}-p(\d+)\.parquet$")
-            found = [int(m.group(2)) for f in self.dir.iterdir() if (m := pat.match(f.name))]
+            found = []
+            with os.scandir(self.dir) as entries:
+                for entry in entries:
+                    m = schema.PART_RE.match(entry.name)
+                    if m and int(m[2]) == rank and int(m[3] or 0) == writer:
+                        found.append(int(m[4]))
             self.next_index = max(found, default=-1) + 1
 
     def write(self, steps: list[dict], layers: pl.DataFrame | None) -> list[Path]:
-        """Write one part of each kind (skipping empty ones) atomically; returns the paths."""
+        """Write one part of each kind (skipping empty ones) under claimed names; returns the paths."""
         self.dir.mkdir(parents=True, exist_ok=True)
         index = self.next_index
         self.next_index += 1  # a failed write burns its index: no later part may reuse the name
         written = []
         if steps:
             frame = pl.DataFrame(steps, schema=schema.STEP_COLUMNS)
-            written.append(self._write(frame, "steps", index))
+            path, index = self._write(frame, "steps", index)
+            written.append(path)
         if layers is not None and layers.height:
-            written.append(self._write(layers, "layers", index))
+            path, index = self._write(layers, "layers", index)
+            written.append(path)
+        self.next_index = max(self.next_index, index + 1)
         return written
 
-    def _write(self, frame: pl.DataFrame, kind: str, index: int) -> Path:
-        path = self.dir / schema.part_name(kind, self.rank, index)
-        return atomic_write(path, lambda f: frame.write_parquet(f))
+    def _write(self, frame: pl.DataFrame, kind: str, index: int) -> tuple[Path, int]:
+        return claim_write(lambda i: self.dir / schema.part_name(kind, self.rank, i, self.writer), index,
+                           lambda f: frame.write_parquet(f))

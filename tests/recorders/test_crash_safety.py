@@ -72,13 +72,14 @@ def test_a_full_disk_warns_once_and_training_goes_on(tmp_path):
     assert not tmp.exists()
 
 
-def test_a_run_directory_that_cannot_be_created_warns_and_training_goes_on(tmp_path):
+def test_a_run_directory_that_cannot_be_created_warns_once_stops_recording_and_training_goes_on(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     state, rec, warned = recorded_run(blocker / "run")
     assert len(warned) == 1 and "meta.json" in str(warned[0].message)
-    assert rec.snapshots == []
-    assert rec.write_errors == 5  # meta.json, three parts and the manual snapshot
+    assert "stopped recording" in str(warned[0].message)
+    assert rec.stopped and rec.snapshots == []
+    assert rec.write_errors == 1  # the start; nothing is attempted after it
     assert same(state, plain_run())
 
 

@@ -1,0 +1,87 @@
+"""Pre-step copies of the buffers a forward mutates in place, so snapshots hold the state it saw.
+
+A train-mode BatchNorm writes ``running_mean``/``running_var``/``num_batches_tracked`` during
+the forward; a snapshot taken at ``end_step`` would otherwise hold the post-forward values
+(NaN, when the failing forward poisoned them), and replay would blame the buffer.
+
+Which buffers a step mutates is read from the tensors' version counters (``t._version``
+grows on every in-place write): the first step copies every buffer, later steps copy only
+those some earlier step mutated. The copies are device-to-device into preallocated tensors:
+no host sync, no allocation after the first step.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BufferTracker"]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class BufferTracker:
+    """Keeps the begin_step values of the model's in-place-mutated buffers.
+
+    Example:
+        >>> tracker = BufferTracker(model)            # doctest: +SKIP
+        >>> tracker.begin()                           # before the forward
+        >>> loss = model(x).sum()                     # BatchNorm writes its running stats
+        >>> pre, missed = tracker.pre_step()          # their values at begin()
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        for name, buf in model.named_buffers():
+            self.names.append(name)
+            self.tensors.append(buf)
+        self.watch: list[int] | None = None  # None: not known yet, copy all
+        self.copies: dict[int, torch.Tensor] = {}
+        self.versions: list[int | None] = []
+
+    def begin(self) -> None:
+        """Copy the buffers that may be mutated (all, before the first step) and note versions."""
+        watch = range(len(self.tensors)) if self.watch is None else self.watch
+        dst, src = [], []
+        for i in watch:
+            t = self.tensors[i]
+            copy = self.copies.get(i)
+            if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or copy.device != t.device:
+                # NB: allocated once per buffer; later steps copy into it
+                copy = self.copies[i] = torch.empty_like(t, memory_format=torch.preserve_format)
+            dst.append(copy)
+            src.append(t.detach())
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)  # device to device: no host sync
+        self.versions = [_version(t) for t in self.tensors]
+
+    def mutated(self) -> list[int]:
+        """Indices of the buffers written in place since ``begin``."""
+        return [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
+                if v is not None and _version(t) != v]
+
+    def pre_step(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """({name: begin_step value} of the mutated buffers, names mutated without a copy)."""
+        pre, missed = {}, []
+        for i in self.mutated():
+            copy = self.copies.get(i)
+            if copy is None:
+                missed.append(self.names[i])
+            else:
+                pre[self.names[i]] = copy
+        return pre, missed
+
+    def end(self) -> None:
+        """Learn from this step which buffers to copy from now on; free the other copies."""
+        if not self.versions:
+            return
+        seen = set(self.mutated()) | set(self.watch or ())
+        self.watch = sorted(seen)
+        for i in list(self.copies):
+            if i not in seen:
+                del self.copies[i]
