@@ -40,6 +40,8 @@ _LOSS_KEYS = ("loss", "train_loss_step", "train_loss", "train/loss", "loss_step"
 _SCALE_KEYS = ("scale", "loss_scale", "loss scale", "train/loss_scale", "grad_scale")
 _GN_KEYS = ("grad_norm", "train/grad_norm", "grad_2.0_norm_total", "total_grad_norm", "gradient_norm")
 _LR_KEYS = ("lr", "learning_rate", "train/learning_rate")
+_I64 = 2**63
+_MAX_LINE = 16 << 20  # a log line longer than 16 MiB is not a log line
 
 
 def _run(path: Path, fmt: str, rows: pl.DataFrame, *, amp_dtype=None, growth_interval=None,
@@ -57,37 +59,79 @@ def _run(path: Path, fmt: str, rows: pl.DataFrame, *, amp_dtype=None, growth_int
 
 def _first(d: dict[str, Any], keys) -> Any:
     for k in keys:
-        if k in d and d[k] not in (None, ""):
+        if k in d and not isinstance(d[k], (dict, list)) and d[k] not in (None, ""):
             return d[k]
     return None
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInputError(f"not valid JSON ({e})"[:300], path=path, fix=_FIX) from e
+    except RecursionError as e:
+        raise BadInputError("JSON nested too deeply to read", path=path, fix=_FIX) from e
+
+
+def _lines(path: Path, *, errors: str = "strict"):
+    """(number, text) per line, refusing a line over ``_MAX_LINE`` bytes instead of reading it all."""
+    with path.open("rb") as f:
+        for i, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), 1):
+            if len(raw) > _MAX_LINE and not raw.endswith(b"\n"):
+                raise BadInputError(f"line {i} is longer than {_MAX_LINE >> 20} MiB: not a log", path=path, fix=_FIX)
+            try:
+                yield i, raw.decode("utf-8", errors=errors).rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise BadInputError(f"line {i} is not UTF-8 text ({e.reason})", path=path, fix=_FIX) from e
+
+
+def _whole(v, path: Path, what: str, lo: int, hi: int) -> int:
+    """An integer field (step, rank, iteration) read from a log, range-checked: a hostile log's
+    ``inf``, ``1e400``, 5000-digit or negative rank becomes one error naming the file."""
+    x = v if isinstance(v, int) and not isinstance(v, bool) else None
+    if x is None:
+        f = _num(v)
+        if f is not None and math.isfinite(f) and f == int(f):
+            x = int(f)
+    if x is None or not lo <= x < hi:
+        raise BadInputError(f"{what} {str(v)[:40]!r} is not an integer in [{lo}, {hi})", path=path,
+                            fix="the log is damaged or foreign; " + _FIX)
+    return x
+
+
 def _num(v) -> float | None:
-    if v is None or v == "":
+    if v is None or v == "" or isinstance(v, bool):
         return None
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
 def _generic_rows(records: list[dict[str, Any]], path: Path, loss_keys=_LOSS_KEYS) -> pl.DataFrame:
     rows = []
     for r in records:
-        step, loss = _num(r.get("step", r.get("global_step"))), _num(_first(r, loss_keys))
-        if step is None or loss is None:
+        raw_step, loss = r.get("step", r.get("global_step")), _num(_first(r, loss_keys))
+        if _num(raw_step) is None or loss is None:
             continue  # validation/epoch rows carry no training loss
+        step = _whole(raw_step, path, "step", -_I64, _I64)
+        rank = 0 if _num(r.get("rank")) is None else _whole(r.get("rank"), path, "rank", 0, 2**31)
         gn = _num(_first(r, _GN_KEYS))
         if gn is None:
-            gn = _num(next((v for k, v in r.items() if k.startswith("grad_") and "norm_total" in k), None))
+            gn = _num(next((v for k, v in r.items()
+                            if isinstance(k, str) and k.startswith("grad_") and "norm_total" in k), None))
         lr = _num(_first(r, _LR_KEYS))
         if lr is None:
-            lr = _num(next((v for k, v in r.items() if k.startswith("lr-") and v not in (None, "")), None))
+            lr = _num(next((v for k, v in r.items()
+                            if isinstance(k, str) and k.startswith("lr-") and v not in (None, "")), None))
         skipped = r.get("skipped")
-        rows.append({"step": int(step), "rank": int(_num(r.get("rank")) or 0), "loss": loss,
+        if not isinstance(skipped, (bool, int, float, str)):
+            skipped = None
+        loss_dtype = r.get("loss_dtype")
+        rows.append({"step": step, "rank": rank, "loss": loss,
                      "scale": _num(_first(r, _SCALE_KEYS)), "grad_norm": gn, "lr": lr,
                      "skipped": None if skipped in (None, "") else str(skipped).lower() in ("1", "true", "1.0"),
-                     "loss_dtype": r.get("loss_dtype") or None})
+                     "loss_dtype": loss_dtype[:64] if isinstance(loss_dtype, str) and loss_dtype else None})
     if not rows:
         raise BadInputError(f"no rows with both 'step' and a loss column ({', '.join(_LOSS_KEYS[:4])}, ...)",
                             path=path, fix="log the training loss with its step, e.g. a 'step,loss' CSV")
@@ -97,10 +141,7 @@ def _generic_rows(records: list[dict[str, Any]], path: Path, loss_keys=_LOSS_KEY
 
 
 def _import_hf(path: Path) -> Run:
-    try:
-        state = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInputError(f"not valid JSON ({e})", path=path, fix=_FIX) from e
+    state = _read_json(path)
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
         raise BadInputError("JSON without a 'log_history' list: not an HF trainer_state.json",
                             path=path, fix=_FIX)
@@ -117,12 +158,18 @@ def _import_hf(path: Path) -> Run:
 
 
 def _import_csv(path: Path) -> Run:
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if not reader.fieldnames or "step" not in reader.fieldnames:
-            raise BadInputError(f"CSV without a 'step' column (columns: {reader.fieldnames})",
-                                path=path, fix="add a 'step' column, or pass a Lightning CSVLogger metrics.csv")
-        records = list(reader)
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or "step" not in reader.fieldnames:
+                cols = str(reader.fieldnames)[:200]
+                raise BadInputError(f"CSV without a 'step' column (columns: {cols})", path=path,
+                                    fix="add a 'step' column, or pass a Lightning CSVLogger metrics.csv")
+            records = list(reader)
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, fix=_FIX) from e
+    except csv.Error as e:
+        raise BadInputError(f"malformed CSV ({e})"[:300], path=path, fix=_FIX) from e
     fmt = "lightning_csv" if path.name == "metrics.csv" or "epoch" in (reader.fieldnames or []) else "csv"
     rows = _generic_rows(records, path)
     if fmt == "lightning_csv":  # Lightning logs _step and _epoch rows separately; keep one per step
@@ -132,13 +179,14 @@ def _import_csv(path: Path) -> Run:
 
 def _import_jsonl(path: Path) -> Run:
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in _lines(path):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise BadInputError(f"line {i} is not JSON ({e.msg})", path=path,
+        except (json.JSONDecodeError, RecursionError) as e:
+            msg = getattr(e, "msg", "nested too deeply")
+            raise BadInputError(f"line {i} is not JSON ({msg})", path=path,
                                 fix="each line must be one JSON object with 'step' and 'loss'") from e
     return _run(path, "jsonl", _generic_rows([r for r in records if isinstance(r, dict)], path))
 
@@ -154,15 +202,15 @@ def _import_deepspeed(path: Path, lines: list[str]) -> Run:
     step, scale, rows = 0, None, {}
     for line in lines:
         if m := _DS_OVERFLOW.search(line):
-            if int(m[1]) != 0:
+            if _whole(m[1], path, "rank", 0, 2**31) != 0:
                 continue  # rank 0 speaks for the data-parallel group: the scaler is synchronised
             step += 1
-            rows[step] = {"step": step, "scale": float(m[2]), "skipped": True, "loss": None}
-            scale = float(m[3])
+            rows[step] = {"step": step, "scale": _num(m[2]), "skipped": True, "loss": None}
+            scale = _num(m[3])
         elif m := _DS_STEP.search(line):
-            step = int(m[1])
+            step = _whole(m[1], path, "step", 0, _I64 >> 1)
         elif m := _DS_LOSS.search(line):
-            step = int(m[1])
+            step = _whole(m[1], path, "step", 0, _I64 >> 1)
             r = rows.setdefault(step, {"step": step, "scale": scale, "skipped": False})
             r["loss"] = _num(m[2])  # float() reads "nan" and "inf" as DeepSpeed prints them
     if not rows:
@@ -185,16 +233,17 @@ def _import_megatron(path: Path, lines: list[str]) -> Run:
         m = _MEG.search(line)
         if not m:
             continue
-        it = int(m[1])
+        it = _whole(m[1], path, "iteration", 0, _I64)
         fields = {}
         for chunk in m[2].split("|"):
             if fm := _MEG_FIELD.fullmatch(chunk):
                 fields[fm[1].strip().lower()] = fm[2]
         loss = next((_num(v) for k, v in fields.items() if k.endswith("loss") and "scale" not in k), None)
-        nan_iters = int(_num(fields.get("number of nan iterations")) or 0)
+        nan_iters = _num(fields.get("number of nan iterations")) or 0
         if nan_iters:
             loss = math.nan  # Megatron averages only finite losses; a nan count is a non-finite loss
-        skipped = int(_num(fields.get("number of skipped iterations")) or 0)
+        skipped = _num(fields.get("number of skipped iterations")) or 0
+        skipped = int(skipped) if math.isfinite(skipped) and 0 <= skipped < _I64 else 0
         rows.append({"step": it, "loss": loss, "scale": _num(fields.get("loss scale")),
                      "grad_norm": _num(fields.get("grad norm")), "lr": _num(fields.get("learning rate")),
                      "skipped": skipped > 0, "n_iter": max(1, it - prev), "n_skipped": skipped})
@@ -214,9 +263,13 @@ def _import_tensorboard(path: Path) -> Run:
     except ImportError as e:
         raise BadInputError("TensorBoard event files need the optional tensorboard package", path=path,
                             fix="pip install 'amp-autopsy[tensorboard]'") from e
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = acc.Tags().get("scalars", [])
+    try:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = acc.Tags().get("scalars", [])
+    except Exception as e:  # noqa: BLE001 - tensorboard's reader raises many types on damaged events
+        raise BadInputError(f"unreadable TensorBoard events ({type(e).__name__}: {str(e)[:160]})",
+                            path=path, fix=_FIX) from e
     by_step: dict[int, dict[str, Any]] = {}
     for tag in tags:
         short = tag.split("/")[-1]
@@ -254,7 +307,7 @@ def import_file(path: Path, *, progress: bool = False) -> Run:
         raise BadInputError("a single Parquet part is not a run", path=path,
                             fix="pass the run directory (the one holding meta.json and trace/)")
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = [line for _, line in _lines(path, errors="replace")]
     except OSError as e:
         raise BadInputError(f"cannot read ({e.strerror})", path=path, fix=_FIX) from e
     if any(_DS_OVERFLOW.search(x) or _DS_LOSS.search(x) for x in lines):

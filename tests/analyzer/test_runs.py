@@ -59,7 +59,7 @@ def test_a_foreign_parquet_part_is_refused(run_dir):
 def test_unknown_columns_mean_a_newer_writer(run_dir):
     part = run_dir / "trace" / "steps-r00000-p000000.parquet"
     pl.read_parquet(part).with_columns(fp8_amax=pl.lit(1.0)).write_parquet(part)
-    with pytest.raises(VersionError, match=r"unknown to format version 1: \['fp8_amax'\].*pip install -U"):
+    with pytest.raises(VersionError, match=r"unknown to format version \d+: \['fp8_amax'\].*pip install -U"):
         load_run(run_dir)
 
 
@@ -67,7 +67,7 @@ def test_a_newer_format_version_in_meta_is_refused(run_dir):
     meta = json.loads((run_dir / "meta.json").read_text())
     meta["format_version"] = schema.FORMAT_VERSION + 1
     (run_dir / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(VersionError, match=r"meta\.json: run format version 2 is newer"):
+    with pytest.raises(VersionError, match=r"meta\.json: run format version \d+ is newer"):
         load_run(run_dir)
 
 
