@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import json
-import re
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +33,8 @@ from .errors import BadInputError, VersionError
 
 __all__ = ["Run", "load_run", "read_meta", "snapshot_info", "step_frame", "progress_line"]
 
-_PART_RE = re.compile(r"^(steps|layers)-r(\d+)-p(\d+)\.parquet$")
-_SNAP_RE = re.compile(r"^step(\d+)-r(\d+)-(.+)\.pt$")
+_PART_RE = schema.PART_RE
+_SNAP_RE = schema.SNAPSHOT_RE
 _RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a trainer_state.json, "
              "metrics.csv, DeepSpeed/Megatron log, CSV or JSONL file")
 
@@ -54,8 +54,12 @@ class Run:
         params: parameter names in model order (``layer`` indexes this list).
         numels: element count per parameter, or None where unknown.
         snapshots: snapshot files, sorted by step.
-        notes: caveats the report must repeat (partial run, what an imported log lacks).
+        notes: caveats the report must repeat (partial run, what an imported log lacks,
+            several processes that wrote one rank).
         partial: True when the run was cut short (killed process, missing parts).
+        writers: for each rank in the frames that is not a real rank: ``(rank, writer)``, the
+            rank an extra process also claimed and its writer number. Its steps keep their own
+            stream (this rank number in the frames), so they never mix with the first writer's.
     """
 
     path: Path
@@ -69,6 +73,7 @@ class Run:
     snapshots: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     partial: bool = False
+    writers: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def amp_dtype(self) -> str | None:
@@ -140,7 +145,8 @@ def _check_part(path: Path, kind: str) -> None:
         raise BadInputError("empty Parquet part (0 bytes)", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run")
     try:
-        cols = pl.read_parquet_schema(path)
+        # NB: scan with glob=False reads only the footer, and a '[' in the path is no pattern
+        cols = pl.scan_parquet(path, glob=False).collect_schema()
     except Exception as e:  # noqa: BLE001 - polars raises several types for a damaged footer
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
@@ -164,26 +170,73 @@ def _scan(files: list[Path], columns: dict[str, pl.DataType]) -> pl.LazyFrame:
     return lf.select([pl.col(c).cast(t) for c, t in columns.items()])
 
 
+def _listing(directory: Path) -> list[str]:
+    """Names in `directory`, sorted ([] if it is absent): listed, never globbed, so any path is safe."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(e.name for e in entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _read_metas(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """{(rank, writer): meta} from every meta file in the run directory."""
+    metas = {}
+    for name in _listing(path):
+        m = schema.META_RE.match(name)
+        if m:
+            meta = read_meta(path / name)
+            rank = 0 if m[1] is None else int(m[1])
+            metas[(rank, int(m[2] or 0))] = meta
+    return metas
+
+
+def _stream_ranks(keys) -> dict[tuple[int, int], int]:
+    """Frame rank of each (rank, writer): writer 0 keeps its rank; extra writers get unused numbers."""
+    real = {r for r, _ in keys}
+    nxt = max(real, default=-1) + 1
+    out = {}
+    for r, w in sorted(keys):
+        if w == 0:
+            out[(r, w)] = r
+        else:
+            out[(r, w)] = nxt
+            nxt += 1
+    return out
+
+
+def _writer_notes(metas, shown: dict[tuple[int, int], int]) -> list[str]:
+    """'2 processes wrote rank 0: pid A on host X, pid B on host Y (...)' per shared rank."""
+    notes = []
+    for rank in sorted({r for r, w in shown if w}):
+        keys = sorted(k for k in shown if k[0] == rank)
+        who = ", ".join(f"pid {metas.get(k, {}).get('pid')} on host {metas.get(k, {}).get('host')}"
+                        for k in keys)
+        extra = "; ".join(f"writer {w}'s steps are rank {shown[(r, w)]} here" for r, w in keys if w)
+        notes.append(f"{len(keys)} processes wrote rank {rank}: {who} (analysed separately, never mixed: "
+                     f"{extra}; launch with torch.distributed initialised so each process has its own rank)")
+    return notes
+
+
 def _load_run_dir(path: Path, progress: bool) -> Run:
     meta = read_meta(path / schema.META_FILE)
-    metas = {int(meta.get("rank", 0) or 0): meta}
-    for mp in sorted(path.glob("meta-r*.json")):
-        m = read_meta(mp)
-        metas[int(m.get("rank", 0) or 0)] = m
+    by_writer = _read_metas(path)
 
     trace = path / schema.TRACE_DIR
-    parts: dict[str, dict[int, list[tuple[int, Path]]]] = {"steps": {}, "layers": {}}
+    # parts[kind][(rank, writer)] = [(index, file)]
+    parts: dict[str, dict[tuple[int, int], list[tuple[int, Path]]]] = {"steps": {}, "layers": {}}
     temps = []
-    if trace.is_dir():
-        for f in sorted(trace.iterdir()):
-            if f.name.startswith("."):
-                temps.append(f)  # an unfinished atomic write: the writer died mid-part
-                continue
-            m = _PART_RE.match(f.name)
-            if m:
-                parts[m[1]].setdefault(int(m[2]), []).append((int(m[3]), f))
-    step_files = [f for r in sorted(parts["steps"]) for _, f in sorted(parts["steps"][r])]
-    layer_files = [f for r in sorted(parts["layers"]) for _, f in sorted(parts["layers"][r])]
+    for name in _listing(trace):
+        if name.startswith("."):
+            temps.append(name)  # an unfinished atomic write: the writer died mid-part
+            continue
+        m = _PART_RE.match(name)
+        if m:
+            parts[m[1]].setdefault((int(m[2]), int(m[3] or 0)), []).append((int(m[4]), trace / name))
+    streams = set(parts["steps"]) | set(parts["layers"]) | set(by_writer)
+    shown = _stream_ranks(streams)
+    step_files = [f for k in sorted(parts["steps"]) for _, f in sorted(parts["steps"][k])]
+    layer_files = [f for k in sorted(parts["layers"]) for _, f in sorted(parts["layers"][k])]
     if not step_files:
         raise BadInputError(
             f"empty trace: no {schema.TRACE_DIR}/{schema.STEPS_GLOB} parts",
@@ -197,35 +250,47 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     for f in layer_files:
         _check_part(f, "layers")
 
-    notes, partial = [], False
+    metas = {int(meta.get("rank", 0) or 0): meta}
+    for (r, w), m in by_writer.items():
+        metas[shown[(r, w)]] = m
+    notes, partial = _writer_notes(by_writer, shown), False
     if temps:
         partial = True
         notes.append(f"partial run: {len(temps)} unfinished temporary file(s) in {trace} "
                      "(the process was probably killed while writing); analysed the complete parts only")
-    for r in sorted(metas):
-        if r not in parts["steps"]:
+    for key in sorted(by_writer):
+        if key not in parts["steps"]:
             partial = True
-            notes.append(f"rank {r} has a meta file but no trace parts (it died before its first flush)")
+            notes.append(f"rank {shown[key]} has a meta file but no trace parts (it died before its first flush)")
     params, numels = _param_names(meta)
     layers = None
-    steps_lf = _scan(step_files, schema.STEP_COLUMNS)
+    steps_lf = _scan_streams(parts["steps"], shown, schema.STEP_COLUMNS)
     if layer_files:
-        layers = _scan(layer_files, schema.LAYER_COLUMNS)
-        for r, sp in parts["steps"].items():
-            lp = parts["layers"].get(r, [])
+        layers = _scan_streams(parts["layers"], shown, schema.LAYER_COLUMNS)
+        for key, sp in parts["steps"].items():
+            lp = parts["layers"].get(key, [])
             if lp and max(i for i, _ in lp) < max(i for i, _ in sp):
                 partial = True
-                notes.append(f"partial run: rank {r}'s last steps part has no layers part "
+                notes.append(f"partial run: rank {shown[key]}'s last steps part has no layers part "
                              "(killed between the two writes); per-layer checks end earlier")
 
-    snapshots = []
     sdir = path / schema.SNAPSHOT_DIR
-    if sdir.is_dir():
-        snapshots = sorted((f for f in sdir.glob(schema.SNAPSHOT_GLOB) if not f.name.startswith(".")),
-                           key=lambda f: f.name)
+    snapshots = [sdir / n for n in _listing(sdir) if not n.startswith(".") and _SNAP_RE.match(n)]
+    writers = {shown[k]: k for k in shown if k[1]}
     return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
                layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
-               partial=partial)
+               partial=partial, writers=writers)
+
+
+def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],
+                  columns: dict[str, pl.DataType]) -> pl.LazyFrame:
+    """One scan over every writer-0 part; one per extra writer, its rows relabelled to its own rank."""
+    first = [f for k in sorted(parts) if k[1] == 0 for _, f in sorted(parts[k])]
+    frames = [_scan(first, columns)] if first else []
+    for key in sorted(k for k in parts if k[1]):
+        frames.append(_scan([f for _, f in sorted(parts[key])], columns)
+                      .with_columns(rank=pl.lit(shown[key], dtype=columns["rank"])))
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 
 
 def step_frame(df: pl.DataFrame) -> pl.DataFrame:
@@ -238,11 +303,11 @@ def step_frame(df: pl.DataFrame) -> pl.DataFrame:
 
 
 def snapshot_info(path: Path) -> dict[str, Any]:
-    """step, rank and reason parsed from a snapshot's file name (no loading)."""
+    """step, rank, reason and writer (0: the rank's first process) parsed from a snapshot's file name."""
     m = _SNAP_RE.match(path.name)
     if not m:
-        return {"file": str(path), "step": None, "rank": None, "reason": None}
-    return {"file": str(path), "step": int(m[1]), "rank": int(m[2]), "reason": m[3]}
+        return {"file": str(path), "step": None, "rank": None, "reason": None, "writer": None}
+    return {"file": str(path), "step": int(m[1]), "rank": int(m[2]), "reason": m[4], "writer": int(m[3] or 0)}
 
 
 def load_run(path: str | Path, *, progress: bool = False) -> Run:
