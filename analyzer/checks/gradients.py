@@ -72,7 +72,7 @@ def stalled_layers(frames: Frames) -> list[Finding]:
     per = (sb.filter(pl.col("has_grad")).group_by("layer")
            .agg(frac=pl.col("stalled").mean(), lg=pl.col("lg").median(), pnorm=pl.col("pnorm").median())
            .sort("layer"))
-    upper = sb.group_by("bin").agg(pl.col("lg").quantile(0.75))["lg"]
+    upper = sb.group_by("bin").agg(pl.col("lg").quantile(0.75))["lg"].drop_nulls()  # null: no finite norm in the bin
     if upper.len() == 0 or (upper > np.log10(ABS_SMALL) + NORMAL_DECADES).mean() < MOST:
         return []  # (nearly) every layer is tiny: that is not "stalled while others are normal"
     bad = per.filter(pl.col("frac") > MOST)

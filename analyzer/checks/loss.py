@@ -67,7 +67,15 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
           "snapshot": snap, "rank": rank}
     where = f" on rank {rank}" if rank is not None and frames.n_ranks > 1 else ""
     head = f"the loss became {loss} at step {step}{where} ({bad.height} non-finite step(s) of {df.height})"
-    if frames.amp_dtype == "float16" and not stable:
+    if before.height == 0:
+        body = ("it is the first step with a recorded loss, so nothing before it says how the run got there: the "
+                "model or the loss is broken from the start (a bad init, an FP16 overflow on the first "
+                f"batch, a log(0) or division by zero in the loss, a NaN in the batch); {replay} to tell which")
+    elif frames.amp_dtype == "float16" and scales.len() == 0:
+        body = ("no GradScaler scale was recorded, so FP16 gradients ran unscaled: either a forward "
+                "activation passed FP16's 65504 or a numerical fault (log(0), division by zero, a NaN in "
+                f"the batch); {replay} to tell which, and train FP16 with a GradScaler")
+    elif frames.amp_dtype == "float16" and not stable:
         body = (f"the scaler was backing off before it ({skips} skipped step(s) in the previous "
                 f"{before.height}, scale {'falling' if fell else 'unsteady'}): FP16 overflow; see "
                 f"scale_collapse / frequent_overflow, and {replay}")
