@@ -148,9 +148,18 @@ def main(ctx, debug, max_archive_ratio) -> None:
               help="Ops to show around the culprit.")
 @click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
 @click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
+@click.option("--path", "paths", multiple=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
+              help="Also import the snapshot's factory and loss function from under DIR (repeatable).")
+@click.option("--show", is_flag=True,
+              help="Print what replay would import, from which file, and whether the import rule allows "
+                   "it; import nothing, replay nothing.")
 @_one_line_errors
-def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn):
+def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf."""
+    if show:
+        _show_imports(snapshot, factory, loss_fn, paths, as_json)
+        return
     from ._outputs import check_output_path
     from .replay import plot_replay, render_replay_text, replay_snapshot
 
@@ -158,13 +167,34 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn):
         check_output_path(plot_path, inputs=[snapshot], option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
     result = replay_snapshot(snapshot, device=device, dtypes=dtype_list, factory=factory,
-                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json)
+                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths)
     if plot_path:
         plot_replay(result, plot_path)
     if as_json:
         _print_json(result.to_dict())
     else:
         _echo(render_replay_text(result, ops=ops))
+
+
+def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
+    """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
+    import os
+
+    from .loaders import load_snapshot, plan_imports, snapshot_roots
+
+    snap = load_snapshot(snapshot)
+    rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
+    roots = [*snapshot_roots(snap, paths), os.getcwd()]
+    if as_json:
+        _print_json({"snapshot": snapshot, "roots": roots, "imports": rows})
+        return
+    lines = [f"snapshot: {snapshot}", "import roots: " + (", ".join(roots)), ""]
+    for r in rows:
+        verdict = "allowed" if r["allowed"] else "REFUSED"
+        lines += [f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),
+                  f"  file: {r['file'] or '(not found)'}", f"  rule: {verdict}: {r['why']}"]
+    lines += ["", "nothing was imported (replay without --show imports what is allowed above)"]
+    _echo("\n".join(lines))
 
 
 @main.command()

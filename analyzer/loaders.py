@@ -4,11 +4,10 @@ Run directories and foreign logs are read by ``analyzer.runs``; checkpoints by `
 """
 from __future__ import annotations
 
-import importlib
+import functools
 import os
 import pickle
 import re
-import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from ._validate import check_nesting, validate_snapshot
 from ._versions import check_format_version
 from .errors import BadInputError, FactoryError
 
-__all__ = ["load_snapshot", "resolve_ref", "torch_load_safe"]
+__all__ = ["load_snapshot", "plan_imports", "resolve_ref", "snapshot_roots", "torch_load_safe"]
 
 
 def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
@@ -117,38 +116,81 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
     return snap
 
 
-_REFUSED_ROOTS = set(sys.stdlib_module_names) | {"builtins", "__main__", "torch", "os", "subprocess"}
+def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", roots=(),
+                explicit: bool = False):
+    """Import the function or class ``"pkg.mod:name"`` names, under the import rule.
 
+    The rule (``recorders.schema``, the import-rule section) refuses anything but a function or
+    class defined in the module named, and imports a module only from an import root (`roots`:
+    ``--path`` and the run's recorded cwd; the current directory is always one) or from
+    amp-autopsy's own modules, never from the standard library, torch or site-packages, and
+    never when another file would shadow it. ``explicit=True`` (``--factory``/``--loss-fn``) is
+    the user's own say-so: the module may live anywhere, the form rule still holds.
 
-def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory"):
-    """Import ``"pkg.mod:qualname"`` and return the object.
-
-    Refuses references into the standard library, builtins or torch itself: a snapshot must not
-    be able to make the analyzer call ``os:system``. The current directory is importable so
-    that a user's own training package resolves when run from the project root.
+    The callable returned runs inside ``schema.import_roots(roots)``, so a builder's class
+    argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
+    to what it was between calls.
     """
-    if not isinstance(ref, str) or ref.count(":") != 1:
-        raise FactoryError(f"{what} reference {ref!r} is not of the form 'pkg.module:function'",
-                           fix=f"pass {option} pkg.module:function")
-    module, qualname = ref.split(":")
-    root = module.split(".")[0]
-    if root in _REFUSED_ROOTS:
-        raise FactoryError(
-            f"refusing {what} {ref!r}: it resolves into the standard library, builtins or torch, "
-            "not into model code",
-            fix=f"pass your own model code with {option} pkg.module:function",
-        )
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    roots = tuple(roots)
     try:
-        obj = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
+    except schema.ImportRuleError as e:
+        raise FactoryError(str(e), fix=_ref_fix(e.kind, option)) from e
     except Exception as e:  # noqa: BLE001 - any import-time failure of user code is reported
         raise FactoryError(
             f"cannot import {what} {ref!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            fix=f"run from the directory that makes it importable, or pass {option} pkg.module:function",
+            fix=_ref_fix("missing", option),
         ) from e
-    if not callable(obj):
-        raise FactoryError(f"{what} {ref!r} is not callable", fix=f"pass {option} pkg.module:function")
-    return obj
+
+    @functools.wraps(obj)
+    def call_under_roots(*args, **kwargs):
+        with schema.import_roots(roots):
+            return obj(*args, **kwargs)
+
+    return call_under_roots
+
+
+def _ref_fix(kind: str, option: str) -> str:
+    if kind == "missing":
+        return (f"pass --path DIR for the directory that holds the package, run from it, or pass "
+                f"{option} pkg.module:function (an explicit reference is found through PYTHONPATH)")
+    if kind == "form":
+        return f"pass {option} pkg.module:function"
+    return f"if you trust that code, name it yourself with {option} pkg.module:function"
+
+
+def snapshot_roots(snap: dict, paths=()) -> tuple[str, ...]:
+    """Import roots for a snapshot's references: ``--path`` roots first, then the recorded cwd.
+
+    (The current directory is always added last by the rule itself.) A recorded cwd that is not
+    an absolute path is ignored: older snapshots have none.
+    """
+    cwd = snap.get("cwd") if isinstance(snap, dict) else None
+    recorded = (cwd,) if isinstance(cwd, str) and os.path.isabs(cwd) else ()
+    return tuple(os.path.abspath(p) for p in paths) + recorded
+
+
+def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None = None,
+                 paths=()) -> list[dict]:
+    """What replaying `snap` would import, from which file, and whether the rule allows it.
+
+    Imports nothing (``analyzer replay --show``). One dict per reference: the factory, the
+    loss function, and a built-in builder's class argument (HF's ``model_class``), with keys
+    ``role``, ``ref``, ``file``, ``allowed``, ``why`` and ``explicit``.
+    """
+    roots = snapshot_roots(snap, paths)
+    rows = []
+    for role, given, recorded in (("factory", factory, snap.get("factory")), ("loss_fn", loss_fn, snap.get("loss_fn"))):
+        ref = given or recorded
+        plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
+        rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
+                     "explicit": bool(given)})
+        builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
+        kwargs = snap.get("factory_kwargs")
+        if builder and isinstance(kwargs, dict):
+            arg, base, libraries = builder
+            sub = schema.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
+            rows.append({"role": f"factory_kwargs.{arg}", "ref": kwargs.get(arg), "file": sub.file,
+                         "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
+                         else sub.why, "explicit": False})
+    return rows

@@ -1,50 +1,57 @@
-"""Turn a model factory or loss function into a ``"module:qualname"`` reference, and check it."""
+"""Turn a model factory or loss function into a ``"module:function"`` reference, and check it.
+
+The rule itself (form, refused modules, where a module may be imported from) lives in
+``recorders.schema``, next to the snapshot keys it governs; this module applies it on the
+training side, so a run never records a reference that replay would refuse.
+"""
 from __future__ import annotations
 
-import importlib
 import sys
+import types
 from collections.abc import Callable
-from typing import Any
+
+from . import schema
 
 __all__ = ["to_ref", "import_class"]
 
-# A snapshot must not be able to name os:system: references into these roots are refused
-# (analyzer.loaders.resolve_ref applies the same rule to factories and loss functions).
-REFUSED_ROOTS = frozenset(sys.stdlib_module_names) | {"builtins", "__main__", "torch"}
 
-
-def _resolve(ref: str):
-    module, _, qualname = ref.partition(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _check_refusable(module: str, ref: str, what: str) -> None:
+    if module.split(".")[0] in schema.REFUSED_MODULES:
+        raise ValueError(
+            f"{what} {ref!r} is in the standard library, builtins or torch: replay refuses such "
+            "references, so wrap it in a function of your own module"
+        )
 
 
 def to_ref(fn: str | Callable, what: str) -> str:
-    """Return ``"pkg.mod:qualname"`` for `fn`, checking that the name resolves back to it.
+    """Return ``"pkg.mod:name"`` for `fn`, checking it the way replay will.
 
     Strings are checked for form only (the module may not be importable in the training
-    process, e.g. when it is a path the analyzer will see). Callables must be importable
-    top-level objects, since the analyzer rebuilds the model from the name alone.
+    process, e.g. when it is a path the analyzer will see). Callables must be functions or
+    classes defined at the top level of an importable module: replay rebuilds the model from
+    the name alone and refuses anything else (see ``recorders.schema``, the import rule).
 
     Example:
         >>> to_ref("samples.models:build_gpt", "factory")
         'samples.models:build_gpt'
     """
     if isinstance(fn, str):
-        module, sep, qualname = fn.partition(":")
-        if not sep or not module or not qualname:
-            raise ValueError(f"{what} must look like 'pkg.module:function', got {fn!r}")
+        module, _ = schema.parse_ref(fn, what)
+        _check_refusable(module, fn, what)
         return fn
     if not callable(fn):
         raise TypeError(f"{what} must be a 'pkg.module:function' string or a function, got {type(fn).__name__}")
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
-    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+    if not isinstance(fn, (types.FunctionType, type)) or not module or not qualname:
+        raise ValueError(
+            f"{what} {fn!r} is not a plain function or class: replay imports it by name, so pass a "
+            "module-level function (not a partial, method, builtin or callable object)"
+        )
+    if "<locals>" in qualname or "<lambda>" in qualname or "." in qualname:
         raise ValueError(
             f"{what} {fn!r} is not a top-level function: the analyzer rebuilds it by name, "
-            "so define it at module level (not a lambda or a nested function)"
+            "so define it at module level (not a lambda, a method or a nested function)"
         )
     if module == "__main__":
         raise ValueError(
@@ -52,29 +59,24 @@ def to_ref(fn: str | Callable, what: str) -> str:
             "move it to an importable module or pass 'pkg.module:function'"
         )
     ref = f"{module}:{qualname}"
-    try:
-        resolved = _resolve(ref)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {ref!r} does not resolve back to the function: {e}") from e
+    schema.parse_ref(ref, what)
+    _check_refusable(module, ref, what)
+    resolved = vars(sys.modules[module]).get(qualname) if module in sys.modules else None
     if resolved is not fn:
-        raise ValueError(f"{what} {ref!r} resolves to a different object than the one given")
+        raise ValueError(f"{what} {ref!r} does not resolve back to the function given: define it at the "
+                         "top level of its module under that name")
     return ref
 
 
-def import_class(ref: str, base: type, what: str = "model_class") -> type:
-    """Import the class named ``"pkg.mod:Class"`` and check that it subclasses `base`.
+def import_class(ref: str, base: type, what: str = "model_class", *, libraries=()) -> type:
+    """Import the class named ``"pkg.mod:Class"`` under the import rule; check it subclasses `base`.
 
     Used by the framework adapters' factories, which rebuild a model from a class reference
-    stored in a snapshot. References into the standard library, builtins or torch are refused.
+    stored in a snapshot. The class must be defined in the module the reference names, which
+    must lie under an import root (``recorders.schema.import_roots``: replay's recorded cwd,
+    ``--path`` and the current directory) or in one of `libraries` (the framework's own package).
+
+    Raises:
+        ValueError (``schema.ImportRuleError``): the rule refuses the reference.
     """
-    module, sep, qualname = str(ref).partition(":")
-    if not sep or not module or not qualname:
-        raise ValueError(f"{what} must look like 'pkg.module:Class', got {ref!r}")
-    if module.split(".")[0] in REFUSED_ROOTS:
-        raise ValueError(f"refusing {what} {ref!r}: it resolves into the standard library or torch")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise ValueError(f"{what} {ref!r} is not a subclass of {base.__module__}.{base.__qualname__}")
-    return obj
+    return schema.import_ref(ref, base=base, libraries=libraries, what=what)

@@ -18,7 +18,7 @@ import torch
 from recorders import schema
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
-from ..loaders import load_snapshot, resolve_ref
+from ..loaders import load_snapshot, resolve_ref, snapshot_roots
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
@@ -33,7 +33,7 @@ _KIND = ("finite", "inf", "nan")
 
 def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: list[str] | None = None,
                     factory: str | None = None, loss_fn: str | None = None,
-                    progress: bool = False) -> ReplayResult:
+                    progress: bool = False, paths: tuple[str, ...] = ()) -> ReplayResult:
     """Replay the snapshot's step per precision and classify the first NaN/Inf-producing op.
 
     Args:
@@ -43,6 +43,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
             dtype are always replayed.
         factory: override the snapshot's model factory reference (``pkg.mod:function``).
         loss_fn: override the snapshot's loss function reference.
+        paths: extra import roots (``--path``) for the snapshot's factory and loss function.
         progress: draw a progress bar on stderr.
 
     Raises:
@@ -50,7 +51,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     """
     path = os.fspath(path)
     snap = load_snapshot(path)
-    ctx = _context(path, snap, device, factory, loss_fn)
+    ctx = _context(path, snap, device, factory, loss_fn, paths)
     amp = _amp_dtype(path, snap)
     precisions = _precisions(amp, dtypes)
     scale = _scale(path, snap)
@@ -94,15 +95,17 @@ def _float_or_none(v) -> float | None:
 
 
 # -- setup ---------------------------------------------------------------------------------------
-def _context(path: str, snap: dict, device: str, factory: str | None, loss_fn: str | None) -> ReplayContext:
+def _context(path: str, snap: dict, device: str, factory: str | None, loss_fn: str | None,
+             paths: tuple[str, ...] = ()) -> ReplayContext:
     factory_ref = factory or snap.get("factory")
     loss_ref = loss_fn or snap.get("loss_fn")
     if not factory_ref:
         raise FactoryError("snapshot names no model factory", path=path, fix="pass --factory pkg.module:function")
     if not loss_ref:
         raise FactoryError("snapshot names no loss function", path=path, fix="pass --loss-fn pkg.module:function")
-    factory_fn = resolve_ref(factory_ref, what="factory", option="--factory")
-    loss_callable = resolve_ref(loss_ref, what="loss_fn", option="--loss-fn")
+    roots = snapshot_roots(snap, paths)  # --path roots, then the run's recorded cwd (the import rule)
+    factory_fn = resolve_ref(factory_ref, what="factory", option="--factory", roots=roots, explicit=bool(factory))
+    loss_callable = resolve_ref(loss_ref, what="loss_fn", option="--loss-fn", roots=roots, explicit=bool(loss_fn))
     kwargs = snap.get("factory_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise BadInputError("snapshot factory_kwargs is not a dict", path=path, fix="re-record the run")
