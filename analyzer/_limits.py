@@ -10,9 +10,12 @@ Raise the limit with ``analyzer --max-archive-ratio N ...`` or ``AMP_AUTOPSY_MAX
 from __future__ import annotations
 
 import os
+from typing import Any
+
+from .errors import BadInputError
 
 __all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "max_archive_ratio", "set_max_archive_ratio",
-           "MAX_NESTING", "archive_budget"]
+           "MAX_NESTING", "archive_budget", "check_nesting"]
 
 DEFAULT_ARCHIVE_RATIO = 4.0
 ARCHIVE_RATIO_ENV = "AMP_AUTOPSY_MAX_ARCHIVE_RATIO"
@@ -47,3 +50,24 @@ def max_archive_ratio() -> float:
 def archive_budget(file_size: int) -> int:
     """Declared uncompressed bytes allowed for an archive of `file_size` bytes."""
     return int(max_archive_ratio() * file_size) + _SLACK
+
+
+def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = MAX_NESTING) -> None:
+    """Refuse dict/list/tuple nesting deeper than `limit`, without recursing.
+
+    Walking (or printing) a 100k-deep list recursively raises RecursionError; real files nest a
+    handful of levels, so anything deeper is refused at load.
+    """
+    stack = [(obj, 1)]
+    while stack:
+        cur, depth = stack.pop()
+        if isinstance(cur, dict):
+            children = cur.values()
+        elif isinstance(cur, (list, tuple)):
+            children = cur
+        else:
+            continue
+        if depth > limit:
+            raise BadInputError(f"{what} is nested more than {limit} levels deep", path=path,
+                                fix="real files nest a few levels; this one is damaged or hostile")
+        stack.extend((c, depth + 1) for c in children)

@@ -17,30 +17,13 @@ import torch
 
 from recorders import schema
 
-from ._limits import MAX_NESTING
+from ._limits import check_nesting
 from .errors import BadInputError
 
 __all__ = ["check_nesting", "check_dense", "validate_snapshot"]
 
 _REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
 _MAX_TEXT = 4096
-
-
-def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = MAX_NESTING) -> None:
-    """Refuse dict/list/tuple nesting deeper than `limit`, without recursing."""
-    stack = [(obj, 1)]
-    while stack:
-        cur, depth = stack.pop()
-        if isinstance(cur, dict):
-            children = cur.values()
-        elif isinstance(cur, (list, tuple)):
-            children = cur
-        else:
-            continue
-        if depth > limit:
-            raise BadInputError(f"{what} is nested more than {limit} levels deep", path=path,
-                                fix="real files nest a few levels; this one is damaged or hostile")
-        stack.extend((c, depth + 1) for c in children)
 
 
 def check_dense(t: torch.Tensor, *, path: str | os.PathLike, where: str) -> None:

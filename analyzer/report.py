@@ -33,14 +33,17 @@ from typing import Any
 import polars as pl
 
 from ._outputs import atomic_write_bytes, atomic_write_text
-from .checks import CHECKS, Frames, build_frames, run_checks
+from .checks import CHECK_FAILED, CHECKS, Frames, build_frames, run_checks
 from .errors import BadInputError
 from .findings import Finding, json_safe, sort_findings
 from .runs import load_run
 
-__all__ = ["Report", "build_report", "render_report_text", "write_plots", "write_html"]
+__all__ = ["Report", "build_report", "render_report_text", "write_plots", "write_html",
+           "EXIT_CHECK_FAILED", "EXIT_FAIL_ON"]
 
 _MAX_LISTED = 16  # ranks and snapshots listed in the text report
+EXIT_CHECK_FAILED = 3  # a check raised (check_failed): the report is incomplete, an internal error
+EXIT_FAIL_ON = 4       # --fail-on SEVERITY: a finding that severe or worse is present
 
 
 @dataclass
@@ -64,6 +67,27 @@ class Report:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "warning"]
 
+    @property
+    def failed_checks(self) -> list[str]:
+        """Names of the checks that raised (each became a ``check_failed`` finding)."""
+        return [str(f.evidence.get("check")) for f in self.findings if f.check == CHECK_FAILED]
+
+    def exit_status(self, fail_on: str | None = None) -> int:
+        """The CLI's exit status: EXIT_CHECK_FAILED when a check raised, else EXIT_FAIL_ON when a
+        finding of severity `fail_on` ("error" or "warning") or worse is present, else 0."""
+        if self.failed_checks:
+            return EXIT_CHECK_FAILED
+        gate = {"error": ("error",), "warning": ("error", "warning")}.get(fail_on or "", ())
+        return EXIT_FAIL_ON if any(f.severity in gate for f in self.findings) else 0
+
+    def usable_values(self) -> dict[str, int]:
+        """Non-null values per quantity the checks read (NaN and Inf count: they are diagnosed)."""
+        s = self.frames.steps
+        lb = self.frames.layer_bins
+        out = {c: int(s[c].is_not_null().sum()) for c in ("loss", "grad_norm", "scale", "skipped")}
+        out["layer_grad_norm"] = int(lb["n_grad"].sum()) if lb is not None else 0
+        return out
+
     def steps_summary(self) -> dict[str, Any]:
         s = self.frames.steps
         if s.height == 0:
@@ -76,12 +100,20 @@ class Report:
                 "amp_dtype": self.frames.amp_dtype,
                 "final_scale": float(scale[-1]) if scale.len() else None,
                 "min_scale": float(scale.min()) if scale.len() else None,
-                "last_finite_loss": _last_finite(loss), "range": list(self.steps_range or (None, None))}
+                "last_finite_loss": _last_finite(loss), "range": list(self.steps_range or (None, None)),
+                "usable_values": self.usable_values()}
 
     @property
     def verdict(self) -> str:
         n = self.frames.steps.height
-        bad = self.errors or self.warnings
+        bad = [f for f in self.errors if f.check != CHECK_FAILED] or self.warnings
+        if not bad and self.failed_checks:
+            return (f"INCOMPLETE: {len(self.failed_checks)} check(s) failed ({', '.join(self.failed_checks)}; "
+                    f"check_failed), no other errors or warnings over {n} steps")
+        if not bad and not any(self.usable_values().values()):
+            return (f"no usable values: the {n} recorded step(s) hold no loss, gradient norm, loss scale or "
+                    "per-layer gradient norm (all null), so nothing can be diagnosed and nothing is known "
+                    "to be healthy; pass the loss to end_step and check the recorder's warnings")
         if not bad:
             return f"healthy: no errors or warnings over {n} steps"
         f = bad[0]
@@ -139,6 +171,9 @@ def build_report(run, *, rank: int | None = None, steps=None, progress: bool = F
         if rank is not None and rank not in frames.ranks["rank"].to_list():
             raise BadInputError(f"no rank {rank} in this run (ranks: {frames.ranks['rank'].to_list()})",
                                 path=r.path, fix="pass one of the run's ranks to --rank")
+        if steps is None:  # zero-row parts: there is no range to widen
+            raise BadInputError(f"the trace holds no step rows for {what} (its parts are empty)", path=r.path,
+                                fix="record at least one complete step; parts with zero rows carry nothing")
         raise BadInputError(f"no steps of {what} in the range {steps}", path=r.path,
                             fix="widen --steps A:B (A included, B excluded)")
     findings = sort_findings(run_checks(frames))

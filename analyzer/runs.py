@@ -28,6 +28,8 @@ import polars as pl
 
 from recorders import schema
 
+from ._terminal import escape_controls
+from ._tracecheck import check_part_types, check_parts_decode, validate_meta
 from ._versions import check_format_version
 from .errors import BadInputError, VersionError
 
@@ -95,7 +97,7 @@ class Run:
 
 def progress_line(enabled: bool, text: str) -> None:
     if enabled:
-        print(f"[amp-autopsy] {text}", file=sys.stderr, flush=True)
+        print(f"[amp-autopsy] {escape_controls(text)}", file=sys.stderr, flush=True)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -107,10 +109,14 @@ def read_meta(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInputError(f"not valid JSON ({e})", path=path,
                             fix="the run's meta.json is damaged; restore it from the training host") from e
+    except RecursionError as e:
+        raise BadInputError("JSON nested too deeply to read", path=path,
+                            fix="the run's meta.json is damaged; restore it from the training host") from e
     if not isinstance(meta, dict) or meta.get("format") != schema.META_FORMAT:
         raise BadInputError(f"not an amp-autopsy meta file (no 'format': '{schema.META_FORMAT}')",
                             path=path, fix=_RUN_HINT)
     check_format_version(meta, path=path, what="run")
+    validate_meta(meta, path)  # ranks, shapes, numels: integers in range, bounded nesting
     return meta
 
 
@@ -151,6 +157,7 @@ def _check_part(path: Path, kind: str) -> None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run") from e
+    check_part_types(path, cols, expected)
     missing = [c for c in expected if c not in cols]
     unknown = [c for c in cols if c not in expected]
     if missing and len(missing) >= len(expected) // 2:
@@ -249,6 +256,8 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
         _check_part(f, "steps")
     for f in layer_files:
         _check_part(f, "layers")
+    check_parts_decode(step_files, schema.STEP_COLUMNS)  # a corrupt data page is named here, not at a query
+    check_parts_decode(layer_files, schema.LAYER_COLUMNS)
 
     metas = {int(meta.get("rank", 0) or 0): meta}
     for (r, w), m in by_writer.items():

@@ -1,0 +1,136 @@
+"""Validate a run directory's meta.json values and Parquet parts before any check reads them.
+
+``runs.load_run`` calls these so that the checks can trust what they get:
+
+- meta.json: ranks, world sizes, parameter names, shapes and numels are integers in range (a
+  hostile ``"rank": 1e400`` or ``"shape": [true, -1]`` is one error naming the file, not a
+  ``ValueError`` deep in a check), and nesting is bounded;
+- Parquet parts: every column has the schema's type (a ``step`` column of strings used to pass the
+  name check and fail at the first query), and every part decodes: a part whose footer is fine but
+  whose data pages are corrupt is found here, by one streaming pass, and named.
+
+Nothing here imports torch: ``analyzer report`` stays light.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from ._limits import check_nesting
+from .errors import BadInputError
+
+__all__ = ["validate_meta", "check_part_types", "check_parts_decode"]
+
+_META_FIX = "the run's meta.json is damaged; restore it from the training host or re-record the run"
+_PART_FIX = "move the damaged part out of trace/ to analyse the rest of the run"
+_I64 = 2**63
+
+
+def _whole(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+def _bad_meta(path, detail: str) -> BadInputError:
+    return BadInputError(f"meta.json {detail}"[:300], path=path, fix=_META_FIX)
+
+
+def _validate_param(p: Any, i: int, path) -> None:
+    if isinstance(p, str):
+        return
+    if isinstance(p, (list, tuple)):
+        if not p or not isinstance(p[0], str):
+            raise _bad_meta(path, f"params[{i}] should start with the parameter's name")
+        p = {"name": p[0], "shape": p[1] if len(p) > 1 else None}
+    if not isinstance(p, dict):
+        raise _bad_meta(path, f"params[{i}] is a {type(p).__name__}, not a name or a dict")
+    name = p.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _bad_meta(path, f"params[{i}] name is a {type(name).__name__}, not a string")
+    shape = p.get("shape")
+    if shape is not None:
+        if not isinstance(shape, (list, tuple)) or len(shape) > 64 or not all(_whole(d, 0, _I64) for d in shape):
+            raise _bad_meta(path, f"params[{i}] shape {shape!r} is not a list of non-negative integers")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel >= _I64:
+            raise _bad_meta(path, f"params[{i}] shape {shape!r} has more than 2**63 elements")
+    numel = p.get("numel")
+    if numel is not None and not _whole(numel, 0, _I64):
+        raise _bad_meta(path, f"params[{i}] numel {numel!r} is not a non-negative integer")
+
+
+def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
+    """Check the meta.json values the analyzer uses; raise one BadInputError naming the file."""
+    check_nesting(meta, path=path, what="meta.json")
+    rank = meta.get("rank")
+    if rank is not None and not _whole(rank, 0, 2**31):
+        raise _bad_meta(path, f"rank {rank!r} is not an integer in [0, 2**31)")
+    ws = meta.get("world_size")
+    if ws is not None and not _whole(ws, 1, 2**31):
+        raise _bad_meta(path, f"world_size {ws!r} is not an integer in [1, 2**31)")
+    for key in ("amp_dtype", "host", "device_type", "torch_version"):
+        v = meta.get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad_meta(path, f"{key} is a {type(v).__name__}, not a string")
+    scaler = meta.get("scaler")
+    if scaler is not None and not isinstance(scaler, dict):
+        raise _bad_meta(path, f"scaler is a {type(scaler).__name__}, not a dict")
+    params = meta.get("params")
+    if params is None:
+        return
+    if not isinstance(params, list):
+        raise _bad_meta(path, f"params is a {type(params).__name__}, not a list")
+    for i, p in enumerate(params):
+        _validate_param(p, i, path)
+
+
+def _compatible(got: pl.DataType, want: pl.DataType) -> bool:
+    if got == want or got == pl.Null:
+        return True
+    if want.is_integer():
+        return got.is_integer()
+    if want.is_float():
+        return got.is_float() or got.is_integer()
+    return False
+
+
+def check_part_types(path: Path, cols: dict[str, pl.DataType], expected: dict[str, pl.DataType]) -> None:
+    """Refuse a part whose columns do not have the schema's types (names are checked by the caller)."""
+    wrong = [f"{c} is {cols[c]}, expected {t}" for c, t in expected.items() if c in cols
+             and not _compatible(cols[c], t)]
+    if wrong:
+        raise BadInputError(f"Parquet part has wrong column types: {'; '.join(wrong[:3])}", path=path,
+                            fix="trace/ must hold only parts written by the Recorder; move this file out")
+
+
+def _decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
+    lf = pl.scan_parquet([str(f) for f in files], glob=False)
+    lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
+
+
+def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
+    """Decode every part once (streaming, bounded memory) so a corrupt data page is found here.
+
+    One pass over all parts; only when it fails is each part decoded alone, to name the bad one.
+    """
+    if not files:
+        return
+    try:
+        _decode(files, columns)
+        return
+    except Exception as e:  # noqa: BLE001 - polars raises ComputeError, InvalidOperationError, OSError...
+        first_error = e
+    for f in files:
+        try:
+            _decode([f], columns)
+        except Exception as e:  # noqa: BLE001 - as above
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise BadInputError(f"Parquet part's data is corrupt or out of range ({detail[:160]})", path=f,
+                                fix=_PART_FIX) from e
+    detail = (str(first_error).strip().splitlines() or [type(first_error).__name__])[0]
+    raise BadInputError(f"the trace parts cannot be read together ({detail[:160]})", path=files[0].parent,
+                        fix=_PART_FIX) from first_error
