@@ -7,7 +7,9 @@ Exit statuses (documented in docs/; scripts rely on them):
 - 2: a usage error (click's own);
 - 3: an internal error: any other exception, printed as one ``Error: FILE: internal error while
   <stage>: <type>: <message> (please report this with the file)`` line; ``analyzer --debug ...``
-  adds the traceback.
+  adds the traceback. ``report`` also exits 3, after printing the report, when one of its checks
+  raised (a ``check_failed`` finding);
+- 4: ``report --fail-on SEVERITY`` found a finding of that severity or worse.
 
 Everything printed goes through ``_terminal.escape_controls``: names read from files cannot send
 escape sequences to the terminal. Warnings raised while a command runs are held back, dropped if
@@ -206,8 +208,11 @@ def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
               help="Write one self-contained HTML report.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
 @click.option("--steps", callback=_parse_steps, default=None, metavar="A:B", help="Only steps A <= step < B.")
+@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
+              help="Exit with status 4 when a finding of this severity or worse is present (to gate a "
+                   "pipeline); the report is printed as usual.")
 @_one_line_errors
-def report(run, as_json, plots_dir, html_path, rank, steps):
+def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
     """Diagnose a run's traces: a run directory, or a log from HF, Lightning, DeepSpeed, CSV/JSONL."""
     from ._outputs import check_output_path
     from .report import build_report, render_report_text, write_html, write_plots
@@ -228,6 +233,9 @@ def report(run, as_json, plots_dir, html_path, rank, steps):
             _echo(f"plot: {p}")
         if html_path:
             _echo(f"html: {html_path}")
+    status = rep.exit_status(fail_on)  # 3: a check raised (check_failed); 4: --fail-on matched
+    if status:
+        raise click.exceptions.Exit(status)
 
 
 @main.command()

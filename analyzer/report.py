@@ -84,7 +84,7 @@ class Report:
         """Non-null values per quantity the checks read (NaN and Inf count: they are diagnosed)."""
         s = self.frames.steps
         lb = self.frames.layer_bins
-        out = {c: int(s[c].is_not_null().sum()) for c in ("loss", "grad_norm", "scale", "skipped")}
+        out = {c: int(s[c].is_not_null().sum()) for c in ("loss", "grad_norm", "scale")}
         out["layer_grad_norm"] = int(lb["n_grad"].sum()) if lb is not None else 0
         return out
 

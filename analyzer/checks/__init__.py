@@ -1,6 +1,9 @@
 """Trace checks: pure functions ``Frames -> list[Finding]``, listed in one registry.
 
 The check names (the registry's keys) are a stable contract: ``--json`` output carries them.
+``run_checks`` is the last line of defence: a check that raises becomes one ``check_failed``
+error finding (naming the check, asking for a bug report) and the other checks still run, so
+one bug never hides every other diagnosis.
 """
 from __future__ import annotations
 
@@ -10,15 +13,19 @@ from ..findings import Finding
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
+from .nonfinite import nonfinite_grads
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse
 
-__all__ = ["CHECKS", "Frames", "build_frames", "run_checks"]
+__all__ = ["CHECKS", "CHECK_FAILED", "Frames", "build_frames", "run_checks"]
+
+CHECK_FAILED = "check_failed"  # the finding a check that raised becomes (not a registry key)
 
 CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "scale_collapse": scale_collapse,
     "frequent_overflow": frequent_overflow,
     "nonfinite_loss": nonfinite_loss,
+    "nonfinite_grads": nonfinite_grads,
     "loss_spike": loss_spike,
     "stalled_layers": stalled_layers,
     "vanishing_gradients": vanishing_gradients,
@@ -34,5 +41,19 @@ def run_checks(frames: Frames, only: list[str] | None = None) -> list[Finding]:
     out: list[Finding] = []
     for name, check in CHECKS.items():
         if only is None or name in only:
-            out.extend(check(frames))
+            try:
+                found = list(check(frames))
+            except Exception as e:  # noqa: BLE001 - the last line of defence: any bug in one check
+                out.append(_failed(name, e))
+                continue
+            out.extend(found)
     return out
+
+
+def _failed(name: str, e: Exception) -> Finding:
+    text = " ".join(str(e).split())[:300]
+    return Finding(CHECK_FAILED, "error", None,
+                   f"the check {name!r} failed ({type(e).__name__}: {text}), so the report lacks its "
+                   "diagnosis; the other checks ran. This is a bug in amp-autopsy: please report it "
+                   "with this run's meta.json and trace/ (or the log file)",
+                   {"check": name, "error_type": type(e).__name__, "error": text})

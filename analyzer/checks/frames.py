@@ -10,7 +10,8 @@ collects the per-layer table itself:
 - ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
 
 Checks are pure functions of a ``Frames``; ``layer_window`` fetches the few layer rows around
-one step (e.g. a loss spike) with a filtered scan.
+one step (e.g. a loss spike) with a filtered scan, ``layer_rows`` the raw rows of a few steps
+(which parameters' gradients were non-finite).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Frames:
     source_format: str = "amp-autopsy"
     layer_window: Callable[[int, int], pl.DataFrame] | None = None
     notes: list[str] = field(default_factory=list)
+    layer_rows: Callable[[int, int], pl.DataFrame] | None = None
 
     @property
     def n_ranks(self) -> int:
@@ -135,7 +137,7 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
         notes.append(f"{rows - int(merged['n_ranks'].sum())} step rows repeat a step number: the run "
                      "directory was reused or the run resumed; the latest row of each step is used, "
                      "per-layer statistics mix both")
-    layer_bins, width, window = None, 1, None
+    layer_bins, width, window, rows = None, 1, None, None
     if run.layers is not None and merged.height:
         s0, s1 = int(merged["step"].min()), int(merged["step"].max())
         n_layers = max(1, len(run.params))
@@ -155,10 +157,15 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
                     .group_by("step", "layer").agg(lg=lg.filter(lg.is_finite()).mean())
                     .sort("step", "layer").collect(**_STREAM))
 
+        def rows(lo: int, hi: int, _llf=llf) -> pl.DataFrame:
+            return (_llf.filter(pl.col("step").is_between(lo, hi))
+                    .select("step", "rank", "layer", "grad_norm", "grad_nonfinite")
+                    .sort("step", "rank", "layer").collect(**_STREAM))
+
     snaps = [snapshot_info(p) for p in run.snapshots]
     if rank is not None:
         snaps = [s for s in snaps if s["rank"] in (rank, None)]
     return Frames(steps=merged, layer_bins=layer_bins, params=list(run.params), numels=list(run.numels),
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
-                  layer_window=window, notes=notes)
+                  layer_window=window, notes=notes, layer_rows=rows)

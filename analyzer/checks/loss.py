@@ -30,7 +30,7 @@ MAX_CANDIDATES = 100_000  # screened steps scored exactly (a pathological loss c
 MOVE_DECADES = 0.5   # a layer "moved" when its grad norm left its baseline by > ~3x
 
 
-def _snapshot_for(frames: Frames, step: int, rank: int | None) -> str | None:
+def snapshot_for(frames: Frames, step: int, rank: int | None) -> str | None:
     cands = [s for s in frames.snapshots if s["step"] is not None and s["step"] >= step
              and (rank is None or s["rank"] == rank)]
     return min(cands, key=lambda s: (s["step"], s["rank"] or 0))["file"] if cands else None
@@ -57,7 +57,7 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
     # backing off means two or more net backoffs, or skips right before the failure
     fell = bool(scales.len() > 1 and scales[-1] <= scales.max() / 4)
     stable = not fell and int(skipped.tail(RECENT).sum()) == 0 and skips <= 2
-    snap = _snapshot_for(frames, step, rank)
+    snap = snapshot_for(frames, step, rank)
     replay = (f"replay it: analyzer replay {snap}" if snap else
               "record the run with the Recorder to get a snapshot of this step, then run analyzer replay")
     ev = {"loss": loss, "nonfinite_steps": bad.height, "steps": df.height,

@@ -1,0 +1,99 @@
+"""Gradient check: ``nonfinite_grads``, gradients that went NaN/Inf while the loss stayed finite.
+
+With a GradScaler, a finite loss with non-finite gradients is a skipped step: the scaler
+absorbs it (``frequent_overflow`` and ``scale_collapse`` judge how often). Without one (BF16,
+FP32, FP16 without a scaler), or when the scaler did not skip the step, the optimizer steps on
+NaN/Inf and poisons the weights: the loss goes non-finite one step later, and a report that only
+named that later ``nonfinite_loss`` would point at the wrong step.
+
+Real output (``tests/analyzer/report_models.build_sqrt_norm``, BF16, a batch whose first row
+is all zeros at step 12: ``sqrt`` of a zero sum of squares has an infinite derivative)::
+
+    nonfinite_grads @ step 12: the gradients of 1 parameter(s) went non-finite at step 12 while
+    the loss stayed finite (1.38) (proj.weight): in BF16 (FP32's range) any NaN/Inf is a real
+    numerical bug in backward or in the loss (sqrt or norm at 0, division by zero, log(0), a
+    custom backward), not a range issue; the loss went non-finite at step 13; replay it: analyzer replay run/snapshots/step00000012-r00000-nonfinite_grads.pt
+        evidence: step=12 params=[proj.weight] nearest_output=proj.weight loss=1.38 ...
+
+How to read it: ``params`` lists the parameters whose gradients were non-finite at that step,
+in model order; backward runs from the output to the input, so ``nearest_output`` is the one
+closest to where backward first produced the NaN. Replay the snapshot to name the op.
+"""
+from __future__ import annotations
+
+import polars as pl
+
+from ..findings import Finding
+from .frames import Frames
+from .loss import snapshot_for
+
+__all__ = ["nonfinite_grads"]
+
+_SHOWN = 6
+
+
+def _first_bad_step(frames: Frames) -> dict | None:
+    s = frames.steps
+    loss = pl.col("loss")
+    unabsorbed = pl.col("scale").is_null() | (pl.col("skipped") == False)  # noqa: E712 - null stays unknown
+    hit = s.filter((pl.col("nonfinite_grads").fill_null(0) > 0) & (loss.is_finite() | loss.is_null())
+                   & unabsorbed.fill_null(False))
+    return hit.row(0, named=True) if hit.height else None
+
+
+def _bad_params(frames: Frames, step: int) -> tuple[list[str], bool]:
+    """Names of the parameters whose gradient was non-finite at `step` (model order), and whether
+    the layer trace has a row for that step at all."""
+    if frames.layer_rows is None:
+        return [], False
+    rows = frames.layer_rows(step, step)
+    if frames.rank is not None:
+        rows = rows.filter(pl.col("rank") == frames.rank)
+    if rows.height == 0:
+        return [], False
+    gn = pl.col("grad_norm")
+    bad = rows.filter((pl.col("grad_nonfinite").fill_null(0) > 0) | (gn.is_not_null() & ~gn.is_finite()))
+    layers = sorted({int(i) for i in bad["layer"].to_list()})
+    return [frames.param_name(i) for i in layers], True
+
+
+def nonfinite_grads(frames: Frames) -> list[Finding]:
+    """The first step whose gradients hold NaN/Inf while the loss is finite and no scaler skips it."""
+    row = _first_bad_step(frames)
+    if row is None:
+        return []
+    step = int(row["step"])
+    names, have_rows = _bad_params(frames, step)
+    later = frames.steps.filter((pl.col("step") > step) & pl.col("loss").is_not_null()
+                                & ~pl.col("loss").is_finite())
+    loss_bad_at = int(later["step"][0]) if later.height else None
+    scaler = row["scale"] is not None
+    rank = frames.rank
+    snap = snapshot_for(frames, step, rank)
+    replay = (f"replay it: analyzer replay {snap}" if snap else
+              "record the run with the Recorder to get a snapshot of this step, then run analyzer replay")
+    loss = row["loss"]
+    ev = {"step": step, "params": names[:20], "n_params": len(names),
+          "nearest_output": names[-1] if names else None, "loss": loss, "loss_finite": loss is not None,
+          "first_nonfinite_loss_step": loss_bad_at, "nonfinite_elements": row["nonfinite_grads"],
+          "amp_dtype": frames.amp_dtype, "scaler": scaler, "skipped": row["skipped"],
+          "snapshot": snap, "rank": rank}
+    shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    who = (f"the gradients of {len(names)} parameter(s)" if names else
+           "gradients" + ("" if have_rows else " (the per-layer trace has no row for this step)"))
+    stayed = "the loss stayed finite" + (f" ({loss:.4g})" if loss is not None else "") if loss is not None \
+        else "the loss was not recorded"
+    head = f"{who} went non-finite at step {step} while {stayed}" + (f" ({shown})" if names else "")
+    if frames.amp_dtype == "float16" and not scaler:
+        why = ("this FP16 run has no GradScaler, and an unscaled FP16 backward can overflow (a gradient "
+               "past 65504) or underflow: train FP16 with torch.amp.GradScaler, which skips such steps "
+               "and adjusts the scale")
+    elif scaler:
+        why = ("a GradScaler was active but did not skip this step, so the optimizer stepped on them: "
+               "call scaler.step(optimizer) (not optimizer.step()) and scaler.update() every step")
+    else:
+        rng = "in BF16 (FP32's range)" if frames.amp_dtype == "bfloat16" else "in FP32"
+        why = (f"{rng} any NaN/Inf is a real numerical bug in backward or in the loss (sqrt or norm at 0, "
+               "division by zero, log(0), a custom backward), not a range issue")
+    after = f"; the loss went non-finite at step {loss_bad_at}" if loss_bad_at is not None else ""
+    return [Finding("nonfinite_grads", "error", step, f"{head}: {why}{after}; {replay}", ev, rank=rank)]
