@@ -24,7 +24,17 @@ def _finite(v) -> bool:
 
 
 def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
-            recorded_loss: float | None = None) -> str:
+            recorded_loss: float | None = None, written_only: list[str] | None = None) -> str:
+    text = _summary(verdict, c, inputs=inputs, scale=scale, recorded_loss=recorded_loss)
+    if written_only:
+        more = f" (and {len(written_only) - 1} more)" if len(written_only) > 1 else ""
+        text += (f" NB: {written_only[0]}{more} is NaN/Inf in the snapshot, but this step only writes it "
+                 "(a train-mode BatchNorm's running stats, saved after the forward): not a cause.")
+    return text
+
+
+def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: float,
+             recorded_loss: float | None) -> str:
     if verdict == "healthy":
         text = "No NaN/Inf in forward or backward in any replayed precision."
         if recorded_loss is not None and not _finite(recorded_loss):
@@ -56,8 +66,8 @@ def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
         lit = c.get("literal_nonfinite")
         if lit and not _finite(c["input_absmax"]):
             return (f"{_where(c)} turned the NaN/Inf written on purpose by {lit['op']} in `{lit['module']}` "
-                    f"(a mask value such as -inf) into {c['output_kind']}, e.g. a softmax over a row whose "
-                    "every entry is masked; FP32 does the same: a numerical bug, not a precision problem.")
+                    f"(a mask value such as -inf) into {c['output_kind']}, e.g. a softmax or logsumexp over a "
+                    "row whose every entry is masked; FP32 does the same: a numerical bug, not a precision problem.")
         if c["precision"] == "float32":
             return (f"{_where(c)} produced {c['output_kind']} from finite inputs in FP32 as well: "
                     "a numerical bug, not a precision problem.")
@@ -134,10 +144,15 @@ def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sca
         out = []
         base = op.split(".")[-1]
         node = c.get("node") or ""
-        if c.get("literal_nonfinite") or "softmax" in base:
+        if "Logsumexp" in node or base == "logsumexp":
+            out.append("A row whose every entry is masked has logsumexp -inf, and its backward computes "
+                       "exp(-inf - -inf) = NaN even when the row is dropped from the loss "
+                       "(pytorch/pytorch#31829): mask with torch.finfo(x.dtype).min instead of -inf, or "
+                       "pool only rows that keep at least one entry.")
+        elif c.get("literal_nonfinite") or "softmax" in base:
             out.append("Use a finite mask value: scores.masked_fill(mask, torch.finfo(scores.dtype).min) "
                        "instead of -inf, so a fully masked row gives a uniform row instead of NaN.")
-        if base in ("log", "log2", "log10") or "Log" in node:
+        if base in ("log", "log2", "log10") or ("Log" in node and "Logsumexp" not in node):
             out.append("Clamp the argument of log (torch.log(p.clamp_min(1e-12))) or compute log-probabilities "
                        "with log_softmax instead of log(softmax(x)).")
         if "Sqrt" in node or base in ("sqrt", "rsqrt"):

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ._attribution import _flat, user_source
+from ._writes import BufferReads, unread_args, written_args
 
 __all__: list[str] = []
 
@@ -74,10 +75,16 @@ class _OpStatsMode(TorchDispatchMode):
         zeros: also count non-zero output elements (slower; for the underflow check).
         capture: op index whose inputs to clone (before it runs) for the shadow check.
         on_ops: optional callback, called with the number of ops so far every 256 ops.
+        reads: follow these buffers' values through the run (which ones the step reads).
+
+    NB: the running statistics a train-mode batch norm updates in place are not inputs of
+    that op here (``_writes.unread_args``): its output never depends on them.
     """
 
-    def __init__(self, *, zeros: bool = False, capture: int | None = None, on_ops=None):
+    def __init__(self, *, zeros: bool = False, capture: int | None = None, on_ops=None,
+                 reads: BufferReads | None = None):
         super().__init__()
+        self.reads = reads
         self.zeros = zeros
         self.on_ops = on_ops  # called with the op count every 256 ops (a progress bar)
         self.capture = capture
@@ -101,7 +108,7 @@ class _OpStatsMode(TorchDispatchMode):
     def producer_of(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(op index, stat index) of the op that last wrote `t`, if it is unchanged since."""
         entry = self._producers.get(t)
-        if entry is None or entry[2] != t._version:
+        if entry is None or not entry[2] <= t._version <= entry[3]:
             return None
         return entry[0], entry[1]
 
@@ -114,18 +121,21 @@ class _OpStatsMode(TorchDispatchMode):
     # -- the hook ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = str(func.overloadpacket)
+        skip = unread_args(name, func, args, kwargs)
         float_in = []
+        tensors_in = []
         literal = False  # a NaN/Inf written on purpose: masked_fill(m, -inf), full(..., -inf)
         for a in (_flat(args) + _flat(kwargs.values()) if kwargs else _flat(args)):
             if isinstance(a, torch.Tensor):
-                if a.dtype in _FLOAT_DTYPES and a.numel() > 0:
+                tensors_in.append(a)
+                if a.dtype in _FLOAT_DTYPES and a.numel() > 0 and not any(a is s for s in skip):
                     float_in.append(a)
             elif isinstance(a, float) and not math.isfinite(a):
                 literal = True
         index = len(self.records)
-        name = _NAMES.get(func)
-        if name is None:
-            name = _NAMES[func] = str(func.overloadpacket)
         rec = self._describe(func, name, index)
         rec.in_dtypes = tuple({a.dtype for a in float_in})
         # Input statistics BEFORE the op runs: an in-place op would overwrite them.
@@ -146,6 +156,13 @@ class _OpStatsMode(TorchDispatchMode):
         out = func(*args, **kwargs)
 
         flat_out = _flat(out) if isinstance(out, (list, tuple)) else [out]
+        # NB: autograd bumps the version counter of an in-place op's output after this hook
+        # returns, and gives a view its base's counter then: an output that is a written
+        # argument is valid one version on, a view at up to its inputs' versions.
+        written = written_args(func, args, kwargs)
+        view_hi = max((a._version for a in tensors_in), default=0) if _returns_view(func) else 0
+        if self.reads is not None:
+            self.reads.op(func, args, kwargs, tensors_in, skip, flat_out, rec.phase == "backward")
         alias = len(rec.inputs) == len(float_in) >= 1 and (
             name in _ALIAS_OPS or (name == "aten._to_copy" and _widens(float_in[0].dtype, out)))
         for t in flat_out:
@@ -158,7 +175,11 @@ class _OpStatsMode(TorchDispatchMode):
             if self.zeros:
                 self._nonzero.append(torch.count_nonzero(t))
                 rec.zeros.append((len(self._nonzero) - 1, t.numel()))
-            self._producers[t] = (index, stat, t._version)
+            hi = t._version + 1 if any(t is w for w in written) else max(t._version, view_hi)
+            self._producers[t] = (index, stat, t._version, hi)
+        for w in written:  # written but not returned (running stats, out=): no longer what was recorded
+            if not any(w is t for t in flat_out):
+                self._producers.pop(w, None)
         self.records.append(rec)
         if self.on_ops is not None and not index & 255:
             self.on_ops(index)
@@ -197,6 +218,17 @@ class _OpStatsMode(TorchDispatchMode):
         self._maxs.clear()
         self._nonzero.clear()
         return absmax, nonzero
+
+
+_VIEWS: dict = {}  # OpOverload -> whether it returns a view of an input (Tensor(a) return)
+
+
+def _returns_view(func) -> bool:
+    view = _VIEWS.get(func)
+    if view is None:
+        view = _VIEWS[func] = any(r.alias_info is not None and not r.alias_info.is_write
+                                  for r in func._schema.returns)
+    return view
 
 
 def _widens(src: torch.dtype, out) -> bool:

@@ -10,7 +10,8 @@ Each op's output gets a *root*: the op where its non-finite values were born.
   fully masked row) it becomes the genuine root itself: the mask was fine until this op.
 
 The origin of a failing run is the root of its symptom: the op that produced the loss when the
-forward is non-finite, else the first backward op with a non-finite output. Genuine forward
+forward is non-finite, else the first backward op whose non-finite output has a genuine root
+(a mask value that backward merely reads back is skipped, whatever op wrote it). Genuine forward
 roots that never reach the symptom are reported as *hidden* (an intermediate ``-inf`` that a
 later ``where`` hides, and that then breaks backward).
 """
@@ -86,6 +87,12 @@ def find_origin(run: RunTrace) -> Origin | None:
             symptom = run.loss_producer
         else:
             symptom = next((r.index for r in reversed(recs) if r.phase == "forward" and roots[r.index]), None)
+    if symptom is None:
+        # A mask value carried into backward (the -inf a LogsumexpBackward0 reads back from its
+        # forward) is an input to the story, not the failure: the symptom is the first backward
+        # op whose non-finite output was born in a genuine root.
+        symptom = next((r.index for r in recs if r.phase == "backward" and roots[r.index]
+                        and not roots[r.index].literal), None)
     if symptom is None:
         symptom = next((r.index for r in recs if r.phase == "backward" and roots[r.index]), None)
     origin = None

@@ -17,6 +17,7 @@ import torch
 from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._mode import _OpRecord, _OpStatsMode
+from ._writes import BufferReads
 
 __all__: list[str] = []
 
@@ -40,6 +41,7 @@ class RunTrace:
     backward_ran: bool
     emulated_cuda_ops: int = 0
     captured: tuple[Any, Any] | None = None
+    buffers_read: set[str] | None = None  # of the watched buffers, those the step reads (None: none watched)
 
     @property
     def forward_finite(self) -> bool:
@@ -110,7 +112,7 @@ class ReplayContext:
             model.load_state_dict(self.model_state, strict=True)
         except (RuntimeError, KeyError, TypeError) as e:
             raise BadInputError(
-                f"snapshot weights do not fit the model built by {self.factory_ref!r}: {_first_line(e)}",
+                f"snapshot weights do not fit the model built by {self.factory_ref!r}: {_state_dict_mismatch(e)}",
                 path=self.path, fix="pass the factory that built this model with --factory",
             ) from e
 
@@ -119,6 +121,15 @@ class ReplayContext:
         cuda = self.rng.get("cuda")
         if self.device.type == "cuda" and cuda and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+
+
+def _state_dict_mismatch(e: BaseException) -> str:
+    """The first line that names a key: torch's first line ("Error(s) in loading state_dict for
+    Net:") names none; the next says which keys are missing, unexpected or mis-shaped."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        return lines[1][:300]
+    return _first_line(e)
 
 
 def _first_line(e: BaseException) -> str:
@@ -139,12 +150,19 @@ def _to_device(obj, device):
 
 
 def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = False,
-             capture: int | None = None, on_ops=None) -> RunTrace:
-    """Replay the step once in `precision` with backward from ``loss * scale``."""
+             capture: int | None = None, on_ops=None, watch: list[str] | None = None) -> RunTrace:
+    """Replay the step once in `precision` with backward from ``loss * scale``.
+
+    `watch` names buffers whose values are followed through the run (``RunTrace.buffers_read``).
+    """
     model = ctx.build_model()
     batch = _to_device(ctx.batch, ctx.device)
     ctx.restore_rng()
-    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops)
+    reads = None
+    if watch:
+        named = dict(model.named_buffers())
+        reads = BufferReads({n: named[n] for n in watch if n in named})
+    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
     handles = attach_module_hooks(model, mode.module_stack)
     low = precision in LOW_PRECISION
@@ -165,6 +183,8 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
                         path=ctx.path, fix="check the model code, or pass --loss-fn pkg.module:function",
                     ) from e
             _check_loss(ctx, loss)
+            if reads is not None:
+                reads.finish(loss)
             loss_producer = mode.producer_of(loss)
             backward_ran = loss.requires_grad
             if backward_ran:
@@ -193,6 +213,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         grads_finite=all(math.isfinite(v) for v in grad_vals),
         grad_absmax=_nan_max(grad_vals) / scale if grad_vals else None, backward_ran=backward_ran,
         emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
+        buffers_read=None if reads is None else set(reads.read),
     )
 
 

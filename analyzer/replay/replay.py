@@ -59,14 +59,20 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
         nonfinite_inputs = _scan_inputs(ctx)
+        # Non-finite buffers are followed through the FP32 run: one the step only writes (a
+        # train-mode BatchNorm's running stats, saved after the forward wrote them) is no input.
+        watch = [n.split(":", 1)[1] for n in nonfinite_inputs if n.startswith("buffer:")]
         runs: dict[str, RunTrace] = {}
         at_one: dict[str, RunTrace] = {}
         for p in precisions:
             bar.step(f"{p} forward+backward")
-            runs[p] = run_once(ctx, p, scale, on_ops=bar.ops)
+            runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
             if runs[p].forward_finite and not runs[p].grads_finite and scale != 1.0:
                 bar.extra(f"{p} at loss scale 1")
                 at_one[p] = run_once(ctx, p, 1.0, on_ops=bar.ops)
+        read = runs["float32"].buffers_read or set()
+        written_only = [f"buffer:{n}" for n in watch if n not in read]
+        nonfinite_inputs = [n for n in nonfinite_inputs if n not in written_only]
         bar.extra("diagnosis")
         diag = _diagnose(ctx, runs, at_one, amp, scale, nonfinite_inputs, on_ops=bar.ops)
         bar.done()
@@ -74,7 +80,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     return ReplayResult(
         verdict=diag["verdict"],
         summary=_advice.summary(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
-                                recorded_loss=_float_or_none(snap.get("loss"))),
+                                recorded_loss=_float_or_none(snap.get("loss")), written_only=written_only),
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
         advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale),
@@ -82,7 +88,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
         amp_dtype=amp, scale=scale, recorded_loss=_float_or_none(snap.get("loss")),
-        nonfinite_inputs=nonfinite_inputs,
+        nonfinite_inputs=nonfinite_inputs, written_only_buffers=written_only,
         hidden_nonfinite=diag.get("hidden"), literal_nonfinite=diag.get("literal"),
         underflow_at=diag.get("underflow_at"),
         context_ops=diag.get("context", []),

@@ -28,6 +28,11 @@ class ReplayResult:
         culprit: the origin op (``op``, ``module``, ``phase``, ``precision``, ``index``,
             ``source``, ``input_absmax``, ``output_absmax``, ``shadow``...); None when healthy.
         runs: per precision: ``finite``, ``loss``, ``first_nonfinite`` and more.
+        nonfinite_inputs: parameters, buffers and batch leaves the step reads that were already
+            NaN/Inf (``param:fc.weight``, ``batch:x``).
+        written_only_buffers: buffers NaN/Inf in the snapshot that the step only writes (a
+            train-mode BatchNorm's running stats in a snapshot taken after the forward): not
+            inputs, so not a cause.
         advice: concrete things to try, most specific first.
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
     """
@@ -47,6 +52,7 @@ class ReplayResult:
     scale: float
     recorded_loss: float | None
     nonfinite_inputs: list[str] = field(default_factory=list)
+    written_only_buffers: list[str] = field(default_factory=list)
     hidden_nonfinite: dict | None = None
     literal_nonfinite: dict | None = None
     underflow_at: dict | None = None
@@ -78,6 +84,7 @@ class ReplayResult:
             "scale": self.scale,
             "recorded_loss": self.recorded_loss,
             "nonfinite_inputs": list(self.nonfinite_inputs),
+            "written_only_buffers": list(self.written_only_buffers),
             "hidden_nonfinite": self.hidden_nonfinite,
             "literal_nonfinite": self.literal_nonfinite,
             "underflow_at": self.underflow_at,

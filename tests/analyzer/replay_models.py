@@ -283,3 +283,102 @@ def build_deep_mlp(depth: int = 40) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 4), *[nn.Sequential(nn.Tanh(), nn.Linear(4, 4)) for _ in range(depth)],
                          nn.Linear(4, 1))
+
+
+# -- logsumexp pooling over a row whose every position is masked (pytorch/pytorch#31829) -------
+class LogsumexpPool(nn.Module):
+    """Pool positions with logsumexp after adding a -inf mask; rows with no valid position give 0.
+
+    The forward is finite (``where`` drops the -inf of a fully masked row), but the backward of
+    logsumexp computes ``exp(x - result)`` = exp(-inf - -inf) = NaN there, which ``where``'s zero
+    gradient cannot cancel (0 * NaN). `mask_form` is how the -inf bias is written.
+    """
+
+    def __init__(self, d: int, mask_form: str):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 1)
+        self.mask_form = mask_form
+
+    def _bias(self, mask: torch.Tensor) -> torch.Tensor:
+        neg = float("-inf")
+        if self.mask_form == "masked_fill":
+            return torch.zeros(mask.shape).masked_fill(~mask, neg)
+        if self.mask_form == "where":
+            return torch.where(mask, 0.0, neg)
+        if self.mask_form == "full":
+            return torch.where(mask, torch.zeros(mask.shape), torch.full(mask.shape, neg))
+        if self.mask_form == "index_put":
+            bias = torch.zeros(mask.shape)
+            bias[~mask] = neg
+            return bias
+        raise ValueError(f"unknown mask_form {self.mask_form!r}")
+
+    def forward(self, x, mask):
+        s = self.proj(x)                                          # (B, T, d)
+        pooled = torch.logsumexp(s + self._bias(mask)[..., None], dim=1)  # -inf for a fully masked row
+        pooled = torch.where(mask.any(1, keepdim=True), pooled, torch.zeros_like(pooled))
+        return self.head(pooled)
+
+
+def build_logsumexp_pool(d: int = 4, mask_form: str = "masked_fill") -> nn.Module:
+    torch.manual_seed(0)
+    return LogsumexpPool(d, mask_form)
+
+
+def pool_mse(model, batch):
+    return F.mse_loss(model(batch["x"], batch["mask"]).float(), batch["y"])
+
+
+# -- Linear -> BatchNorm1d: inputs of ~1e5 overflow autocast's FP16 cast (pytorch/pytorch#115500) -
+def build_bn_net(d: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
+# -- buffers a forward reads, or keeps as an exponential moving average it never reads ---------
+class BufferNet(nn.Module):
+    """``center`` is subtracted from the input (read); ``ema`` tracks the batch mean (only written)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, 1)
+        self.register_buffer("center", torch.zeros(d))
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.fc(x - self.center)
+
+
+def build_buffer_net(d: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return BufferNet(d)
+
+
+def train_until_failure(run_dir: str | Path, *, factory: str, loss_fn: str, batches: list[dict],
+                        amp_dtype: torch.dtype | None, factory_kwargs: dict | None = None) -> tuple[int, Path]:
+    """Train with the Recorder over `batches` (SGD, no GradScaler) until a step fails.
+
+    Returns the failing step and the snapshot the recorder wrote for it.
+    """
+    factory_kwargs = dict(factory_kwargs or {})
+    model = _resolve(factory)(**factory_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loss_callable = _resolve(loss_fn)
+    with Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=factory_kwargs,
+                  loss_fn=f"{REF}:{loss_fn}", amp_dtype=amp_dtype, optimizer=opt) as rec:
+        for step, batch in enumerate(batches):
+            rec.begin_step(step, batch)
+            ctx = torch.autocast("cpu", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+            with ctx:
+                loss = loss_callable(model, batch)
+            loss.backward()
+            if rec.end_step(loss) is not None:
+                assert rec.snapshots, "the recorder wrote no snapshot"
+                return step, rec.snapshots[-1]
+            opt.step()
+            opt.zero_grad()
+    raise AssertionError(f"{factory}/{loss_fn}: no step failed")
