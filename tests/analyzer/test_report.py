@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
@@ -216,3 +217,96 @@ def test_a_reused_run_directory_uses_the_latest_row_of_each_step_and_says_so(tmp
     assert rep.frames.steps.height == 100  # 200 rows, 100 distinct steps
     assert any("repeat a step number" in n for n in rep.notes)
     assert [f.step for f in rep.findings if f.check == "nonfinite_loss"] == [60]  # the latest run's NaN
+
+
+def _nan_loss_run(tmp_path):
+    s = Script()
+    s.lg[:, 4:6] = -14  # stalled_layers: a warning
+    s.loss[300] = np.nan  # nonfinite_loss: an error
+    return s.write(tmp_path / "run")
+
+
+def _boom(frames):
+    raise ZeroDivisionError("a bug in a check")
+
+
+def test_a_check_that_raises_becomes_check_failed_and_the_others_still_report(tmp_path, monkeypatch):
+    from analyzer.checks import CHECKS
+
+    monkeypatch.setitem(CHECKS, "boom", _boom)  # a real registered check, run by run_checks
+    run = _nan_loss_run(tmp_path)
+    res = CliRunner().invoke(main, ["report", str(run), "--json"])
+    assert res.exit_code == 3, res.output  # an internal error: the report is incomplete
+    obj = json.loads(res.output)
+    failed = [f for f in obj["findings"] if f["check"] == "check_failed"]
+    assert len(failed) == 1 and failed[0]["severity"] == "error"
+    assert "'boom'" in failed[0]["message"] and "please report it" in failed[0]["message"]
+    assert failed[0]["evidence"] == {"check": "boom", "error_type": "ZeroDivisionError", "error": "a bug in a check"}
+    assert {"nonfinite_loss", "stalled_layers"} <= {f["check"] for f in obj["findings"]}
+    assert obj["verdict"].startswith("FAILED: the loss became nan at step 300")  # a real error comes first
+    text = CliRunner().invoke(main, ["report", str(run)])
+    assert text.exit_code == 3 and "check_failed: the check 'boom' failed" in text.output
+
+
+def test_a_check_that_raises_on_a_clean_run_makes_the_verdict_incomplete_not_healthy(tmp_path, monkeypatch):
+    from analyzer.checks import CHECKS
+
+    monkeypatch.setitem(CHECKS, "boom", _boom)
+    rep = build_report(Script(n=60).write(tmp_path / "run"))
+    assert rep.verdict.startswith("INCOMPLETE: 1 check(s) failed (boom") and rep.exit_status() == 3
+
+
+@pytest.mark.parametrize("fail_on,status", [(None, 0), ("error", 4), ("warning", 4)])
+def test_fail_on_exits_4_when_a_finding_that_severe_is_present(tmp_path, fail_on, status):
+    run = _nan_loss_run(tmp_path)
+    args = ["report", str(run)] + (["--fail-on", fail_on] if fail_on else [])
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == status, res.output
+    assert res.output.splitlines()[1].startswith("Verdict: FAILED")  # the report is printed either way
+
+
+def test_fail_on_error_passes_a_run_with_only_warnings_and_fail_on_warning_does_not(tmp_path):
+    s = Script()
+    s.lg[:, 4:6] = -14  # stalled_layers only: a warning, no error
+    run = s.write(tmp_path / "run")
+    assert CliRunner().invoke(main, ["report", str(run), "--fail-on", "error"]).exit_code == 0
+    assert CliRunner().invoke(main, ["report", str(run), "--json", "--fail-on", "warning"]).exit_code == 4
+
+
+def test_fail_on_passes_a_healthy_run(tmp_path):
+    run = Script(n=60).write(tmp_path / "run")
+    assert CliRunner().invoke(main, ["report", str(run), "--fail-on", "warning"]).exit_code == 0
+
+
+def test_an_all_null_trace_says_no_usable_values_not_healthy(tmp_path):
+    from recorders import schema
+    from recorders.trace import TraceWriter
+
+    from .report_models import make_meta
+
+    run = tmp_path / "run"
+    run.mkdir()
+    params = [{"name": "w", "shape": [4], "numel": 4, "dtype": "float32", "depth": 0}]
+    (run / "meta.json").write_text(json.dumps(make_meta(0, 1, "bfloat16", None, params)))
+    rows = [{"step": i, "rank": 0, **{c: None for c in schema.STEP_COLUMNS if c not in ("step", "rank")}}
+            for i in range(20)]
+    layers = pl.DataFrame({"step": list(range(20)), "rank": [0] * 20, "layer": [0] * 20},
+                          schema={c: schema.LAYER_COLUMNS[c] for c in ("step", "rank", "layer")})
+    layers = layers.with_columns(*[pl.lit(None, dtype=t).alias(c) for c, t in schema.LAYER_COLUMNS.items()
+                                   if c not in layers.columns]).select(list(schema.LAYER_COLUMNS))
+    TraceWriter(run, 0).write(rows, layers)
+    res = CliRunner().invoke(main, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    verdict = res.output.splitlines()[1]
+    assert verdict.startswith("Verdict: no usable values") and "healthy" not in verdict.replace("known to be healthy", "")
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json"]).output)
+    assert obj["steps"]["usable_values"] == {"loss": 0, "grad_norm": 0, "scale": 0, "layer_grad_norm": 0}
+
+
+def test_zero_row_parts_do_not_blame_a_steps_range_that_was_never_passed(tmp_path):
+    run = Script(n=50).write(tmp_path / "run")
+    for p in (run / "trace").iterdir():
+        pl.read_parquet(p).clear().write_parquet(p)  # the parts stay, with their schema and no rows
+    res = CliRunner().invoke(main, ["report", str(run)])
+    assert res.exit_code == 1 and res.output.startswith("Error: ")
+    assert "--steps" not in res.output and "None" not in res.output

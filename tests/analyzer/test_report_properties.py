@@ -1,0 +1,69 @@
+"""Property-based tests: ``analyzer report --json`` on generated run directories never breaks.
+
+The traces come from ``report_traces``: written by the Recorder's own ``TraceWriter``, with NaN,
++-Inf and null in every column (at step 0, at the last step, on every step, sprinkled), single-step
+runs, runs without a GradScaler or with a scale that fell below 1, layer rows every N steps,
+parameters that never get a gradient, and ranks of different lengths.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+
+from analyzer.checks import CHECK_FAILED, CHECKS
+from analyzer.cli import main
+from analyzer.findings import SEVERITIES
+
+from .report_traces import healthy_traces, hostile_traces, write_trace
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+_SETTINGS = settings(max_examples=60, deadline=None, database=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+_FINDING_KEYS = {"check", "severity", "step", "rank", "message", "evidence"}
+
+
+def _refuse(const):  # json.loads accepts NaN/Infinity literals by default; strict JSON has none
+    raise AssertionError(f"non-strict JSON literal {const}")
+
+
+def _report_json(spec, *args) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        run = write_trace(spec, Path(d) / "run")
+        res = CliRunner().invoke(main, ["report", str(run), "--json", *args])
+    assert res.exit_code == 0, (spec, res.output)
+    return json.loads(res.output, parse_constant=_refuse)
+
+
+@_SETTINGS
+@given(hostile_traces())
+def test_report_json_on_any_generated_trace_exits_0_with_strict_json_and_complete_findings(spec):
+    obj = _report_json(spec)
+    assert obj["steps"]["count"] >= 1 and isinstance(obj["verdict"], str)
+    for f in obj["findings"]:
+        assert set(f) == _FINDING_KEYS, f
+        assert f["check"] in CHECKS and f["check"] != CHECK_FAILED, f  # no check raised
+        assert f["severity"] in SEVERITIES and isinstance(f["message"], str) and f["message"]
+        assert f["step"] is None or isinstance(f["step"], int)
+        assert isinstance(f["evidence"], dict)
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_traces())
+def test_report_of_one_rank_of_any_generated_trace_exits_0(spec):
+    obj = _report_json(spec, "--rank", "0")
+    assert obj["rank"] == 0 and all(f["check"] != CHECK_FAILED for f in obj["findings"])
+
+
+@_SETTINGS
+@given(healthy_traces())
+def test_healthy_generated_traces_have_no_errors_or_warnings(spec):
+    obj = _report_json(spec)
+    flagged = [f["message"] for f in obj["findings"] if f["severity"] != "info"]
+    assert not flagged, (spec, flagged)
+    assert obj["verdict"].startswith("healthy")
