@@ -424,6 +424,10 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
         module, name = parse_ref(ref, what)
     except ImportRuleError as e:
         return RefPlan(str(ref), None, None, None, False, str(e), "form")
+    top = module.split(".")[0]
+    if top in REFUSED_MODULES and not explicit:  # decided on the name alone: no finder is even asked
+        return RefPlan(ref, module, name, None, False,
+                       f"{module!r} is in the standard library, builtins or torch, not model code", "refused")
     full = _effective_roots(roots)
     _importlib.invalidate_caches()  # files written since the last import are seen
     view = _python_view(module, full)
@@ -436,13 +440,10 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
         if file is None:
             return plan(False, f"cannot find module {module!r} on sys.path", "missing")
         return plan(True, "named explicitly on the command line", "ok")
-    top = module.split(".")[0]
     if module in OWN_MODULES:
         if file == _own_file(module):
             return plan(True, "amp-autopsy's own module", "ok")
         return plan(False, f"{module!r} would not be amp-autopsy's own file ({_own_file(module)})", "refused")
-    if top in REFUSED_MODULES:
-        return plan(False, f"{module!r} is in the standard library, builtins or torch, not model code", "refused")
     if top in libraries and view and view[0] and all(_under(o, _os.path.dirname(view[0])) for o in view if o):
         return plan(True, f"part of {top}, which this builder builds from", "ok")
     cand, root = None, None
