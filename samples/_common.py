@@ -50,6 +50,8 @@ def train(
     forward: Callable[[nn.Module, dict], torch.Tensor] | None = None,
     snapshot_last: bool = False,
     print_every: int = 10,
+    before_step: Callable[[nn.Module, int], object] | None = None,
+    init_scale: float = 2.0**16,
 ) -> Path:
     """Train `model` for `steps` batches on CPU with the recorder on; return the run directory.
 
@@ -60,18 +62,23 @@ def train(
             the model and re-run the loss.
         forward: what the loop itself calls to get the loss, when it is not
             ``loss_fn`` under autocast (loss_outside_autocast computes its loss differently).
+        before_step: called as ``before_step(model, step)`` before ``begin_step``, for a
+            schedule the loop applies to the model (fp16_attention_overflow's temperature).
+        init_scale: the GradScaler's first scale (its default, 65536, unless a scenario says why).
         snapshot_last: force a snapshot of the last step (``reason="manual"``), so a run that
             never fails still has a step to replay.
         progress: called with one line of text every `print_every` steps and for every
             snapshot the recorder writes; None prints nothing.
     """
-    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if use_scaler else None
     rec = Recorder(out_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
                    scaler=scaler, amp_dtype=amp_dtype, optimizer=optimizer)
     model.train()
     with one_thread(), rec:
         for step in range(steps):
             batch = next(batches)
+            if before_step is not None:
+                before_step(model, step)
             rec.begin_step(step, batch)
             optimizer.zero_grad(set_to_none=True)
             if forward is not None:

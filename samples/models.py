@@ -6,7 +6,9 @@ function here. Each model has config flags for the failure it demonstrates:
 
 - :class:`GPT` (``build_gpt``): token + positional embedding, pre-norm blocks with multi-head
   attention and an MLP, residuals, a final norm and an LM head. ``scale_attn_logits=False``
-  drops the ``1/sqrt(head_dim)`` factor; ``pad_mask=True`` masks padded keys with ``-inf``.
+  drops the ``1/sqrt(head_dim)`` factor; ``pad_mask=True`` masks padded keys with ``-inf``;
+  ``attn_temperature=True`` divides the logits by a temperature the training loop sets
+  (:func:`set_attn_temperature`).
 - :class:`MLP` (``build_mlp``): a deep fully connected classifier without residual
   connections. ``activation="sigmoid"`` and a small ``init_std`` make gradients vanish
   through depth; ``standardize=True`` standardises the input features per batch *without*
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "GPTConfig", "GPT", "build_gpt", "gpt_loss", "gpt_masked_loss",
+    "GPTConfig", "GPT", "build_gpt", "gpt_loss", "gpt_masked_loss", "set_attn_temperature",
     "MLPConfig", "MLP", "build_mlp", "mlp_loss", "mlp_nll_loss",
     "CNNConfig", "CNN", "build_cnn", "cnn_loss", "softplus",
 ]
@@ -50,6 +52,7 @@ class GPTConfig:
     n_embd: int = 32
     scale_attn_logits: bool = True   # False: the fp16_attention_overflow bug
     pad_mask: bool = False           # mask padded keys with -inf (masked_padding)
+    attn_temperature: bool = False   # logits divided by a temperature the loop sets (fp16_attention_overflow)
     norm_eps: float = 1e-5
 
     def __post_init__(self):
@@ -75,6 +78,10 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.scale_attn_logits else 1.0
+        if cfg.attn_temperature:
+            # A buffer, not an attribute: it is in the state_dict, so a snapshot holds the value
+            # the failing step used and the replay sees the same logits.
+            self.register_buffer("temperature", torch.ones(()))
         causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
         self.register_buffer("causal", causal.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
@@ -82,6 +89,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
+        if hasattr(self, "temperature"):
+            # q.k / tau, with tau^-1/2 applied to q and to k before the matmul (as guided-diffusion
+            # does, "more stable with f16 than dividing afterwards"): q and k stay small, and only
+            # the matmul's output carries the full 1/tau.
+            s = self.temperature.rsqrt()
+            q, k = q * s, k * s
         att = q @ k.transpose(-2, -1)
         if self.scale != 1.0:
             att = att * self.scale
@@ -130,6 +143,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, pad if self.cfg.pad_mask else None)
         return self.lm_head(self.ln_f(x))
+
+
+def set_attn_temperature(model: GPT, tau: float) -> None:
+    """Set every block's attention temperature: the logits become ``q.k / tau``.
+
+    Needs ``attn_temperature=True``. The value is written in place into each block's
+    ``temperature`` buffer before the step, so the step's snapshot records it.
+    """
+    for block in model.blocks:
+        block.attn.temperature.fill_(tau)
 
 
 def _init_gpt_weights(m: nn.Module) -> None:
