@@ -1,30 +1,4 @@
-"""``analyzer inspect``: check one checkpoint, or a good/bad pair, for NaN/Inf, FP16/BF16 range risk
-and optimizer-state damage.
-
-A real run (a small MLP with Adam; between the two checkpoints Adam's ``exp_avg_sq`` got NaN, a NaN
-batch went through BatchNorm and one weight grew past 65504), ``analyzer inspect good.pt bad.pt``::
-
-    findings, worst first:
-      error    nonfinite_buffers          bad.pt: 2 buffers hold NaN/Inf: model.1.running_mean (8 of 8 values), model.1.running_var (8 of 8 values); BatchNorm running stats ...
-      error    nonfinite_optimizer_state  bad.pt: 1 optimizer tensor holds NaN/Inf: optimizer[model.0.weight].exp_avg_sq (3 of 32 values); ...
-      warning  dead_optimizer_state       2 weights never moved between A and B while others did: model.3.weight, model.3.bias; ...
-      warning  fp16_range_risk            bad.pt: 1 tensor at FP16 range risk (...): model.0.weight (abs-max 7e+04: 1 value becomes inf)
-
-    tensors of bad.pt, worst first (top 4 of 20):
-      role      name                                 dtype    shape    nan/inf   abs-max  min|x|>0 fp16 inf fp16 ->0 bf16 ->0
-      buffer    model.1.running_var                  float32  8            8/0         -         -        0        0        0
-      optimizer optimizer[model.0.weight].exp_avg_sq float32  8x4          3/0  2.31e-05  6.16e-08        0        0        0
-      weight    model.0.weight                       float32  8x4          0/0     7e+04   0.00836     3.1%        0        0
-
-How to read it: findings come first, most severe first, each naming its tensors. The tensor table
-below them is sorted worst first (non-finite, then FP16 overflow, then FP16 flush-to-zero, then
-abs-max); ``fp16 inf`` / ``fp16 ->0`` / ``bf16 ->0`` are the fractions of values a cast would turn
-into inf or zero (thresholds in ``analyzer._tensorstats``). With two checkpoints a change table
-follows: relative L2 change per tensor, the tensors that became non-finite, and the stalled ones.
-
-Findings (stable names): ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
-``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``.
-"""
+"""The findings of ``analyzer inspect`` and the result objects that carry them (see the package docstring)."""
 from __future__ import annotations
 
 import math
@@ -35,16 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._checkpoint import Checkpoint, Entry, load_checkpoint
-from ._inspect_text import render_inspect_text
-from ._tensorstats import (
-    BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats, Workspace,
-    scan_pairs, scan_tensors,
-)
-from .findings import Finding, json_safe, sort_findings
+import torch
 
-__all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints",
-           "render_inspect_text"]
+from ..errors import BadInputError
+from ..findings import Finding, json_safe, sort_findings
+from ._checkpoint import Checkpoint, Entry, load_checkpoint
+from ._scan import Scanner, scanned_numel
+from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
+
+__all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device"]
 
 PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504 / 64 (see _range_risk)
 UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
@@ -171,27 +144,32 @@ def _report(e: Entry, stats: TensorStats) -> TensorReport:
                         stats, e.param, e.slot)
 
 
-def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool):
+def _nbytes(t: torch.Tensor) -> int:
+    return scanned_numel(t) * t.element_size()
+
+
+def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
-    total = sum(e.tensor.nbytes for e in cka.entries) + sum(e.tensor.nbytes for e in by_b.values())
+    total = sum(_nbytes(e.tensor) for e in cka.entries) + sum(_nbytes(e.tensor) for e in by_b.values())
     prog = _Progress(total, progress)
-    paired = [by_b.get(e.name) for e in cka.entries]  # B's tensor of the same name and shape, or None
-    paired = [eb if eb is not None and eb.tensor.shape == e.tensor.shape else None
-              for e, eb in zip(cka.entries, paired)]
-    alone = [e for e, eb in zip(cka.entries, paired) if eb is None]
-    paired_names = {eb.name for eb in paired if eb is not None}
-    alone_b = [eb for name, eb in by_b.items() if name not in paired_names]
+    scanner = Scanner(device)
+    rep_a: list[TensorReport] = []
+    rep_b: dict[str, TensorReport] = {}
     changes = []
-    with Workspace() as ws:
-        # every unpaired tensor first, side by side on the workspace's threads; then the pairs
-        stats = iter(scan_tensors([e.tensor for e in alone + alone_b], ws, prog))
-        rep_a = [None if eb is not None else _report(e, next(stats)) for e, eb in zip(cka.entries, paired)]
-        rep_b = {eb.name: _report(eb, next(stats)) for eb in alone_b}
-        both = [(i, e, eb) for i, (e, eb) in enumerate(zip(cka.entries, paired)) if eb is not None]
-        results = scan_pairs([(e.tensor, eb.tensor) for _, e, eb in both], ws, prog)
-        for (i, e, eb), (sa, sb, ch) in zip(both, results):
-            rep_a[i], rep_b[eb.name] = _report(e, sa), _report(eb, sb)
-            changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+    for e in cka.entries:
+        eb = by_b.get(e.name)
+        pair = scanner.pair(e.tensor, eb.tensor, prog) if eb is not None and eb.tensor.shape == e.tensor.shape \
+            else None
+        if pair is None:  # no tensor of that name and shape in B (or expanded differently): scanned alone
+            rep_a.append(_report(e, scanner.tensor(e.tensor, prog)))
+            continue
+        sa, sb, ch = pair
+        rep_a.append(_report(e, sa))
+        rep_b[eb.name] = _report(eb, sb)
+        changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+    for name, eb in by_b.items():
+        if name not in rep_b:
+            rep_b[name] = _report(eb, scanner.tensor(eb.tensor, prog))
     prog.close()
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:
@@ -304,18 +282,33 @@ def _stalled(changes: list[TensorChange], step: int | None) -> list[Finding]:
     return [Finding("dead_optimizer_state", "warning", step, msg, {"stalled": stalled, "compared": len(changes)})]
 
 
+def resolve_device(device: str) -> str:
+    """``"auto"``: cuda when torch sees a GPU, else cpu. ``"cuda"`` without one is a BadInputError."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError("--device cuda: torch sees no CUDA device here",
+                            fix="use --device cpu (or auto), or install a CUDA build of torch")
+    return device
+
+
 def inspect_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike | None = None, *,
-                        progress: bool = False) -> InspectResult:
+                        progress: bool = False, device: str = "cpu") -> InspectResult:
     """Scan one checkpoint (or A then B) and diagnose it. Raises AnalyzerError subclasses on bad input.
+
+    `device` is where the scan runs (``"cpu"``, ``"cuda"`` or ``"auto"``); the results are the same.
 
     Example:
         >>> result = inspect_checkpoints("good.pt", "bad.pt")  # doctest: +SKIP
         >>> [f.check for f in result.findings]  # doctest: +SKIP
         ['nonfinite_optimizer_state', 'dead_optimizer_state']
     """
+    device = resolve_device(device)
     cka = load_checkpoint(path_a)
     ckb = load_checkpoint(path_b) if path_b is not None else None
-    files, changes = _scan(cka, ckb, progress)
+    files, changes = _scan(cka, ckb, progress, device)
     pair = len(files) == 2
     finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
     findings = []

@@ -24,10 +24,10 @@ import torch
 
 from recorders import schema
 
+from .._versions import check_format_version
+from ..errors import BadInputError
+from ..loaders import torch_load_safe
 from ._safetensors import load_safetensors, looks_like_safetensors
-from ._versions import check_format_version
-from .errors import BadInputError
-from .loaders import torch_load_safe
 
 __all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import BadInputError
+from ..errors import BadInputError
 
 __all__ = ["looks_like_safetensors", "load_safetensors"]
 
@@ -61,6 +61,8 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
         header = json.loads(f.read(n).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad(path, f"header is not JSON ({e})") from e
+    except RecursionError as e:
+        raise _bad(path, "header JSON is nested too deeply") from e
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     return 8 + n, header
@@ -73,12 +75,15 @@ def _entry(path: Path, name: str, spec, data_len: int) -> tuple[torch.dtype, lis
     if dtype is None:
         raise _bad(path, f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}")
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= 64
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)):
         raise _bad(path, f"tensor {name!r} has a bad shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
         raise _bad(path, f"tensor {name!r} has bad data_offsets {offsets!r}")
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= 2**62:
+        raise _bad(path, f"tensor {name!r} declares {nbytes} bytes ({shape})")
     if not 0 <= begin <= end or end - begin != nbytes:
         raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {spec['dtype']}")
     if end > data_len:

@@ -1,0 +1,191 @@
+"""The one tensor scan behind ``analyzer inspect``: range statistics in torch ops, chunk by chunk.
+
+How: each chunk's bit patterns, sign cleared (``bitwise_and`` into a reused buffer), go through one
+``aminmax``. With the sign cleared the integer order is the order of the magnitudes, inf and NaN
+above every finite value (``_stats``), so the two extremes decide everything for a healthy chunk:
+abs-max below FP16's overflow point and least magnitude above its flush point means no NaN, no inf,
+no zero and nothing to count. Only a chunk whose extremes cross a threshold is counted exactly
+(comparisons on the same buffer, still in cache). Integer comparisons are exact on any CPU, and the
+scan never writes to the tensor (it may be the mmap'd file).
+
+bfloat16, float16, float32, float64 and float8 are read as their own bit patterns; other float dtypes
+(float8 variants without a fixed layout here) are converted to float32 chunk by chunk, exactly.
+The scan runs wherever ``device`` says: a CUDA device gets each chunk copied over
+(``inspect --device cuda``). ``bench/inspect_throughput.py`` measures it against ``torch.load`` + a sum.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ._pieces import pair_pieces, pieces, scanned_numel
+from ._stats import BITS, Bits, PairChange, TensorStats
+
+__all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scanned_numel"]
+
+CHUNK = 1 << 18       # elements per CPU chunk: chunk + mask buffer stay in L2 (bench: --chunk)
+CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
+_SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
+
+
+class _Acc:
+    """Running totals of one tensor, in bit patterns until ``freeze``."""
+
+    def __init__(self, bits: Bits):
+        self.b = bits
+        self.numel = self.nan = self.inf = self.zeros = 0
+        self.fp16_overflow = self.fp16_flush = self.bf16_overflow = self.bf16_flush = 0
+        self.hi = -1                # greatest finite magnitude seen, as bits (-1: none)
+        self.lo = bits.inf          # least non-zero finite magnitude seen, as bits (inf: none)
+
+    def freeze(self, dtype: torch.dtype) -> TensorStats:
+        b = self.b
+        return TensorStats(
+            numel=self.numel, nan=self.nan, inf=self.inf, zeros=self.zeros,
+            abs_max=None if self.hi < 0 else b.value(self.hi, dtype),
+            min_nonzero=None if self.lo >= b.inf else b.value(self.lo, dtype),
+            fp16_overflow=self.fp16_overflow, fp16_flush=self.fp16_flush,
+            bf16_overflow=self.bf16_overflow, bf16_flush=self.bf16_flush)
+
+
+def _count(cond: torch.Tensor) -> int:
+    return int(cond.sum())
+
+
+def _fold(acc: _Acc, mag: torch.Tensor) -> None:
+    """Fold one chunk of magnitude bit patterns in. `mag` is scratch: this may overwrite it."""
+    b, k = acc.b, mag.numel()
+    acc.numel += k
+    lo, hi = (int(v) for v in torch.aminmax(mag))  # NB: a host sync per chunk, the only one
+    if hi < b.fp16_over and lo > b.fp16_flush and lo > b.bf16_flush:  # healthy: nothing to count
+        acc.hi, acc.lo = max(acc.hi, hi), min(acc.lo, lo)
+        return
+    junk = 0  # non-finite values, set to 0 below so that they drop out of every other count
+    if hi >= b.inf:
+        inf = _count(mag == b.inf) if b.has_inf else 0
+        junk = _count(mag >= b.inf)
+        acc.nan, acc.inf = acc.nan + junk - inf, acc.inf + inf
+        mag.masked_fill_(mag >= b.inf, 0)
+        hi = int(mag.max())
+    if hi >= b.fp16_over:
+        acc.fp16_overflow += _count(mag >= b.fp16_over)
+        if hi >= b.bf16_over:
+            acc.bf16_overflow += _count(mag >= b.bf16_over)
+    zeros = _count(mag == 0) if lo == 0 or junk else 0
+    acc.zeros += zeros - junk
+    if junk < k:
+        acc.hi = max(acc.hi, hi)
+    if zeros == k:
+        return
+    shift = 0
+    if zeros:  # zeros wrap to the mask, above every threshold; every threshold shifts down by one
+        mag.sub_(1).bitwise_and_(b.mask)
+        lo, shift = int(mag.min()) + 1, 1
+    acc.lo = min(acc.lo, lo)
+    for field, limit in (("fp16_flush", b.fp16_flush), ("bf16_flush", b.bf16_flush)):
+        if lo > limit:
+            continue
+        n = k - zeros if hi <= limit else _count(mag <= limit - shift)  # all flush: no pass needed
+        setattr(acc, field, getattr(acc, field) + n)
+
+
+class Scanner:
+    """Scratch buffers and a device for scanning many tensors, so a scan allocates O(chunk), not O(tensor).
+
+    Args:
+        device: where the comparisons run; ``"cuda"`` copies each chunk to the GPU.
+        chunk: elements per chunk (default ``CHUNK`` on CPU, ``CUDA_CHUNK`` on a GPU).
+
+    Example:
+        >>> s = Scanner().tensor(torch.tensor([0.0, 1e-9, 7e4, float("nan")]))
+        >>> (s.nan, s.zeros, s.fp16_flush, s.fp16_overflow, s.abs_max)
+        (1, 1, 1, 1, 70000.0)
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", chunk: int | None = None):
+        self.device = torch.device(device)
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = chunk or (CHUNK if self.device.type == "cpu" else CUDA_CHUNK)
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def _buf(self, role: str, dtype: torch.dtype, k: int) -> torch.Tensor:
+        buf = self._bufs.get((role, dtype))
+        if buf is None or buf.numel() < k:
+            buf = self._bufs[(role, dtype)] = torch.empty(max(k, self.chunk), dtype=dtype, device=self.device)
+        return buf[:k]
+
+    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.device == self.device else x.to(self.device)
+
+    def _fold(self, acc: _Acc, x: torch.Tensor, dtype: torch.dtype) -> None:
+        x = self._on_device(x)
+        if x.dtype != dtype:  # a float dtype without its own bit layout: converted exactly
+            x = x.float()
+        mag = self._buf("mag", acc.b.view, x.numel())
+        torch.bitwise_and(x.view(acc.b.view), acc.b.mask, out=mag)
+        _fold(acc, mag)
+
+    def tensor(self, t: torch.Tensor, on_bytes: Callable[[int], None] | None = None) -> TensorStats:
+        """Statistics of one floating-point tensor (CPU or not; never copied whole, never written to)."""
+        dtype = t.dtype if t.dtype in BITS else torch.float32
+        acc = _Acc(BITS[dtype])
+        for x in pieces(t.detach(), self.chunk):
+            self._fold(acc, x, dtype)
+            if on_bytes is not None:
+                on_bytes(x.numel() * x.element_size())
+        return acc.freeze(dtype)
+
+    def pair(self, ta: torch.Tensor, tb: torch.Tensor, on_bytes: Callable[[int], None] | None = None,
+             ) -> tuple[TensorStats, TensorStats, PairChange] | None:
+        """Statistics of A and B (same shape) and how B differs, reading each chunk once; None when the
+        two cannot be paired element by element without materialising a view (differently expanded)."""
+        if ta.shape != tb.shape:
+            raise ValueError(f"shapes differ: {tuple(ta.shape)} vs {tuple(tb.shape)}")
+        it = pair_pieces(ta.detach(), tb.detach(), self.chunk)
+        if it is None:
+            return None
+        da = ta.dtype if ta.dtype in BITS else torch.float32
+        db = tb.dtype if tb.dtype in BITS else torch.float32
+        acc_a, acc_b = _Acc(BITS[da]), _Acc(BITS[db])
+        changed, dd, aa = 0, [], []
+        for xa, xb in it:
+            xa, xb = self._on_device(xa), self._on_device(xb)
+            a64, b64 = self._buf("a64", torch.float64, xa.numel()), self._buf("b64", torch.float64, xa.numel())
+            a64.copy_(xa)
+            b64.copy_(xb)
+            changed += _count(a64 != b64)
+            self._fold(acc_a, xa, da)
+            self._fold(acc_b, xb, db)
+            dd.append(_sum_squares(b64.sub_(a64)))
+            aa.append(_sum_squares(a64))
+            if on_bytes is not None:
+                on_bytes(xa.numel() * xa.element_size() + xb.numel() * xb.element_size())
+        sa, sb = acc_a.freeze(da), acc_b.freeze(db)
+        dd_s, aa_s = math.fsum(dd), math.fsum(aa)
+        ok = sa.nonfinite == 0 and sb.nonfinite == 0 and aa_s > 0 and math.isfinite(dd_s) and math.isfinite(aa_s)
+        rel = math.sqrt(dd_s) / math.sqrt(aa_s) if ok else None
+        return sa, sb, PairChange(changed=changed, numel=sa.numel, rel_change=rel)
+
+
+def _sum_squares(x: torch.Tensor) -> float:
+    """sum(x**2) in float64, squaring x in place. NB: reduced down fixed columns, each in row order,
+    then ``math.fsum`` (exactly rounded): a plain ``sum`` would group by the SIMD width, and the last
+    bits would depend on the CPU."""
+    x.mul_(x)
+    k = x.numel() - x.numel() % _SUM_COLS
+    cols = x[:k].view(-1, _SUM_COLS).sum(0).tolist() if k else []
+    return math.fsum(cols + x[k:].tolist())
+
+
+def scan_tensor(t: torch.Tensor, chunk: int | None = None, device: str = "cpu") -> TensorStats:
+    """``Scanner(device, chunk).tensor(t)``: one tensor's statistics."""
+    return Scanner(device, chunk).tensor(t)
+
+
+def scan_pair(ta: torch.Tensor, tb: torch.Tensor, chunk: int | None = None,
+              device: str = "cpu") -> tuple[TensorStats, TensorStats, PairChange] | None:
+    """``Scanner(device, chunk).pair(ta, tb)``: A's and B's statistics and how B differs from A."""
+    return Scanner(device, chunk).pair(ta, tb)

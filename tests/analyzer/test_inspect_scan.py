@@ -1,0 +1,246 @@
+"""The one torch scan behind ``analyzer inspect``, against what real ``.half()``/``.bfloat16()`` casts do."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from analyzer.inspect._scan import Scanner, scan_pair, scan_tensor, scanned_numel
+
+from .inspect_values import STAT_FIELDS, edge_values, expected
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _got(s) -> dict:
+    return {k: getattr(s, k) for k in STAT_FIELDS}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [1000, 1 << 18])  # many chunks with a ragged tail, and one chunk
+@pytest.mark.parametrize("signs", ["mixed", "non-negative"])
+def test_every_count_equals_what_real_fp16_and_bf16_casts_do_at_every_boundary(dtype, chunk, signs):
+    x = edge_values() if signs == "mixed" else edge_values().abs()
+    x = x.to(dtype)
+    s = scan_tensor(x, chunk)
+    assert s.numel == x.numel() and _got(s) == expected(x)
+    if dtype == torch.float32:  # the edge values exercise every count
+        assert (s.nan, s.inf, s.zeros) == (1, 2, 5)
+        assert s.fp16_flush > 0 and s.fp16_overflow > 0 and s.bf16_flush > 0 and s.bf16_overflow > 0
+
+
+@pytest.mark.parametrize("scale", [2.0**-26, 2.0**-135])  # all below FP16's flush point; also below BF16's
+def test_chunks_whose_every_nonzero_value_flushes_are_counted_exactly(scale):
+    x = torch.rand(5000, generator=torch.Generator().manual_seed(1)) * scale
+    x[::7] = 0.0
+    s = scan_tensor(x, 1000)
+    assert _got(s) == expected(x)
+    assert s.fp16_flush == int((x != 0).sum())  # every non-zero value
+
+
+_ODD = {  # one value planted in healthy weights, |x| in [0.5, 1.5)
+    "none": None, "inf": float("inf"), "nan": float("nan"),
+    "above 65520": 65520.0,               # the smallest float32 that becomes inf in FP16
+    "just below 65520": 65519.996,        # rounds down to 65504
+    "at 2**-25": 2.0**-25,                # flushes (ties to even)
+    "just above 2**-25": 2.0**-25 * (1 + 2.0**-23),  # survives as the smallest FP16 subnormal
+    "bf16 subnormal": 1e-40, "zero": 0.0, "negative zero": -0.0,
+}
+
+
+@pytest.mark.parametrize("odd", list(_ODD))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_odd_value_in_healthy_weights_is_counted_exactly(odd, dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(1 << 18, generator=g) + 0.5) * torch.where(torch.rand(1 << 18, generator=g) < 0.5, -1.0, 1.0)
+    x = x.to(dtype)
+    if _ODD[odd] is not None:
+        x[170_001] = _ODD[odd]  # in the 6th of 8 chunks (bf16/fp16: rounded or flushed by the cast)
+    assert _got(scan_tensor(x, 1 << 15)) == expected(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(dtype):
+    # chunk 1 healthy, 2 and 3 flushing (3 with zeros), 4 healthy again, 5 flushing, 6 NaN among flushing
+    n = 4096
+    x = (torch.rand(6 * n) + 0.5) * torch.where(torch.rand(6 * n) < 0.5, -1.0, 1.0)
+    x[n:2 * n:7] = 1e-9
+    x[2 * n:3 * n:5] = -3e-8
+    x[2 * n:3 * n:11] = 0.0
+    x[2 * n + 500] = -1e-41
+    x[2 * n + 600], x[2 * n + 601] = 2.0**-25, -(2.0**-25) * (1 + 2.0**-23)
+    x[4 * n + 9] = 2.0**-25
+    x[5 * n:6 * n:3] = 1e-8
+    x[5 * n + 1], x[5 * n + 2] = float("nan"), -float("inf")
+    x = x.to(dtype)
+    assert _got(scan_tensor(x, n)) == expected(x)
+
+
+@pytest.mark.parametrize("dtype, finite", [(torch.float16, 0x7C00), (torch.bfloat16, 0x7F80)])
+def test_all_finite_16_bit_magnitudes_of_both_signs_are_counted_exactly(dtype, finite):
+    mags = torch.arange(0, finite, dtype=torch.int32)
+    bits = torch.cat([mags, mags | 0x8000, torch.tensor([finite, finite + 1, finite | 0x8000])])  # inf, NaN, -inf
+    x = bits.to(torch.int16).view(dtype)
+    assert _got(scan_tensor(x, 4099)) == expected(x)
+
+
+def test_each_float16_magnitude_alone_reads_back_exactly():
+    # every subnormal and every 29th normal magnitude, each scanned as a tensor of its own
+    bits = torch.cat([torch.arange(0, 0x400), torch.arange(0x400, 0x7C00, 29)]).to(torch.int16)
+    scanner = Scanner(chunk=1)
+    for v in bits.view(torch.float16):
+        s, want = scanner.tensor(v.reshape(1)), v.item()
+        assert (s.abs_max, s.min_nonzero) == (want, want or None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_adam_moments_that_flush_in_every_chunk_are_counted_exactly(dtype, moment):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5 * 8192 + 13, generator=g) * 1e-7  # about a quarter of |x| <= 2**-25
+    x = (x.square().add_(2.0**-40) if moment == "exp_avg_sq" else x).to(dtype)
+    s = scan_tensor(x, 8192)
+    assert _got(s) == expected(x)
+    assert 0 < s.fp16_flush and (s.fp16_flush == x.numel()) == (moment == "exp_avg_sq")
+
+
+_F32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+_SPECIAL = st.sampled_from([0.0, -0.0, 65504.0, 65520.0, -65519.996, 2.0**-25, -(2.0**-24), 2.0**-134, 1e-45,
+                            3.4e38, float("nan"), -float("inf")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.one_of(_F32, _SPECIAL), max_size=300), dtype=st.sampled_from(DTYPES),
+       chunk=st.integers(1, 64))
+def test_any_values_in_any_dtype_and_chunking_give_what_real_casts_give(values, dtype, chunk):
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    s = scan_tensor(x, chunk)
+    assert s.numel == len(values) and _got(s) == expected(x)
+
+
+def test_the_scan_never_writes_to_the_tensor_it_reads():
+    x = edge_values()
+    before = x.clone()
+    scan_tensor(x, 100)
+    scan_pair(x, x.flip(0), 100)
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))  # bits, NaN and -0.0 included
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+def test_transposed_and_sliced_views_give_the_statistics_of_their_values():
+    x = edge_values()[:20_000].view(200, 100)
+    for view in (x.t(), x[:, ::3], x[::2, 10:90].t(), x.t()[5]):
+        assert _got(scan_tensor(view, 512)) == expected(view.contiguous()), view.stride()
+
+
+def test_an_expanded_view_is_scanned_through_its_distinct_values_without_materialising_them():
+    base = torch.tensor([1e-9, 7e4, float("nan")])
+    huge = base.expand(1_000_000_000, 3)  # 3e9 declared elements in a 12-byte storage
+    s = scan_tensor(huge)
+    assert scanned_numel(huge) == s.numel == 3
+    assert _got(s) == expected(base)
+    overlapping = torch.arange(2000.0).as_strided((1000, 1000), (1, 1))  # stride 1 in both dims: overlaps
+    assert scan_tensor(overlapping).numel == scanned_numel(overlapping) == 1999
+
+
+# --- pairs -----------------------------------------------------------------------------------
+
+def test_a_pair_gives_each_side_its_single_scan_and_counts_changes_like_float_compares():
+    a = edge_values()
+    b = a.clone()
+    b[:5000] *= 3.0
+    b[7] = float("nan")
+    a[200], b[200] = 0.0, -0.0  # equal as floats: not a change
+    sa, sb, change = scan_pair(a, b, 1000)
+    assert (sa, sb) == (scan_tensor(a, 1000), scan_tensor(b, 1000))
+    assert change.changed == int((a != b).sum())  # NaN != NaN: both NaN positions count
+    assert change.rel_change is None  # B holds NaN
+
+
+@pytest.mark.parametrize("dtype_b", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_relative_change_is_the_float64_l2_ratio(dtype_b):
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(30_011, generator=g) * 1e3
+    b = (a + torch.randn(a.shape, generator=g)).to(dtype_b)
+    a64, b64 = a.double(), b.double()
+    want = ((b64 - a64).square().sum().sqrt() / a64.square().sum().sqrt()).item()
+    _, _, c = scan_pair(a, b, 4096)
+    assert c.rel_change == pytest.approx(want, rel=1e-12) and c.changed == int((a64 != b64).sum())
+
+
+def test_the_relative_change_of_huge_values_whose_float32_squares_overflow_is_finite():
+    a = torch.randn(10_000) * 1e30  # squares near 1e60: inf in float32, fine in float64
+    assert scan_pair(a, a * 1.5, 1000)[2].rel_change == pytest.approx(0.5, rel=1e-6)
+
+
+def test_a_pair_in_different_memory_layouts_is_compared_index_by_index():
+    x = torch.randn(300, 70)
+    y = x.clone()
+    y[5, 7] += 1.0
+    _, _, c = scan_pair(x.t().contiguous().t(), y, 512)  # A column-major, B row-major
+    assert c.changed == 1 and c.rel_change == pytest.approx(1.0 / x.norm().item(), rel=1e-5)
+
+
+def test_pairs_expanded_alike_compare_distinct_values_and_others_are_not_paired():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])
+    _, _, c = scan_pair(a.expand(10**9, 2), b.expand(10**9, 2))
+    assert (c.changed, c.numel) == (1, 2)
+    assert scan_pair(a.expand(10**9, 2), torch.ones(10**9, 1).expand(10**9, 2)) is None  # broadcast differently
+
+
+# --- determinism and devices -----------------------------------------------------------------
+
+_RUN = """
+import json, torch
+from analyzer.inspect._scan import scan_pair, scan_tensor
+# inputs from correctly rounded ops only (randn's kernels differ by SIMD width themselves)
+i = torch.arange(1_000_003, dtype=torch.float64)
+a = ((i * 0.7548776662466927 % 1.0 - 0.5) * 1e3).float()
+b = a + ((i * 0.5698402909980532 % 1.0 - 0.5) * 1e-2).float()
+sa, sb, c = scan_pair(a, b)
+print(json.dumps([torch.backends.cpu.get_cpu_capability(), int(b.view(torch.int32).long().sum()),
+                  repr(c.rel_change), c.changed,
+                  [repr(v) for v in sa.__dict__.values()], [repr(v) for v in scan_tensor(b.bfloat16()).__dict__.values()]]))
+"""
+
+
+def test_results_are_bit_identical_whatever_simd_the_cpu_kernels_use():
+    out = []
+    for cap in ("default", None):
+        env = dict(os.environ)
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if cap:
+            env["ATEN_CPU_CAPABILITY"] = cap
+        run = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, check=True)
+        out.append(json.loads(run.stdout))
+    (cap0, *rest0), (cap1, *rest1) = out
+    if cap0 == cap1:
+        pytest.skip(f"this CPU has no SIMD beyond {cap0!r} to compare against")
+    assert rest0 == rest1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_scan_on_the_gpu_gives_what_the_cpu_scan_gives():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = edge_values().to(dtype)
+        assert Scanner("cuda", chunk=4096).tensor(x) == scan_tensor(x, 4096)
+    a = edge_values().nan_to_num()
+    b = a * 1.001
+    ga, gb, gc = Scanner("cuda").pair(a, b)
+    ca, cb, cc = scan_pair(a, b)
+    assert (ga, gb, gc.changed) == (ca, cb, cc.changed) and math.isclose(gc.rel_change, cc.rel_change, rel_tol=1e-12)
+
+
+def test_progress_is_reported_in_bytes_read():
+    seen = []
+    x = torch.randn(10_000).bfloat16()
+    Scanner(chunk=3000).tensor(x, seen.append)
+    assert seen == [6000, 6000, 6000, 2000]
