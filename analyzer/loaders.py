@@ -142,12 +142,11 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
             fix=_ref_fix("missing", option),
         ) from e
 
-    @functools.wraps(obj)
     def call_under_roots(*args, **kwargs):
         with schema.import_roots(roots):
             return obj(*args, **kwargs)
 
-    return call_under_roots
+    return functools.update_wrapper(call_under_roots, obj, updated=())
 
 
 def _ref_fix(kind: str, option: str) -> str:

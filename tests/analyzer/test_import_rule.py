@@ -8,6 +8,7 @@ through the recorded cwd, ``--path`` or the current directory, and ``--show`` st
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -175,6 +176,19 @@ def test_a_recorded_cwd_pointing_into_site_packages_does_not_open_it(tmp_path, m
     path = _snapshot(tmp_path / "s.pt", factory="numpy:load", cwd=site,
                      factory_kwargs={"file": str(payload), "allow_pickle": True})
     assert "site-packages" in _refused(_invoke(path), marker)
+
+
+def test_a_recorded_cwd_of_the_filesystem_root_opens_nothing(tmp_path, monkeypatch):
+    # With "/" as a root, /tmp/NAME.py would be the module tmp.NAME (a namespace package).
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"
+    evil = Path("/tmp") / f"h1_import_rule_{os.getpid()}.py"
+    evil.write_text(PWN_ON_IMPORT.format(marker=str(marker)) + "def build(**kw):\n    pass\n")
+    try:
+        path = _snapshot(tmp_path / "s.pt", factory=f"tmp.{evil.stem}:build", cwd="/")
+        assert "cannot import factory" in _refused(_invoke(path), marker)
+    finally:
+        evil.unlink()
 
 
 def test_an_object_re_exported_from_another_module_is_refused(tmp_path, monkeypatch):
@@ -389,6 +403,9 @@ def test_show_prints_the_files_and_imports_nothing(tmp_path, monkeypatch):
     assert f"file: {project / 'userpkg' / 'models.py'}" in result.output
     assert "rule: allowed: under " + str(project) in result.output
     assert "nothing was imported" in result.output
+    shown = json.loads(_invoke(tmp_path / "s.pt", "--show", "--json").output)
+    assert [(r["role"], r["allowed"]) for r in shown["imports"]] == [("factory", True), ("loss_fn", True)]
+    assert shown["roots"][0] == str(project)
     assert not marker.exists() and "userpkg" not in sys.modules
     # the same snapshot replayed for real does import it: the marker proves the check can fail
     assert _invoke(tmp_path / "s.pt", "--json").exit_code == 0 and marker.exists()
