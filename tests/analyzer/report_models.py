@@ -16,7 +16,8 @@ from torch import nn
 from recorders import schema
 
 __all__ = ["Script", "make_meta", "build_attn", "attn_loss", "build_sigmoid_mlp", "mlp_loss",
-           "build_small_mlp", "train_recorded"]
+           "build_small_mlp", "build_sqrt_norm", "build_regression", "mse_loss", "weighted_mlp_loss",
+           "batches", "train_recorded"]
 
 
 # --------------------------------------------------------------------------- scripted traces
@@ -38,6 +39,7 @@ class Script:
     seed: int = 0
     rank: int = 0
     names: list[str] = field(default_factory=list)
+    scaler: bool = True  # FP16 only: False records no scale (an FP16 run without a GradScaler)
 
     def __post_init__(self):
         rng = np.random.default_rng(self.seed + 1000 * self.rank)
@@ -55,7 +57,9 @@ class Script:
         self.numels = [16] * L
         self.scale = np.full(n, np.nan)
         self.skipped = np.zeros(n, bool)
-        if self.amp_dtype == "float16":
+        self.nonfinite = None  # non-finite gradient elements per step (default: 10 on skipped steps)
+        self.layer_nonfinite = np.zeros((n, L), np.int64)
+        if self.amp_dtype == "float16" and self.scaler:
             s, clean = 65536.0, 0
             safe = 20000 * rng.lognormal(0, 0.05, n)
             for i in range(n):
@@ -71,7 +75,8 @@ class Script:
         return np.sqrt((10.0 ** (2 * self.lg)).sum(axis=1))
 
     def steps_frame(self) -> pl.DataFrame:
-        fp16 = self.amp_dtype == "float16"
+        fp16 = self.amp_dtype == "float16" and self.scaler
+        nonfinite = np.where(self.skipped, 10, 0) if self.nonfinite is None else self.nonfinite
         return pl.DataFrame({
             "step": self.step, "rank": np.full(self.n, self.rank, np.int32),
             "wall_time": 1.7e9 + self.step * 0.1, "loss": self.loss,
@@ -79,7 +84,7 @@ class Script:
             "scale": self.scale if fp16 else [None] * self.n,
             "skipped": self.skipped if fp16 else [None] * self.n,
             "grad_norm": self.grad_norm(), "lr": np.full(self.n, 1e-3),
-            "nonfinite_grads": np.where(self.skipped, 10, 0).astype(np.int64),
+            "nonfinite_grads": np.asarray(nonfinite).astype(np.int64),
         }, schema=schema.STEP_COLUMNS, strict=False)
 
     def layers_frame(self) -> pl.DataFrame:
@@ -89,13 +94,13 @@ class Script:
             "layer": np.tile(np.arange(L, dtype=np.int32), n),
             "grad_norm": (10.0 ** self.lg).ravel().astype(np.float32),
             "param_norm": self.pnorm.ravel().astype(np.float32),
-            "grad_nonfinite": np.zeros(n * L, np.int64),
+            "grad_nonfinite": self.layer_nonfinite.ravel(),
             "grad_zero_frac": self.zero_frac.ravel().astype(np.float32),
         }, schema=schema.LAYER_COLUMNS, strict=False)
 
     def meta(self, world_size: int = 1) -> dict:
         scaler = ({"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": self.growth_interval,
-                   "init_scale": 65536.0} if self.amp_dtype == "float16" else None)
+                   "init_scale": 65536.0} if self.amp_dtype == "float16" and self.scaler else None)
         params = [{"name": nm, "shape": [k], "numel": k, "dtype": "float32", "depth": i}
                   for i, (nm, k) in enumerate(zip(self.names, self.numels))]
         return make_meta(self.rank, world_size, self.amp_dtype, scaler, params)
@@ -186,11 +191,56 @@ def mlp_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.cross_entropy(model(batch["x"]), batch["y"])
 
 
+def weighted_mlp_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """``mlp_loss`` times the batch's ``weight`` (an annealed loss weight, e.g. an auxiliary term)."""
+    return mlp_loss(model, batch) * batch["weight"]
+
+
+class _SqrtNorm(nn.Module):
+    """Features divided by 1 + their L2 norm, written as ``sqrt(sum(h * h))``.
+
+    sqrt's derivative at 0 is infinite: a row whose features are exactly zero (an all-zero
+    input: no biases before the norm) has a finite forward and loss, but backward gives
+    0 / 0 = NaN in the gradient of ``proj.weight``, the layer that produced ``h``. ``inp``'s
+    gradient stays finite (ReLU passes nothing back where its input is 0), and so does
+    ``head``'s (its input row is 0).
+    """
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(width, width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.proj(torch.relu(self.inp(x)))
+        r = torch.sqrt((h * h).sum(-1, keepdim=True))
+        return self.head(h / (1 + r))
+
+
+def build_sqrt_norm(width: int = 16) -> nn.Module:
+    return _SqrtNorm(width)
+
+
+def build_regression(width: int = 16) -> nn.Module:
+    """Linear regression without a bias: with an identity design matrix every product is exact."""
+    return nn.Linear(width, 1, bias=False)
+
+
+def mse_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return F.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+
+
 def mlp_loss_outside(model: nn.Module, batch: dict) -> torch.Tensor:
     """Loss computed from FP16 logits outside autocast: the loss tensor is float16."""
     with torch.autocast("cpu", dtype=torch.float16):
         logits = model(batch["x"])
     return F.cross_entropy(logits, batch["y"])
+
+
+def batches(kind: str, n: int, seed: int = 0) -> list[dict]:
+    """The `n` batches ``train_recorded`` uses by default, as a list a test can edit."""
+    return list(_batches(kind, n, seed))
 
 
 def _batches(kind: str, n: int, seed: int = 0):
@@ -207,17 +257,22 @@ def _batches(kind: str, n: int, seed: int = 0):
 
 def train_recorded(run_dir: Path, *, model: nn.Module, factory: str, factory_kwargs: dict, loss_fn,
                    steps: int, amp_dtype: torch.dtype | None, lr: float, kind: str = "vectors",
-                   outside_autocast: bool = False, flush_every: int = 20) -> Path:
-    """An ordinary GradScaler loop with the real Recorder, on CPU."""
+                   outside_autocast: bool = False, flush_every: int = 20, data: list[dict] | None = None,
+                   sgd: bool = False, scaler: bool | None = None) -> Path:
+    """An ordinary GradScaler loop with the real Recorder, on CPU.
+
+    `data` replaces the default batches (see ``batches``); `sgd` uses plain SGD instead of Adam;
+    `scaler` forces a GradScaler on or off (default: on for FP16 only).
+    """
     from recorders import Recorder
 
-    use_scaler = amp_dtype == torch.float16
+    use_scaler = amp_dtype == torch.float16 if scaler is None else scaler
     scaler = torch.amp.GradScaler("cpu", enabled=use_scaler) if use_scaler else None
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = (torch.optim.SGD if sgd else torch.optim.Adam)(model.parameters(), lr=lr)
     rec = Recorder(run_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
                    scaler=scaler, amp_dtype=amp_dtype, optimizer=opt, flush_every=flush_every)
     with rec:
-        for step, batch in enumerate(_batches(kind, steps)):
+        for step, batch in enumerate(data if data is not None else _batches(kind, steps)):
             rec.begin_step(step, batch)
             opt.zero_grad(set_to_none=True)
             if outside_autocast:

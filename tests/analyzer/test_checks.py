@@ -11,7 +11,7 @@ import pytest
 
 from analyzer.checks import CHECKS, build_frames, run_checks
 from analyzer.checks.gradients import stalled_fraction
-from analyzer.findings import Finding
+from analyzer.findings import Finding, sort_findings
 from analyzer.runs import load_run
 
 from .report_models import Script
@@ -280,3 +280,51 @@ def test_a_bias_cancelled_by_what_follows_is_info_not_a_stall(tmp_path):
     # blocks.2.weight (layer 4) learns normally, so blocks.2.bias (layer 5) is a cancelled shift
     assert [(f.severity, f.evidence["layers"]) for f in info] == [("info", ["blocks.2.bias"])]
     assert "redundant" in info[0].message
+
+
+def _bad_grads(s: Script, step: int = 120, layers=(2, 3)):
+    """Gradients of `layers` non-finite at `step` with a finite loss; the loss NaN from the next step."""
+    s.nonfinite = np.where(s.skipped, 10, 0)
+    s.nonfinite[step] = 7
+    s.layer_nonfinite[step, list(layers)] = [3, 4]
+    s.lg[step, list(layers)] = np.nan
+    s.loss[step + 1:] = np.nan
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"amp_dtype": "bfloat16"}, "in BF16 (FP32's range) any NaN/Inf is a real numerical bug"),
+    ({"amp_dtype": None}, "in FP32 any NaN/Inf is a real numerical bug"),
+    ({"amp_dtype": "float16", "scaler": False}, "an unscaled FP16 backward can overflow"),
+], ids=["bf16", "fp32", "fp16 without a scaler"])
+def test_nonfinite_grads_under_a_finite_loss_names_step_and_params_in_model_order(tmp_path, kwargs, needle):
+    s = Script(**kwargs)
+    _bad_grads(s)
+    findings, _ = _findings_of(tmp_path, s)
+    f = next(f for f in findings if f.check == "nonfinite_grads")
+    assert (f.severity, f.step) == ("error", 120) and needle in f.message
+    assert f.evidence["params"] == ["blocks.1.weight", "blocks.1.bias"] and f.evidence["nearest_output"] == "blocks.1.bias"
+    assert f.evidence["loss_finite"] is True and f.evidence["first_nonfinite_loss_step"] == 121
+    assert sort_findings(findings)[0].check == "nonfinite_grads"  # before the loss went NaN: the verdict's
+
+
+def test_nonfinite_grads_on_a_step_the_gradscaler_skipped_is_left_to_the_scaler_checks(tmp_path):
+    s = Script()
+    loss = s.loss.copy()
+    _bad_grads(s, step=int(np.flatnonzero(s.skipped)[0]))  # a start-up overflow: skipped, loss finite
+    s.loss[:] = loss  # and the loss stays finite afterwards: the scaler absorbed the step
+    findings, _ = _findings_of(tmp_path, s)
+    assert not [f for f in findings if f.check == "nonfinite_grads"]
+
+
+def test_nonfinite_grads_on_a_step_the_gradscaler_did_not_skip_says_so(tmp_path):
+    s = Script()
+    _bad_grads(s, step=150)
+    assert not s.skipped[150]
+    findings, _ = _findings_of(tmp_path, s)
+    f = next(f for f in findings if f.check == "nonfinite_grads")
+    assert f.step == 150 and "did not skip this step" in f.message and f.evidence["scaler"] is True
+
+
+def _findings_of(tmp_path, s: Script):
+    s.write(tmp_path / "run")
+    return run_checks(build_frames(load_run(tmp_path / "run"))), s
