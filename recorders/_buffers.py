@@ -4,10 +4,16 @@ A train-mode BatchNorm writes ``running_mean``/``running_var``/``num_batches_tra
 the forward; a snapshot taken at ``end_step`` would otherwise hold the post-forward values
 (NaN, when the failing forward poisoned them), and replay would blame the buffer.
 
-Which buffers a step mutates is read from the tensors' version counters (``t._version``
-grows on every in-place write): the first step copies every buffer, later steps copy only
-those some earlier step mutated. The copies are device-to-device into preallocated tensors:
-no host sync, no allocation after the first step.
+Which buffers a step mutates: the first step copies every buffer and, at its end, compares
+each copy with the live value (one host sync, once per run). Later steps copy only the
+buffers found mutated, plus any whose version counter (``t._version``) moved since. The
+counters alone are not enough: BatchNorm's kernel writes ``running_mean``/``running_var``
+without bumping them (torch 2.13, CPU), only ``num_batches_tracked += 1`` does. The copies
+are device-to-device into preallocated tensors: no host sync, no allocation after step one.
+
+NB: a buffer that no forward wrote during the first step but one writes later without a
+version bump (a BatchNorm first run in train mode after eval steps) is missed until a step
+reveals it; the snapshot then holds its post-forward value, and the recorder warns.
 """
 from __future__ import annotations
 
@@ -66,21 +72,29 @@ class BufferTracker:
                 if v is not None and _version(t) != v]
 
     def pre_step(self) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """({name: begin_step value} of the mutated buffers, names mutated without a copy)."""
-        pre, missed = {}, []
-        for i in self.mutated():
-            copy = self.copies.get(i)
-            if copy is None:
-                missed.append(self.names[i])
-            else:
-                pre[self.names[i]] = copy
+        """({name: begin() value} of every copied buffer, names written since begin() without a copy)."""
+        pre = {self.names[i]: copy for i, copy in self.copies.items()}
+        missed = [self.names[i] for i in self.mutated() if i not in self.copies]
         return pre, missed
+
+    def _changed_values(self) -> set[int]:
+        """Buffers whose value differs from their begin() copy (NaN counts as changed)."""
+        idx = [i for i in self.copies if self.tensors[i].numel()]
+        if not idx:
+            return set()
+        device = self.tensors[idx[0]].device
+        with torch.no_grad():
+            flags = torch.stack([(self.copies[i] != self.tensors[i]).any().to(device) for i in idx])
+        # NB: host sync, once per run: the end of the first step
+        return {i for i, changed in zip(idx, flags.tolist()) if changed}
 
     def end(self) -> None:
         """Learn from this step which buffers to copy from now on; free the other copies."""
         if not self.versions:
             return
         seen = set(self.mutated()) | set(self.watch or ())
+        if self.watch is None:
+            seen |= self._changed_values()
         self.watch = sorted(seen)
         for i in list(self.copies):
             if i not in seen:
