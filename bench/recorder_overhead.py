@@ -11,6 +11,7 @@ steadier estimate of its overhead.
     python bench/recorder_overhead.py              # 17M params, batch 8x64, 21 rounds (~1-2 min)
     python bench/recorder_overhead.py --batch 16   # longer steps: the recorder's share shrinks
     python bench/recorder_overhead.py --quick      # tiny model, 4 rounds (a smoke run)
+    python bench/recorder_overhead.py --model cnn --dtype fp32   # BatchNorm CNN: buffer-copy cost
 
 Variants:
     plain          the step alone
@@ -18,6 +19,13 @@ Variants:
     recorder/10    Recorder with per-layer statistics every 10th step
     naive .item()  the common hand-written monitor: ``p.grad.norm().item()`` per parameter
     detect_anomaly ``torch.autograd.detect_anomaly()`` around forward and backward
+    buffer copy    the step plus the recorder's pre-step buffer copy alone (``BufferTracker``:
+                   the buffers a forward mutates, copied on the device at begin_step so that
+                   snapshots hold their pre-forward values); its own time is printed too
+
+``--model cnn`` is a ResNet-style stack of Conv2d + BatchNorm2d (every BatchNorm's running
+statistics are written by every forward, so the copy is at its largest relative to the step);
+the transformer (``gpt``, default) has no buffers a forward writes, so its copy is empty.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recorders import Recorder
+from recorders._buffers import BufferTracker
 
 
 class Block(nn.Module):
@@ -66,9 +75,42 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class ConvNet(nn.Module):
+    """Conv2d + BatchNorm2d + ReLU blocks, global average pool, a linear classifier."""
+
+    def __init__(self, channels: int, blocks: int, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+        for _ in range(blocks - 1):
+            layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
 def loss_fn(model, batch):
     logits = model(batch["x"])
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten())
+    return F.cross_entropy(logits.float().flatten(0, -2), batch["y"].flatten())
+
+
+def _build(kind: str, quick: bool, batch_size: int | None):
+    """(model, batches, description, batch size) for ``--model``."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "cnn":
+        channels, blocks, side = (16, 2, 16) if quick else (64, 8, 32)
+        batch_size = batch_size or (4 if quick else 16)
+        model = ConvNet(channels, blocks)
+        batches = [{"x": torch.randn(batch_size, 3, side, side, generator=g),
+                    "y": torch.randint(10, (batch_size,), generator=g)} for _ in range(16)]
+        return model, batches, f"{batch_size}x3x{side}x{side} images", batch_size
+    cfg = dict(vocab=512, d=64, layers=2, heads=4, seq=32) if quick else \
+        dict(vocab=8192, d=384, layers=6, heads=6, seq=64)
+    batch_size = batch_size or (4 if quick else 8)
+    model = GPT(**cfg)
+    data = torch.randint(cfg["vocab"], (16, batch_size, cfg["seq"] + 1), generator=g)
+    return model, [{"x": d[:, :-1], "y": d[:, 1:]} for d in data], f"{batch_size}x{cfg['seq']} tokens", batch_size
 
 
 def naive_monitor(model):
@@ -81,24 +123,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared box)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; quick: 4)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences/images per step (gpt 8, cnn 16; quick: 4)")
+    ap.add_argument("--model", choices=["gpt", "cnn"], default="gpt")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.quick:
-        cfg = dict(vocab=512, d=64, layers=2, heads=4, seq=32)
-        batch_size, rounds = args.batch or 4, args.rounds or 4
-    else:
-        cfg = dict(vocab=8192, d=384, layers=6, heads=6, seq=64)
-        batch_size, rounds = args.batch or 8, args.rounds or 21
+    rounds = args.rounds or (4 if args.quick else 21)
     amp = torch.bfloat16 if args.dtype == "bf16" else None
 
     torch.manual_seed(0)
-    model = GPT(**cfg)
+    model, batches, shape, batch_size = _build(args.model, args.quick, args.batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     n_params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(1)
-    data = torch.randint(cfg["vocab"], (16, batch_size, cfg["seq"] + 1), generator=g)
-    batches = [{"x": d[:, :-1], "y": d[:, 1:]} for d in data]
+    tracker = BufferTracker(model)  # the "buffer copy" variant's own, outside any Recorder
+    copy_time: list[float] = []  # tracker.begin() inside the "buffer copy" steps
     run_dir = tempfile.TemporaryDirectory(prefix="amp-autopsy-bench-")
     rec = Recorder(f"{run_dir.name}/every", model, amp_dtype=amp,
                    optimizer=opt, layer_every=1, flush_every=50)
@@ -115,6 +152,9 @@ def main() -> None:
         t0 = time.perf_counter()
         if r is not None:
             r.begin_step(step_no, batch)
+        if variant == "buffer copy":
+            tracker.begin()
+            copy_time.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         with anomaly:
             with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
@@ -127,19 +167,22 @@ def main() -> None:
             hot_path.append((t1 - t0) + (time.perf_counter() - t2))
         if variant == "naive .item()":
             naive_monitor(model)
+        if variant == "buffer copy":
+            tracker.end()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         step_no += 1
         return dt
 
-    variants = ["plain", "recorder", "recorder/10", "naive .item()", "detect_anomaly"]
+    variants = ["plain", "buffer copy", "recorder", "recorder/10", "naive .item()", "detect_anomaly"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # detect_anomaly warns on every entry
         for v in variants * 2:  # warm-up: allocator, autograd caches, first parquet write
             step(v)
         hot_path.clear()
+        copy_time.clear()
         shuffle = random.Random(0).shuffle  # Python's RNG: torch's stream stays the model's
         for _ in range(rounds):
             order = list(variants)
@@ -151,7 +194,10 @@ def main() -> None:
     run_dir.cleanup()
 
     plain = times["plain"]
-    print(f"model: {n_params / 1e6:.1f}M params, batch {batch_size}x{cfg['seq']} tokens, "
+    n_buffers = sum(b.numel() for b in model.buffers())
+    watched = sum(tracker.tensors[i].numel() for i in tracker.watch or ())
+    print(f"model: {args.model}, {n_params / 1e6:.1f}M params, {n_buffers} buffer elements of which a "
+          f"forward writes {watched}, batch {shape}, "
           f"{args.dtype}, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
     print()
     print("| variant | median step (ms) | median ratio vs plain | ratio IQR |")
@@ -168,6 +214,9 @@ def main() -> None:
     print(f"recorder's own time (begin_step + end_step, flushes included) / plain step: "
           f"median {statistics.median(own):.3f}, max {own[-1]:.3f} "
           f"(so the recorder's ratio is about {1 + statistics.median(own):.3f})")
+    copies = sorted(c / p for c, p in zip(copy_time, plain))
+    print(f"pre-step buffer copy alone / plain step: median {statistics.median(copies):.5f}, "
+          f"max {copies[-1]:.5f} (median {statistics.median(copy_time) * 1e6:.0f} us)")
 
 
 if __name__ == "__main__":
