@@ -107,30 +107,40 @@ def check_part_types(path: Path, cols: dict[str, pl.DataType], expected: dict[st
                             fix="trace/ must hold only parts written by the Recorder; move this file out")
 
 
-def _decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
+_REQUIRED = ("step", "rank", "layer")  # keys of every row: a null here has no meaning
+
+
+def _decode(files: list[Path], columns: dict[str, pl.DataType]) -> list[str]:
+    """Decode and cast every column; return the key columns that hold nulls."""
     lf = pl.scan_parquet([str(f) for f in files], glob=False)
-    lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
+    counts = lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
+    return [c for c in _REQUIRED if c in counts.columns and counts[c][0]]
 
 
 def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
     """Decode every part once (streaming, bounded memory) so a corrupt data page is found here.
 
     One pass over all parts; only when it fails is each part decoded alone, to name the bad one.
+    Key columns (step, rank, layer) may hold no nulls.
     """
     if not files:
         return
     try:
-        _decode(files, columns)
-        return
+        if not _decode(files, columns):
+            return
+        first_error: Exception | None = None
     except Exception as e:  # noqa: BLE001 - polars raises ComputeError, InvalidOperationError, OSError...
         first_error = e
     for f in files:
         try:
-            _decode([f], columns)
+            nulls = _decode([f], columns)
         except Exception as e:  # noqa: BLE001 - as above
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise BadInputError(f"Parquet part's data is corrupt or out of range ({detail[:160]})", path=f,
                                 fix=_PART_FIX) from e
+        if nulls:
+            raise BadInputError(f"Parquet part has null values in its key column(s) {nulls}", path=f,
+                                fix=_PART_FIX)
     detail = (str(first_error).strip().splitlines() or [type(first_error).__name__])[0]
     raise BadInputError(f"the trace parts cannot be read together ({detail[:160]})", path=files[0].parent,
                         fix=_PART_FIX) from first_error

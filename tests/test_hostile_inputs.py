@@ -1,0 +1,282 @@
+"""Hostile and broken input: one ``Error:`` line, no traceback, input untouched, bounded memory.
+
+Most cases run in-process through click's CliRunner (a subprocess costs ~2 s of torch import);
+the memory bombs, the escape-sequence cases and one case per class run in a real subprocess,
+whose peak RSS is read from ``os.wait4``'s rusage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import click
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from analyzer.cli import EXIT_INTERNAL, _one_line_errors, main
+from analyzer.errors import BadInputError
+from recorders import schema
+from recorders.snapshot import write_snapshot
+
+from .hostile_corpus import CASES, ESC, run_dir, snapshot_dict, zip_bomb
+
+ROOT = Path(__file__).resolve().parents[1]
+# torch + polars + the analyzer import to ~450 MiB here; a materialised 3e9-element bomb is 12 GB
+RSS_CEILING_MIB = 1200
+# cases that are odd but readable: they must not crash, and may succeed
+SURVIVABLE = {"csv extra fields", "deepspeed scale of dots", "megatron inf skipped", "lightning csv with a NUL byte"}
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_one_error_line(exit_code: int, stderr: str, stdout: str = "") -> str:
+    assert "Traceback" not in stderr + stdout, stderr
+    assert exit_code == 1, (exit_code, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), stderr
+    return lines[0]
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, args)
+
+
+def run_subprocess(args: list[str], cwd: Path) -> tuple[int, str, str, float]:
+    """Run the real CLI; return exit status, stdout, stderr and peak RSS in MiB (ru_maxrss is KiB)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(cwd / "out.txt", "wb") as out, open(cwd / "err.txt", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "analyzer.cli", *args], cwd=ROOT, stdout=out,
+                                stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return (proc.returncode, (cwd / "out.txt").read_text(errors="replace"),
+            (cwd / "err.txt").read_text(errors="replace"), usage.ru_maxrss / 1024)
+
+
+@pytest.mark.parametrize("name, build", CASES, ids=[c[0] for c in CASES])
+def test_each_hostile_input_gives_one_error_line_and_is_left_unchanged(tmp_path, name, build):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    args = build(inp)
+    before = tree_hash(inp)
+    res = invoke(args)
+    assert tree_hash(inp) == before
+    if name in SURVIVABLE:
+        assert res.exit_code in (0, 1) and "Traceback" not in res.output, res.output
+        return
+    assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+_SUBPROCESS = ["snapshot stride-0 batch of 3e9", "snapshot zip bomb", "checkpoint zip bomb",
+               "snapshot deep pickle", "meta deep nesting", "part corrupt data page", "hf deep nesting",
+               "safetensors 2**63 shape", "csv huge field"]
+
+
+@pytest.mark.parametrize("name", _SUBPROCESS)
+def test_hostile_inputs_in_a_real_process_stay_under_the_memory_ceiling(tmp_path, name):
+    build = dict(CASES)[name]
+    inp = tmp_path / "in"
+    inp.mkdir()
+    args = build(inp)
+    before = tree_hash(inp)
+    code, out, err, rss = run_subprocess(args, tmp_path)
+    assert tree_hash(inp) == before
+    assert_one_error_line(code, err, out)
+    assert rss < RSS_CEILING_MIB, f"peak RSS {rss:.0f} MiB"
+
+
+def test_a_large_zip_bomb_is_refused_before_decompression_in_bounded_memory(tmp_path):
+    bomb = zip_bomb(tmp_path, "bomb.pt", 64 * 2**20)  # 256 MiB of zeros deflated to ~250 KiB
+    assert bomb.stat().st_size < 2**20
+    code, out, err, rss = run_subprocess(["inspect", str(bomb)], tmp_path)
+    line = assert_one_error_line(code, err, out)
+    assert "zip bomb" in line and "--max-archive-ratio" in line
+    assert rss < RSS_CEILING_MIB - 256, f"peak RSS {rss:.0f} MiB"
+
+
+def test_escape_sequences_from_names_reach_the_terminal_escaped(tmp_path):
+    run = run_dir(tmp_path, meta=None)
+    snaps = run / schema.SNAPSHOT_DIR
+    snaps.mkdir()
+    (snaps / f"step00000005-r00000-{ESC}.pt").write_bytes(b"")
+    code, out, err, _ = run_subprocess(["report", str(run)], tmp_path)
+    assert code == 0, err
+    assert "\x1b" not in out + err and "\x07" not in out + err
+    assert "\\x1b[2J\\x1b]0;pwned\\x07" in out  # visible, not interpreted
+
+
+def test_escape_sequences_in_an_error_message_are_escaped_and_stay_on_one_line(tmp_path):
+    bad = tmp_path / f"log{ESC}\nname.csv"
+    bad.write_text("no step column\n")
+    code, out, err, _ = run_subprocess(["report", str(bad)], tmp_path)
+    line = assert_one_error_line(code, err, out)
+    assert "\x1b" not in err and "\\x1b[2J" in line and "name.csv: CSV without a 'step' column" in line
+
+
+def test_a_model_mismatch_names_the_first_offending_key(tmp_path):
+    # a Linear(3, 2)'s weights given to build_eps_net, whose parameters have other names
+    snap = write_snapshot(tmp_path / "snap.pt", snapshot_dict())
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(["replay", str(snap)])))
+    assert "do not fit the model" in line
+    assert "Missing key(s)" in line or "Unexpected key(s)" in line or "size mismatch for" in line
+    assert "Error(s) in loading state_dict" not in line
+
+
+# -- outputs never land on inputs -----------------------------------------------------------------
+@pytest.mark.parametrize("target", ["meta.json", "meta-r00001.json", "trace/x.html",
+                                    "snapshots/report.html"])
+def test_html_output_onto_a_runs_recorded_files_is_refused_and_nothing_changes(tmp_path, target):
+    run = run_dir(tmp_path)
+    before = tree_hash(run)
+    res = invoke(["report", str(run), "--html", str(run / target)])
+    line = assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+    assert "--html" in line and "never overwritten" in line
+    assert tree_hash(run) == before
+
+
+def test_html_output_onto_the_input_log_is_refused(tmp_path):
+    log = tmp_path / "log.csv"
+    log.write_text("step,loss\n1,2.0\n2,1.5\n")
+    res = invoke(["report", str(log), "--html", str(log)])
+    assert "it is the input file" in assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+    assert log.read_text() == "step,loss\n1,2.0\n2,1.5\n"
+
+
+def test_plots_into_the_trace_directory_are_refused(tmp_path):
+    run = run_dir(tmp_path)
+    before = tree_hash(run)
+    res = invoke(["report", str(run), "--plots", str(run / "trace")])
+    assert "--plots" in assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+    assert tree_hash(run) == before
+
+
+def test_html_next_to_the_run_is_written_whole_and_leaves_no_temporary_file(tmp_path):
+    run = run_dir(tmp_path)
+    out = run / "report.html"
+    out.write_text("an older report")  # a previous output may be replaced, atomically
+    res = invoke(["report", str(run), "--html", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_text().startswith("<!doctype html>") and out.read_text().endswith("</html>")
+    assert not [p for p in run.iterdir() if p.name.startswith(".report.html")]
+
+
+# -- the last line of defence ---------------------------------------------------------------------
+def _group_with(fn):
+    """A click group like ``analyzer``'s, whose ``report`` command runs `fn` under the real wrapper."""
+    @click.group()
+    @click.option("--debug", is_flag=True)
+    @click.pass_context
+    def g(ctx, debug):
+        ctx.obj = {"debug": debug}
+
+    @g.command()
+    @click.argument("run")
+    @_one_line_errors
+    def report(run):
+        fn()
+        click.echo("report body")
+
+    return g
+
+
+def _fails():
+    warnings.warn("torch says something", UserWarning)
+    return {}["missing"]
+
+
+def test_an_unexpected_exception_is_one_internal_error_line_with_exit_3():
+    res = CliRunner().invoke(_group_with(_fails), ["report", "run.csv"])
+    assert res.exit_code == EXIT_INTERNAL == 3
+    lines = res.stderr.strip().splitlines()
+    assert lines == ["Error: run.csv: internal error while reporting: KeyError: 'missing' "
+                     "(please report this with the file; --debug shows the traceback)"]
+
+
+def test_debug_adds_the_traceback_before_the_error_line():
+    res = CliRunner().invoke(_group_with(_fails), ["--debug", "report", "run.csv"])
+    assert res.exit_code == 3
+    assert "Traceback (most recent call last)" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("Error: run.csv: internal error")
+
+
+def test_warnings_are_dropped_before_an_error_and_printed_after_a_success():
+    def bad_input():
+        warnings.warn("TypedStorage is deprecated", UserWarning)
+        raise BadInputError("damaged", path="x.pt", fix="re-record")
+
+    res = CliRunner().invoke(_group_with(bad_input), ["report", "x.pt"])
+    assert res.exit_code == 1 and res.stderr.strip() == "Error: x.pt: damaged (re-record)"
+
+    res = CliRunner().invoke(_group_with(lambda: warnings.warn("heads up", UserWarning)), ["report", "r"])
+    assert res.exit_code == 0 and res.stdout == "report body\n"
+    assert res.stderr.strip() == "warning: UserWarning: heads up"
+
+
+# -- hypothesis: arbitrary values where files hold numbers ----------------------------------------
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                            max_leaves=8)
+_fast = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_fast
+@given(rank=_json_values, world_size=_json_values, param=_json_values)
+def test_any_meta_json_values_give_a_report_or_one_error_line(tmp_path_factory, rank, world_size, param):
+    d = tmp_path_factory.mktemp("meta")
+    meta = json.loads((run_dir(d) / schema.META_FILE).read_text())
+    meta.update(rank=rank, world_size=world_size, params=[param] * 8)
+    run = d / "run"
+    (run / schema.META_FILE).write_text(json.dumps(meta))
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code != 0:
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+@_fast
+@given(text=st.text(alphabet=st.sampled_from("step,los0129.-einfa\n\"\x00 "), max_size=80),
+       suffix=st.sampled_from([".csv", ".jsonl", ".log"]))
+def test_any_text_log_gives_a_report_or_one_error_line(tmp_path_factory, text, suffix):
+    log = tmp_path_factory.mktemp("log") / f"train{suffix}"
+    log.write_text(text)
+    res = invoke(["report", str(log), "--json"])
+    if res.exit_code != 0:
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+@_fast
+@given(key=st.sampled_from(["rank", "world_size", "step", "scale", "loss", "train_mode", "created",
+                            "scaler_state", "reason", "factory_kwargs", "grad_norm"]),
+       value=_json_values)
+def test_any_snapshot_field_value_gives_one_error_line(tmp_path_factory, key, value):
+    snap = write_snapshot(tmp_path_factory.mktemp("snap") / "snap.pt", snapshot_dict(**{key: value}))
+    res = invoke(["replay", str(snap)])  # the tiny Linear never fits build_eps_net: always exit 1
+    assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+@_fast
+@given(col=st.sampled_from(sorted(schema.STEP_COLUMNS)),
+       dtype=st.sampled_from([pl.String, pl.Boolean, pl.Float32, pl.Int8, pl.UInt64, pl.Null]))
+def test_any_column_type_in_a_part_gives_a_report_or_one_error_line(tmp_path_factory, col, dtype):
+    from .analyzer.report_models import Script
+
+    df = Script(n=20).steps_frame()
+    try:
+        df = df.with_columns(pl.col(col).cast(dtype, strict=False) if dtype != pl.Null else pl.lit(None).alias(col))
+    except pl.exceptions.PolarsError:
+        assume(False)  # polars cannot even write this column type from the schema's type
+    run = run_dir(tmp_path_factory.mktemp("part"), steps=df)
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code != 0:
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
