@@ -178,6 +178,13 @@ def test_a_recorded_cwd_pointing_into_site_packages_does_not_open_it(tmp_path, m
     assert "site-packages" in _refused(_invoke(path), marker)
 
 
+def test_a_bundled_scenario_runner_which_writes_files_is_not_on_the_allow_list(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"  # samples.healthy:run(out_dir) would train and create it
+    path = _snapshot(tmp_path / "s.pt", factory="samples.healthy:run", factory_kwargs={"out_dir": str(marker)})
+    assert "outside the recorded cwd" in _refused(_invoke(path), marker)
+
+
 def test_a_recorded_cwd_of_the_filesystem_root_opens_nothing(tmp_path, monkeypatch):
     # With "/" as a root, /tmp/NAME.py would be the module tmp.NAME (a namespace package).
     monkeypatch.chdir(tmp_path)
