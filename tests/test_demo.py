@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from analyzer.cli import main
 from analyzer.demo import SCENARIOS, run_demo
 from analyzer.errors import AnalyzerError
+from samples import bf16_nan, fp16_attention_overflow
 
 REPO = Path(__file__).resolve().parents[1]
 README_MD = REPO / "README.md"
@@ -43,9 +44,13 @@ def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path):
     printed = set(text.replace(str(out), "amp-autopsy-demo").replace(f"{REPO}{os.sep}", "").splitlines())
     stale = [line for line in _readme_excerpts() if line not in printed]
     assert not stale, f"the demo no longer prints: {stale}; {REGENERATE}"
-    # Progress while training, then the report, then the replay of the first snapshot.
+    # Progress while training, then the report, then the replay of the first snapshot. The run
+    # fails at the temperature jump, the same step on every CPU (the scenario explains why).
+    bad = fp16_attention_overflow.BAD_STEP
     assert "[fp16_attention_overflow] step   0/60" in text
-    assert "scale_collapse" in text
+    assert f"[fp16_attention_overflow] step  {bad}: snapshot step{bad:08d}-r00000-nonfinite_loss.pt" in text
+    assert f"Verdict: FAILED: the loss became nan at step {bad} (nonfinite_loss, step {bad})" in text
+    assert f"scale_collapse @ step {bad}:" in text
     # The default scenario's bug is the unscaled q @ k^T in attention, which overflows FP16 in
     # forward (samples/fp16_attention_overflow.py explains why that is the right conclusion).
     assert "verdict: overflow" in text
@@ -73,7 +78,8 @@ def test_running_a_scenario_again_replaces_its_previous_run(tmp_path):
     shutil.copyfile(first.snapshot, stale)
     second = run_demo(tmp_path, scenario="bf16_nan", echo=lambda _: None)
     assert not stale.exists()
-    assert second.snapshot.name == first.snapshot.name  # step 12: the batch with the constant flag
+    assert second.snapshot.name == first.snapshot.name
+    assert first.snapshot.name.startswith(f"step{bf16_nan.BAD_STEP:08d}-")  # the batch with the constant flag
     assert second.replay.verdict == "numerical_bug"
 
 
