@@ -365,7 +365,7 @@ class Recorder:
         grads, idx = [], []
         for i, p in enumerate(params):
             if p.grad is not None:
-                grads.append(_local(p.grad))
+                grads.append(_local(p.grad) if self._sharded else p.grad)
                 idx.append(i)
         sel = None if len(idx) == len(params) else idx
 
@@ -440,7 +440,8 @@ class Recorder:
         return gnorm, grad_norm, counts
 
     def _layer_row(self, step, sel, grads, gnorm, counts) -> None:
-        pnorm = _norms([_local(p) for p in self._params], self._device, self._single_device)  # no_grad: no detach
+        params = [_local(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
+        pnorm = _norms(params, self._device, self._single_device)
         # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
         if self._single_device:
             nnz = torch.stack([torch.count_nonzero(g) for g in grads])
@@ -497,6 +498,7 @@ class Recorder:
         # float64 keeps counts and sums of squares exact; MPS has no float64
         self._acc = torch.float32 if self._device.type == "mps" else torch.float64
         # NB: a sharded (FSDP2 DTensor) parameter's statistics are those of this rank's shard
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self._params)
         self._numel = torch.tensor([_local(p).numel() for p in self._params], dtype=self._acc,
                                    device=self._device)
         self._buffers = BufferTracker(model)
