@@ -186,15 +186,21 @@ def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
 
     snap = load_snapshot(snapshot)
     rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
-    roots = [*snapshot_roots(snap, paths), os.getcwd()]
+    recorded = snapshot_roots(snap)
+    roots = ([{"kind": "path", "dir": p} for p in paths] + [{"kind": "recorded_cwd", "dir": c} for c in recorded]
+             + [{"kind": "cwd", "dir": os.getcwd()}])
     if as_json:
         _print_json({"snapshot": snapshot, "roots": roots, "imports": rows})
         return
-    lines = [f"snapshot: {snapshot}", "import roots: " + (", ".join(roots)), ""]
+    label = {"path": "--path", "recorded_cwd": "recorded cwd", "cwd": "current directory"}
+    lines = [f"snapshot: {snapshot}", "import roots:"] + [f"  {label[r['kind']]}: {r['dir']}" for r in roots]
+    if not recorded:
+        lines.append("  (the snapshot records no working directory)")
     for r in rows:
         verdict = "allowed" if r["allowed"] else "REFUSED"
-        lines += [f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),
-                  f"  file: {r['file'] or '(not found)'}", f"  rule: {verdict}: {r['why']}"]
+        lines += ["", f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),
+                  f"  file: {r['file'] or ('(not found)' if r['kind'] == 'missing' else '(not looked up)')}",
+                  f"  rule: {verdict}: {r['why']}"]
     lines += ["", "nothing was imported (replay without --show imports what is allowed above)"]
     _echo("\n".join(lines))
 

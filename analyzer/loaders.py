@@ -151,8 +151,8 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
 
 def _ref_fix(kind: str, option: str) -> str:
     if kind == "missing":
-        return (f"pass --path DIR for the directory that holds the package, run from it, or pass "
-                f"{option} pkg.module:function (an explicit reference is found through PYTHONPATH)")
+        return (f"pass --path DIR for the directory that holds the package, or run from it; or name it "
+                f"yourself with {option} pkg.module:function, which is also found through PYTHONPATH")
     if kind == "form":
         return f"pass {option} pkg.module:function"
     return f"if you trust that code, name it yourself with {option} pkg.module:function"
@@ -175,7 +175,8 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
 
     Imports nothing (``analyzer replay --show``). One dict per reference: the factory, the
     loss function, and a built-in builder's class argument (HF's ``model_class``), with keys
-    ``role``, ``ref``, ``file``, ``allowed``, ``why`` and ``explicit``.
+    ``role``, ``ref``, ``file``, ``allowed``, ``why``, ``kind`` (``schema.RefPlan.kind``) and
+    ``explicit``.
     """
     roots = snapshot_roots(snap, paths)
     rows = []
@@ -183,7 +184,7 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
         ref = given or recorded
         plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
-                     "explicit": bool(given)})
+                     "kind": plan.kind, "explicit": bool(given)})
         builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
         kwargs = snap.get("factory_kwargs")
         if builder and isinstance(kwargs, dict):
@@ -191,5 +192,5 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
             sub = schema.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
             rows.append({"role": f"factory_kwargs.{arg}", "ref": kwargs.get(arg), "file": sub.file,
                          "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
-                         else sub.why, "explicit": False})
+                         else sub.why, "kind": sub.kind, "explicit": False})
     return rows
