@@ -177,7 +177,9 @@ class _OpStatsMode(TorchDispatchMode):
                 rec.zeros.append((len(self._nonzero) - 1, t.numel()))
             hi = t._version + 1 if any(t is w for w in written) else max(t._version, view_hi)
             self._producers[t] = (index, stat, t._version, hi)
-        for w in written:  # written but not returned (running stats, out=): no longer what was recorded
+        # Written but not returned (out=, running stats; NB: native_batch_norm writes them without
+        # saying so in its schema, nor bumping their version): no longer what was recorded.
+        for w in written + skip:
             if not any(w is t for t in flat_out):
                 self._producers.pop(w, None)
         self.records.append(rec)

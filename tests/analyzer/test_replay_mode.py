@@ -151,3 +151,49 @@ def test_attach_module_hooks_pushes_the_innermost_module_path():
     for h in handles:
         h.remove()
     assert seen == [["<model>", "norm"]] and stack == []
+
+
+def test_an_in_place_write_and_a_view_of_it_keep_their_producer_after_autograd_bumps_versions():
+    # autograd bumps an in-place output's version, and gives a view its base's counter, only
+    # after the dispatch hook returns: both must still point at the op that wrote the value
+    mask = torch.tensor([True, False, True, False])
+    mode = _OpStatsMode()
+    with mode:
+        bias = torch.zeros(4)
+        bias[mask] = float("-inf")               # index_put_: an in-place mask fill
+        (bias.unsqueeze(0) + torch.ones(1, 4)).logsumexp(-1)
+    mode.finalize()
+    names = [r.name for r in mode.records]
+    put, view, add = names.index("aten.index_put_"), names.index("aten.unsqueeze"), names.index("aten.add")
+    assert mode.records[view].inputs[0][1] == put
+    assert mode.records[add].inputs[0][1] == view
+
+
+def test_a_write_the_op_does_not_return_drops_the_recorded_producer():
+    bn = torch.nn.BatchNorm1d(3)
+    mode = _OpStatsMode()
+    with mode:
+        bn.running_mean.add_(1.0)                # recorded: running_mean now comes from add_
+        before = bn.running_mean * 1.0
+        bn(torch.randn(4, 3))                    # train mode: rewrites running_mean, does not return it
+        after = bn.running_mean * 1.0
+    mode.finalize()
+    add = next(r.index for r in mode.records if r.name == "aten.add_")
+    muls = [r for r in mode.records if r.name == "aten.mul"]
+    assert muls[0].inputs[0][1] == add and muls[1].inputs[0][1] is None
+    del before, after
+
+
+def test_train_mode_batch_norm_running_stats_are_not_inputs_of_the_batch_norm_op():
+    bn = torch.nn.BatchNorm1d(3)
+    bn.running_mean.fill_(float("nan"))
+    x = torch.randn(4, 3, requires_grad=True)
+    mode = _OpStatsMode()
+    with mode:
+        bn(x).sum().backward()
+    absmax, _ = mode.finalize()
+    norms = [r for r in mode.records if "batch_norm" in r.name]
+    assert {r.phase for r in norms} == {"forward", "backward"}
+    # only the input, weight, bias (and gradient) are inputs: the NaN running mean is not among them
+    assert all(math.isfinite(absmax[s]) for r in norms for s, _ in r.inputs)
+    assert torch.isfinite(x.grad).all()
