@@ -144,6 +144,24 @@ def _torch_file(name: str, builder):
     return build
 
 
+def _stride0_checkpoint(d: Path, name: str) -> Path:
+    torch.save({"w": torch.zeros(1).expand(3_000_000_000)}, d / name)  # 12 GB if materialised
+    return d / name
+
+
+def _unaligned_checkpoint(d: Path, name: str) -> Path:
+    torch.save({"w": torch.randn(1000), "b": torch.randn(3)}, d / "aligned.pt")
+    out = rezip(d / "aligned.pt", d / name, {})  # Python's zipfile does not pad records to 64 bytes
+    (d / "aligned.pt").unlink()
+    return out
+
+
+def _bad_param_groups(d: Path, name: str) -> Path:
+    opt = {"state": {0: {"step": "x", "exp_avg": torch.zeros(4)}}, "param_groups": [{"lr": "x", "params": ["a", 1e300]}]}
+    torch.save({"model": {"w": torch.randn(4)}, "optimizer": opt}, d / name)
+    return d / name
+
+
 def _raw(name: str, content: bytes, cmd: str):
     def build(d):
         (d / name).write_bytes(content)
@@ -198,6 +216,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("checkpoint deep pickle", _torch_file("ckpt.pt", _deep_torch)),
     ("checkpoint zip bomb", _torch_file("ckpt.pt", lambda d, n: zip_bomb(d, n, 4_000_000))),
     ("checkpoint empty", _raw("ckpt.pt", b"", "inspect")),
+    ("checkpoint stride-0 weight of 3e9", _torch_file("ckpt.pt", _stride0_checkpoint)),
+    ("checkpoint re-zipped unaligned", _torch_file("ckpt.pt", _unaligned_checkpoint)),
+    ("checkpoint bad param_groups", _torch_file("ckpt.pt", _bad_param_groups)),
     ("checkpoint garbage", _raw("ckpt.pt", bytes(range(256)) * 8, "inspect")),
     ("safetensors bool shape", _safetensors({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}})),
     ("safetensors 2**63 shape", _safetensors({"w": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}})),

@@ -30,10 +30,12 @@ from recorders.snapshot import write_snapshot
 from .hostile_corpus import CASES, ESC, run_dir, snapshot_dict, zip_bomb
 
 ROOT = Path(__file__).resolve().parents[1]
-# torch + polars + the analyzer import to ~450 MiB here; a materialised 3e9-element bomb is 12 GB
-RSS_CEILING_MIB = 1200
+# torch + polars + the analyzer peak at ~340 MiB here; a materialised 3e9-element view is 12 GB, the
+# large zip bomb 256 MiB more than the baseline
+RSS_CEILING_MIB = 512
 # cases that are odd but readable: they must not crash, and may succeed
-SURVIVABLE = {"csv extra fields", "deepspeed scale of dots", "megatron inf skipped", "lightning csv with a NUL byte"}
+SURVIVABLE = {"csv extra fields", "deepspeed scale of dots", "megatron inf skipped", "lightning csv with a NUL byte",
+              "checkpoint stride-0 weight of 3e9", "checkpoint re-zipped unaligned", "checkpoint bad param_groups"}
 
 
 def tree_hash(root: Path) -> dict[str, str]:
@@ -53,16 +55,32 @@ def invoke(args: list[str]):
     return CliRunner().invoke(main, args)
 
 
+_LAUNCH = """
+import atexit, runpy, sys
+def _hwm(path=sys.argv[1]):
+    with open("/proc/self/status") as f, open(path, "w") as out:
+        out.write(next((l.split()[1] for l in f if l.startswith("VmHWM:")), "0"))
+atexit.register(_hwm)
+sys.argv = ["analyzer", *sys.argv[2:]]
+runpy.run_module("analyzer.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_subprocess(args: list[str], cwd: Path) -> tuple[int, str, str, float]:
-    """Run the real CLI; return exit status, stdout, stderr and peak RSS in MiB (ru_maxrss is KiB)."""
+    """Run the real CLI; return exit status, stdout, stderr and peak RSS in MiB.
+
+    NB: ``os.wait4``'s ru_maxrss counts the parent's RSS at fork time too (Linux carries the
+    high-water mark across exec), so the child's own VmHWM is read at exit where /proc exists.
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hwm = cwd / "hwm.txt"
     with open(cwd / "out.txt", "wb") as out, open(cwd / "err.txt", "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "analyzer.cli", *args], cwd=ROOT, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(hwm), *args], cwd=ROOT, stdout=out,
                                 stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return (proc.returncode, (cwd / "out.txt").read_text(errors="replace"),
-            (cwd / "err.txt").read_text(errors="replace"), usage.ru_maxrss / 1024)
+    peak_kib = int(hwm.read_text()) if hwm.exists() and hwm.read_text().isdigit() else usage.ru_maxrss
+    return (os.waitstatus_to_exitcode(status), (cwd / "out.txt").read_text(errors="replace"),
+            (cwd / "err.txt").read_text(errors="replace"), peak_kib / 1024)
 
 
 @pytest.mark.parametrize("name, build", CASES, ids=[c[0] for c in CASES])
@@ -79,9 +97,8 @@ def test_each_hostile_input_gives_one_error_line_and_is_left_unchanged(tmp_path,
     assert_one_error_line(res.exit_code, res.stderr, res.stdout)
 
 
-_SUBPROCESS = ["snapshot stride-0 batch of 3e9", "snapshot zip bomb", "checkpoint zip bomb",
-               "snapshot deep pickle", "meta deep nesting", "part corrupt data page", "hf deep nesting",
-               "safetensors 2**63 shape", "csv huge field"]
+_SUBPROCESS = ["snapshot stride-0 batch of 3e9", "snapshot zip bomb", "snapshot deep pickle", "part corrupt data page",
+               "safetensors 2**63 shape", "csv huge field", "checkpoint stride-0 weight of 3e9"]
 
 
 @pytest.mark.parametrize("name", _SUBPROCESS)
@@ -93,7 +110,10 @@ def test_hostile_inputs_in_a_real_process_stay_under_the_memory_ceiling(tmp_path
     before = tree_hash(inp)
     code, out, err, rss = run_subprocess(args, tmp_path)
     assert tree_hash(inp) == before
-    assert_one_error_line(code, err, out)
+    if name in SURVIVABLE:
+        assert code in (0, 1) and "Traceback" not in err, err
+    else:
+        assert_one_error_line(code, err, out)
     assert rss < RSS_CEILING_MIB, f"peak RSS {rss:.0f} MiB"
 
 
@@ -103,7 +123,7 @@ def test_a_large_zip_bomb_is_refused_before_decompression_in_bounded_memory(tmp_
     code, out, err, rss = run_subprocess(["inspect", str(bomb)], tmp_path)
     line = assert_one_error_line(code, err, out)
     assert "zip bomb" in line and "--max-archive-ratio" in line
-    assert rss < RSS_CEILING_MIB - 256, f"peak RSS {rss:.0f} MiB"
+    assert rss < RSS_CEILING_MIB, f"peak RSS {rss:.0f} MiB"
 
 
 def test_escape_sequences_from_names_reach_the_terminal_escaped(tmp_path):
@@ -228,7 +248,7 @@ def test_warnings_are_dropped_before_an_error_and_printed_after_a_success():
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                             lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
                             max_leaves=8)
-_fast = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_fast = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @_fast
