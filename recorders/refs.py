@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from collections.abc import Callable
 
 from . import schema
@@ -65,7 +66,24 @@ def to_ref(fn: str | Callable, what: str) -> str:
     if resolved is not fn:
         raise ValueError(f"{what} {ref!r} does not resolve back to the function given: define it at the "
                          "top level of its module under that name")
+    _warn_if_replay_refuses(ref, what)
     return ref
+
+
+def _warn_if_replay_refuses(ref: str, what: str) -> None:
+    """Say at record time (once, at Recorder construction) what replay would refuse, and why.
+
+    Typical case: a model package installed into site-packages (not ``pip install -e``), which
+    replay refuses to import on a snapshot's word. Training goes on; the snapshot is still useful.
+    """
+    plan = schema.plan_ref(ref, what=what)
+    if not plan.allowed:
+        option = "--factory" if what == "factory" else "--loss-fn"
+        warnings.warn(
+            f"amp-autopsy: replay will not import {what} {ref!r} on the snapshot's word ({plan.why}); "
+            f"replay from the directory that holds it, with --path DIR, or with {option} {ref}",
+            stacklevel=3,
+        )
 
 
 def import_class(ref: str, base: type, what: str = "model_class", *, libraries=()) -> type:

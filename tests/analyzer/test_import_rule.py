@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -458,6 +459,21 @@ def test_to_ref_accepts_a_top_level_function_and_replay_resolves_it_back():
     ref = to_ref(_top_level_factory, "factory")
     assert ref == f"{__name__}:_top_level_factory"
     assert schema.import_ref(ref) is _top_level_factory
+
+
+def test_to_ref_warns_at_record_time_when_replay_would_not_import_the_factory(tmp_path, monkeypatch):
+    project = _user_project(tmp_path / "proj")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.syspath_prepend(str(project))  # importable in training (PYTHONPATH), not under the cwd
+    from userpkg.models import build
+
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning, match="replay will not import factory 'userpkg.models:build'.*--path DIR"):
+        assert to_ref(build, "factory") == "userpkg.models:build"
+    monkeypatch.chdir(project)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert to_ref(build, "factory") == "userpkg.models:build"
 
 
 @settings(max_examples=200, deadline=None)
