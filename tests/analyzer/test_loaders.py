@@ -118,3 +118,84 @@ def test_garbage_after_a_pickle_protocol_byte_is_reported_as_corrupt(tmp_path):
     path.write_bytes(b"\x80\x02" + bytes(range(256)) * 4)
     with pytest.raises(BadInputError, match="not a readable torch file"):
         load_snapshot(path)
+
+
+# -- bounded memory and validated values (issue 11) -----------------------------------------------
+def _deflated_snapshot(tmp_path, numel: int = 2_000_000):
+    """A real snapshot (8 MB of zero batch data) re-zipped with deflate: ~10 KiB declaring 8 MB."""
+    from tests.hostile_corpus import rezip
+
+    path, _ = _snapshot(tmp_path, batch={"x": torch.zeros(numel)})
+    import zipfile
+
+    return rezip(path, tmp_path / "deflated.pt", {}, compression=zipfile.ZIP_DEFLATED)
+
+
+def test_a_zip_bomb_is_refused_before_decompression_naming_the_flag(tmp_path):
+    bomb = _deflated_snapshot(tmp_path)
+    with pytest.raises(BadInputError, match=r"declares \d+ bytes uncompressed in a \d+-byte file.*"
+                                            r"--max-archive-ratio N.*AMP_AUTOPSY_MAX_ARCHIVE_RATIO"):
+        torch_load_safe(bomb)
+
+
+def test_raising_the_archive_ratio_lets_a_trusted_compressed_file_load(tmp_path, monkeypatch):
+    from analyzer._limits import set_max_archive_ratio
+
+    bomb = _deflated_snapshot(tmp_path)
+    monkeypatch.setenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO", "10000")
+    assert load_snapshot(bomb)["batch"]["x"].numel() == 2_000_000
+    monkeypatch.delenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO")
+    try:
+        set_max_archive_ratio(10000)  # what 'analyzer --max-archive-ratio 10000' does
+        assert load_snapshot(bomb)["batch"]["x"].numel() == 2_000_000
+    finally:
+        set_max_archive_ratio(None)
+    with pytest.raises(BadInputError, match="zip bomb"):
+        load_snapshot(bomb)
+
+
+def test_the_cli_flag_raises_the_archive_ratio(tmp_path):
+    from click.testing import CliRunner
+
+    from analyzer.cli import main
+
+    bomb = _deflated_snapshot(tmp_path)
+    refused = CliRunner().invoke(main, ["replay", str(bomb), "--show"])
+    assert refused.exit_code == 1 and "zip bomb" in refused.stderr
+    allowed = CliRunner().invoke(main, ["--max-archive-ratio", "10000", "replay", str(bomb), "--show"])
+    assert "zip bomb" not in allowed.output
+
+
+def test_a_plain_torch_save_file_is_well_inside_the_archive_ratio(tmp_path):
+    path, _ = _snapshot(tmp_path, batch={"x": torch.randn(2_000_000)})  # stored, not compressed
+    assert load_snapshot(path)["batch"]["x"].numel() == 2_000_000
+
+
+def test_a_stride_0_view_in_a_snapshot_is_refused_without_materialising_it(tmp_path):
+    path, _ = _snapshot(tmp_path, batch={"x": torch.zeros(1).expand(3_000_000_000)})
+    assert path.stat().st_size < 16384  # 12 GB declared in a few KiB (rng state and model included)
+    with pytest.raises(BadInputError, match=r"batch\['x'\] declares 3000000000 elements .* over 4 bytes"):
+        load_snapshot(path)
+
+
+def test_a_list_nested_100k_deep_is_refused_not_a_recursion_error(tmp_path):
+    from tests.hostile_corpus import deep_pickle, rezip
+
+    path, _ = _snapshot(tmp_path)
+    deep = rezip(path, tmp_path / "deep.pt", {"data.pkl": deep_pickle(100_000)})
+    with pytest.raises(BadInputError, match="nested more than 100 levels deep"):
+        torch_load_safe(deep)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"format_version": -1}, "format_version -1 is negative"),
+    ({"rng": {"cpu": torch.zeros(16, dtype=torch.uint8), "cuda": None}}, r"'rng' 'cpu' should be a uint8 tensor of 5056"),
+    ({"model_state": {"w": [1.0]}}, r"'model_state' entry 'w' is a list, not a tensor"),
+    ({"scaler_state": {"scale": float("inf")}}, r"'scaler_state' scale should be a positive finite number"),
+    ({"step": 2.5}, r"'step' should be an integer"),
+    ({"train_mode": 1}, r"'train_mode' should be True or False"),
+])
+def test_every_snapshot_value_is_checked_at_load(tmp_path, overrides, match):
+    path, _ = _snapshot(tmp_path, **overrides)
+    with pytest.raises(BadInputError, match=match):
+        load_snapshot(path)
