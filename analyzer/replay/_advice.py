@@ -24,8 +24,9 @@ def _finite(v) -> bool:
 
 
 def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
-            recorded_loss: float | None = None, written_only: list[str] | None = None) -> str:
-    text = _summary(verdict, c, inputs=inputs, scale=scale, recorded_loss=recorded_loss)
+            recorded_loss: float | None = None, written_only: list[str] | None = None,
+            masks: list[str] | None = None) -> str:
+    text = _summary(verdict, c, inputs=inputs, scale=scale, recorded_loss=recorded_loss, masks=masks)
     if written_only:
         more = f" (and {len(written_only) - 1} more)" if len(written_only) > 1 else ""
         text += (f" NB: {written_only[0]}{more} is NaN/Inf in the snapshot, but this step only writes it "
@@ -34,7 +35,7 @@ def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
 
 
 def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: float,
-             recorded_loss: float | None) -> str:
+             recorded_loss: float | None, masks: list[str] | None) -> str:
     if verdict == "healthy":
         text = "No NaN/Inf in forward or backward in any replayed precision."
         if recorded_loss is not None and not _finite(recorded_loss):
@@ -64,8 +65,9 @@ def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: f
                 "and is finite at scale 1: the loss scale is too high for this step.")
     if verdict == "numerical_bug":
         lit = c.get("literal_nonfinite")
-        if lit and not _finite(c["input_absmax"]):
-            return (f"{_where(c)} turned the NaN/Inf written on purpose by {lit['op']} in `{lit['module']}` "
+        if (lit or masks) and not _finite(c["input_absmax"]):
+            by = f"{lit['op']} in `{lit['module']}`" if lit else f"the mask {masks[0]}"
+            return (f"{_where(c)} turned the NaN/Inf written on purpose by {by} "
                     f"(a mask value such as -inf) into {c['output_kind']}, e.g. a softmax or logsumexp over a "
                     "row whose every entry is masked; FP32 does the same: a numerical bug, not a precision problem.")
         if c["precision"] == "float32":
@@ -76,7 +78,8 @@ def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: f
     raise ValueError(verdict)
 
 
-def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0) -> list[str]:
+def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
+           masks: list[str] | None = None) -> list[str]:
     if verdict == "healthy":
         return [
             "Nothing to fix in this step as replayed. If training did fail here, compare the "
@@ -149,7 +152,7 @@ def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sca
                        "exp(-inf - -inf) = NaN even when the row is dropped from the loss "
                        "(pytorch/pytorch#31829): mask with torch.finfo(x.dtype).min instead of -inf, or "
                        "pool only rows that keep at least one entry.")
-        elif c.get("literal_nonfinite") or "softmax" in base:
+        elif c.get("literal_nonfinite") or (masks and not _finite(c["input_absmax"])) or "softmax" in base:
             out.append("Use a finite mask value: scores.masked_fill(mask, torch.finfo(scores.dtype).min) "
                        "instead of -inf, so a fully masked row gives a uniform row instead of NaN.")
         if base in ("log", "log2", "log10") or ("Log" in node and "Logsumexp" not in node):

@@ -62,6 +62,9 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     if r.nonfinite_inputs:
         lines.append("  non-finite before the step: " + ", ".join(r.nonfinite_inputs[:8])
                      + (" ..." if len(r.nonfinite_inputs) > 8 else ""))
+    if r.mask_inputs:
+        lines.append("  -inf masks among the inputs (written on purpose): " + ", ".join(r.mask_inputs[:8])
+                     + (" ..." if len(r.mask_inputs) > 8 else ""))
     if r.written_only_buffers:
         lines.append("  non-finite but only written by the step (not a cause): "
                      + ", ".join(r.written_only_buffers[:8]) + (" ..." if len(r.written_only_buffers) > 8 else ""))

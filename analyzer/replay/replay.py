@@ -58,7 +58,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     bar = _Progress(progress, total=len(precisions))
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
-        nonfinite_inputs = _scan_inputs(ctx)
+        nonfinite_inputs, masks = _scan_inputs(ctx)
         # Non-finite buffers are followed through the FP32 run: one the step only writes (a
         # train-mode BatchNorm's running stats, saved after the forward wrote them) is no input.
         watch = [n.split(":", 1)[1] for n in nonfinite_inputs if n.startswith("buffer:")]
@@ -80,15 +80,16 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     return ReplayResult(
         verdict=diag["verdict"],
         summary=_advice.summary(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
-                                recorded_loss=_float_or_none(snap.get("loss")), written_only=written_only),
+                                recorded_loss=_float_or_none(snap.get("loss")), written_only=written_only,
+                                masks=masks),
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
-        advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale),
+        advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks),
         snapshot=path, step=snap.get("step"), reason=snap.get("reason"),
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
         amp_dtype=amp, scale=scale, recorded_loss=_float_or_none(snap.get("loss")),
-        nonfinite_inputs=nonfinite_inputs, written_only_buffers=written_only,
+        nonfinite_inputs=nonfinite_inputs, written_only_buffers=written_only, mask_inputs=masks,
         hidden_nonfinite=diag.get("hidden"), literal_nonfinite=diag.get("literal"),
         underflow_at=diag.get("underflow_at"),
         context_ops=diag.get("context", []),
@@ -173,24 +174,35 @@ def _scale(path: str, snap: dict) -> float:
     return float(scale)
 
 
-def _scan_inputs(ctx: ReplayContext) -> list[str]:
-    """Names of parameters, buffers and batch leaves that are already NaN/Inf."""
+def _scan_inputs(ctx: ReplayContext) -> tuple[list[str], list[str]]:
+    """Names of parameters, buffers and batch leaves that are already NaN/Inf, and of the masks.
+
+    A buffer or batch leaf holding only 0 and -inf is an additive mask (a causal mask buffer,
+    ``nn.Transformer.generate_square_subsequent_mask`` passed in the batch): its -inf is written
+    on purpose, an input to the story like an in-step ``masked_fill(-inf)``, not a broken input.
+    """
     model = ctx.build_model()
     params = {n for n, _ in model.named_parameters()}
     buffers = {n for n, _ in model.named_buffers()}
-    bad = []
+    bad, masks = [], []
     for name, t in ctx.model_state.items():
         if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
             kind = "param" if name in params else ("buffer" if name in buffers else "state")
-            bad.append(f"{kind}:{name}")
-    bad += [f"batch:{p}" for p in _bad_leaves(ctx.batch, "")]
-    return bad
+            (masks if kind == "buffer" and _is_mask(t) else bad).append(f"{kind}:{name}")
+    for p, t in _bad_leaves(ctx.batch, ""):
+        (masks if _is_mask(t) else bad).append(f"batch:{p}")
+    return bad, masks
 
 
-def _bad_leaves(obj: Any, prefix: str) -> list[str]:
+def _is_mask(t: torch.Tensor) -> bool:
+    """Every entry is 0 or -inf: an additive mask (a non-finite tensor, so at least one -inf)."""
+    return bool(((t == 0) | (t == float("-inf"))).all())
+
+
+def _bad_leaves(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         ok = not obj.is_floating_point() or obj.numel() == 0 or bool(torch.isfinite(obj).all())
-        return [] if ok else [prefix or "<tensor>"]
+        return [] if ok else [(prefix or "<tensor>", obj)]
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):

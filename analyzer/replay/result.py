@@ -33,6 +33,8 @@ class ReplayResult:
         written_only_buffers: buffers NaN/Inf in the snapshot that the step only writes (a
             train-mode BatchNorm's running stats in a snapshot taken after the forward): not
             inputs, so not a cause.
+        mask_inputs: buffers and batch leaves holding only 0 and -inf: additive masks, whose -inf
+            is written on purpose (like an in-step ``masked_fill(-inf)``), so not a cause.
         advice: concrete things to try, most specific first.
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
     """
@@ -53,6 +55,7 @@ class ReplayResult:
     recorded_loss: float | None
     nonfinite_inputs: list[str] = field(default_factory=list)
     written_only_buffers: list[str] = field(default_factory=list)
+    mask_inputs: list[str] = field(default_factory=list)
     hidden_nonfinite: dict | None = None
     literal_nonfinite: dict | None = None
     underflow_at: dict | None = None
@@ -85,6 +88,7 @@ class ReplayResult:
             "recorded_loss": self.recorded_loss,
             "nonfinite_inputs": list(self.nonfinite_inputs),
             "written_only_buffers": list(self.written_only_buffers),
+            "mask_inputs": list(self.mask_inputs),
             "hidden_nonfinite": self.hidden_nonfinite,
             "literal_nonfinite": self.literal_nonfinite,
             "underflow_at": self.underflow_at,

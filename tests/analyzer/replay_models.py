@@ -34,27 +34,33 @@ class Attention(nn.Module):
         logits = q @ k.transpose(-2, -1)
         if self.scaled:
             logits = logits / math.sqrt(q.shape[-1])
-        if mask is not None:
+        if mask is not None and mask.is_floating_point():  # additive: 0 where allowed, -inf elsewhere
+            logits = logits + mask
+        elif mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
         return logits.softmax(-1) @ v
 
 
 class AttnNet(nn.Module):
-    def __init__(self, d: int = 8, gain: float = 1.0, scaled: bool = False):
+    def __init__(self, d: int = 8, gain: float = 1.0, scaled: bool = False, causal: int = 0):
         super().__init__()
         self.attn = Attention(d, scaled)
         self.head = nn.Linear(d, 1)
         with torch.no_grad():  # q and k projections are gain * identity: logits = gain^2 <x, x'>
             self.attn.q_proj.weight.copy_(torch.eye(d) * gain)
             self.attn.k_proj.weight.copy_(torch.eye(d) * gain)
+        if causal:  # a causal mask kept as a buffer, as nn.Transformer.generate_square_subsequent_mask builds it
+            self.register_buffer("causal", torch.triu(torch.full((causal, causal), float("-inf")), diagonal=1))
 
     def forward(self, x, mask=None):
+        if mask is None and hasattr(self, "causal"):
+            mask = self.causal
         return self.head(self.attn(x, mask))
 
 
-def build_attention(d: int = 8, gain: float = 1.0, scaled: bool = False) -> nn.Module:
+def build_attention(d: int = 8, gain: float = 1.0, scaled: bool = False, causal: int = 0) -> nn.Module:
     torch.manual_seed(0)
-    return AttnNet(d, gain, scaled)
+    return AttnNet(d, gain, scaled, causal)
 
 
 def attention_mse(model, batch):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from analyzer.replay import VERDICTS, replay_snapshot
+from analyzer.replay import VERDICTS, render_replay_text, replay_snapshot
 
 from . import replay_models as rm
 from .test_replay import _line_of
@@ -83,3 +83,45 @@ def test_every_way_of_writing_the_mask_leaves_the_culprit_in_the_logsumexp_backw
     assert r.verdict == "numerical_bug"
     assert (r.culprit["phase"], r.culprit["node"]) == ("backward", "LogsumexpBackward0")
     assert r.literal_nonfinite["op"] == MASK_FORMS[form]
+
+
+# -- a mask that arrives from outside the step: a -inf buffer, or an additive mask in the batch --
+def test_a_causal_minus_inf_buffer_is_a_mask_not_a_nonfinite_input_and_the_overflow_is_found(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    # gain 8 and |x| ~ 10 sqrt(8): the kept diagonal logits 64 |x|^2 ~ 1e5 exceed FP16's 65504
+    batch = {"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)}
+    path = rm.record_step(tmp_path, factory="build_attention", loss_fn="attention_mse", batch=batch,
+                          factory_kwargs={"d": 8, "gain": 8.0, "causal": 8}, amp_dtype=torch.float16)
+    r = replay_snapshot(path)
+    assert r.verdict == "overflow"
+    assert (r.culprit["op"], r.culprit["module"], r.culprit["phase"]) == ("aten.bmm", "attn", "forward")
+    assert r.mask_inputs == ["buffer:causal"] and r.nonfinite_inputs == []
+    assert "-inf masks among the inputs (written on purpose): buffer:causal" in render_replay_text(r)
+
+
+def test_an_additive_batch_mask_with_a_fully_masked_row_is_a_numerical_bug_at_softmax(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(2, 8, 8)
+    mask[0, 3, :] = float("-inf")  # query 3 of sample 0 may attend to nothing
+    batch = {"x": torch.randn(2, 8, 8, generator=g), "y": torch.randn(2, 8, 1, generator=g), "mask": mask}
+    path = rm.record_step(tmp_path, factory="build_attention", loss_fn="attention_mse", batch=batch,
+                          factory_kwargs={"d": 8, "scaled": True}, amp_dtype=torch.bfloat16)
+    r = replay_snapshot(path)
+    json.loads(json.dumps(r.to_dict(), allow_nan=False))
+    assert r.verdict == "numerical_bug"
+    assert (r.culprit["op"], r.culprit["module"], r.culprit["output_kind"]) == ("aten._softmax", "attn", "nan")
+    assert r.mask_inputs == ["batch:mask"] and r.nonfinite_inputs == []
+    assert r.to_dict()["mask_inputs"] == ["batch:mask"]
+    assert "written on purpose by the mask batch:mask" in r.summary
+    assert any("finite mask value" in a for a in r.advice)
+
+
+def test_a_minus_inf_feature_among_nonzero_values_is_still_a_nonfinite_input(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g)
+    x[1, 2] = float("-inf")  # log(0) in preprocessing: a data bug, not a mask (other entries are not 0)
+    path = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse",
+                          batch={"x": x, "y": torch.randn(4, 1, generator=g)}, amp_dtype=torch.float16)
+    r = replay_snapshot(path)
+    assert r.verdict == "nonfinite_input"
+    assert r.nonfinite_inputs == ["batch:x"] and r.mask_inputs == []
