@@ -1,0 +1,182 @@
+"""The Recorder's per-step statistics: one host sync per healthy step, exact counts on failing ones.
+
+``StepStats`` is the hot path of ``Recorder.end_step``, kept apart from the Recorder's API and
+I/O: the total gradient norm, loss, loss scale and learning rate cross to the host in one
+transfer; per-parameter norms stay on the device in the ``LayerBuffer`` until a flush. A
+failing step (non-finite norm or loss) takes the cold path for exact non-finite counts.
+Sharded (FSDP2 ``DTensor``) parameters are measured on this rank's local shard.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from . import schema
+from . import triggers as _triggers
+
+__all__ = ["StepStats", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters and gradients; no collective); others as they are."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> torch.Tensor:
+    """Float32 L2 norm of each tensor, stacked on `device`; one fused kernel when possible."""
+    if single_device:
+        return torch.stack(torch._foreach_norm(tensors, 2, torch.float32))
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors])
+
+
+class StepStats:
+    """Mixin of ``Recorder``: computes one step's trace row and per-layer statistics."""
+
+    def _scale_state(self) -> tuple[torch.Tensor | None, bool]:
+        """(scale tensor used by this step's backward, whether the grads are already unscaled)."""
+        scaler = self.scaler
+        if scaler is None or scaler._scale is None:
+            return None, False
+        from torch.amp.grad_scaler import OptState
+
+        # UNSCALED: the loop called scaler.unscale_(opt); STEPPED: scaler.step(opt) already ran
+        # (end_step is late, but the gradients are unscaled all the same).
+        states = scaler._per_optimizer_states  # NB: a defaultdict: .get, never [], to not add entries
+        if self.optimizer is not None:
+            st = states.get(id(self.optimizer))
+            unscaled = st is not None and st["stage"] is not OptState.READY
+        else:
+            unscaled = any(st["stage"] is not OptState.READY for st in states.values())
+        return scaler._scale, unscaled
+
+    def _record(self, loss) -> tuple[dict, str | None, str | None]:
+        step = self._step
+        scale_t, unscaled = self._scale_state()
+        params = self._params
+        grads, idx = [], []
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                grads.append(local_tensor(p.grad) if self._sharded else p.grad)
+                idx.append(i)
+        sel = None if len(idx) == len(params) else idx
+
+        parts = []
+        if grads:
+            gnorm = _norms(grads, self._device, self._single_device)
+            if scale_t is not None and not unscaled:
+                gnorm = gnorm / scale_t.to(self._device)
+            parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
+        loss_t = None
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().reshape(()).to(self._device, self._acc)
+            parts.append(loss_t)
+        if scale_t is not None:
+            parts.append(scale_t.to(self._device, self._acc).reshape(()))
+        lr = self._lr()
+        lr_t = lr if isinstance(lr, torch.Tensor) else None  # a tensor lr (fused/capturable optimizers)
+        if lr_t is not None:
+            parts.append(lr_t.detach().reshape(()).to(self._device, self._acc))
+        # NB: host sync: the one per step. Total grad norm, loss, scale and lr, in one transfer.
+        vals = torch.stack(parts).tolist() if parts else []
+        grad_norm = vals.pop(0) if grads else None
+        loss_v = vals.pop(0) if loss_t is not None else (None if loss is None else float(loss))
+        scale_v = vals.pop(0) if scale_t is not None else None
+        lr_v = vals.pop(0) if lr_t is not None else lr
+
+        cold = not (grad_norm is None or math.isfinite(grad_norm)) or not (loss_v is None or math.isfinite(loss_v))
+        counts = None
+        if cold and grads:
+            gnorm, grad_norm, counts = self._cold_grads(grads, idx, gnorm, scale_v, unscaled, grad_norm)
+        nonfinite = sum(c for c in counts if c) if counts is not None else 0
+        health = _triggers.StepHealth(loss_v, nonfinite == 0, scale_v)
+        snap_reason = self._triggers.check(health)
+        holding = self._triggers.holding
+        failure = holding[0] if holding else None
+        if self.sync_failures and self.world_size > 1:
+            failure, snap_reason = self._sync_failure(failure, snap_reason)
+
+        if grads and (step % self.config.layer_every == 0 or failure is not None):
+            self._layer_row(step, sel, grads, gnorm, counts)
+        row = {
+            "step": step,
+            "rank": self.rank,
+            "wall_time": time.time(),
+            "loss": loss_v,
+            "loss_dtype": schema.dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else None,
+            "scale": scale_v,
+            # GradScaler skips exactly when a gradient it unscales is non-finite: the exact count above.
+            "skipped": health.overflowed,
+            "grad_norm": grad_norm,
+            "lr": lr_v,
+            "nonfinite_grads": nonfinite if grads else None,
+        }
+        return row, failure, snap_reason
+
+    def _cold_grads(self, grads, idx, gnorm, scale, unscaled, grad_norm):
+        """Failing step only: exact non-finite counts, and float64 norms where float32 overflowed."""
+        norms = gnorm.tolist()
+        counts = [0] * len(self._params)
+        divide = scale is not None and not unscaled
+        overflowed = False
+        for j, (i, g) in enumerate(zip(idx, grads)):
+            if not math.isfinite(norms[j]):
+                counts[i] = int(g.numel() - torch.isfinite(g).sum().item())
+                if counts[i] == 0:  # every element finite, but the sum of squares overflowed float32
+                    exact = torch.linalg.vector_norm(g.detach().to("cpu", torch.float64)).item()
+                    norms[j] = exact / scale if divide else exact
+                    overflowed = True
+        if overflowed:
+            gnorm = torch.tensor(norms, dtype=torch.float32, device=self._device)
+            grad_norm = math.hypot(*norms)
+        return gnorm, grad_norm, counts
+
+    def _layer_row(self, step, sel, grads, gnorm, counts) -> None:
+        params = [local_tensor(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
+        pnorm = _norms(params, self._device, self._single_device)
+        # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
+        if self._single_device:
+            nnz = torch.stack([torch.count_nonzero(g) for g in grads])
+        else:
+            nnz = torch.stack([torch.count_nonzero(g).to(self._device) for g in grads])
+        where = None if sel is None else self._index(sel)
+        numel = self._numel if where is None else self._numel.index_select(0, where)
+        zero_frac = (1.0 - nnz.to(self._acc) / numel).float()
+        if self._layers.full:
+            self.flush()
+        self._layers.put(step, sel, where, gnorm, pnorm, zero_frac, counts)
+
+    def _index(self, sel: list[int]) -> torch.Tensor:
+        """Device index tensor of `sel`, cached: building it is a host-to-device copy."""
+        key = tuple(sel)
+        if self._index_cache[0] != key:
+            self._index_cache = (key, torch.tensor(sel, dtype=torch.long, device=self._device))
+        return self._index_cache[1]
+
+    def _lr(self) -> float | torch.Tensor | None:
+        if self.optimizer is None or not self.optimizer.param_groups:
+            return None
+        lr = self.optimizer.param_groups[0].get("lr")
+        return lr if lr is None or isinstance(lr, torch.Tensor) else float(lr)
+
+    def _sync_failure(self, failure, snap_reason):
+        """All ranks learn whether any rank failed; healthy ranks snapshot the step as peer_failure.
+
+        Edge-triggered like the other reasons: a healthy rank snapshots the first step of a
+        stretch in which some rank fails. Every rank must call end_step for every step.
+        """
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        flag = torch.tensor([1.0 if failure is not None else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        any_failed = flag.item() > 0  # NB: host sync: only with sync_failures=True, after the collective
+        if any_failed and failure is None:
+            failure = _triggers.PEER_FAILURE
+            if not self._peer_failing and not self._triggers.exhausted:
+                snap_reason = _triggers.PEER_FAILURE
+                self._triggers.fired += 1
+        self._peer_failing = any_failed
+        return failure, snap_reason
