@@ -99,7 +99,7 @@ def _build(kind: str, quick: bool, batch_size: int | None):
     """(model, batches, description, batch size) for ``--model``."""
     g = torch.Generator().manual_seed(1)
     if kind == "cnn":
-        channels, blocks, side = (16, 2, 16) if quick else (64, 8, 32)
+        channels, blocks, side = (16, 2, 16) if quick else (32, 8, 16)
         batch_size = batch_size or (4 if quick else 16)
         model = ConvNet(channels, blocks)
         batches = [{"x": torch.randn(batch_size, 3, side, side, generator=g),
