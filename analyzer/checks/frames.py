@@ -106,8 +106,9 @@ def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int) -> pl.DataFrame:
     gn = pl.col("grad_norm")
     fin = gn.is_finite()
     key = (((pl.col("step") - s0) // width) * (1 << 24) + pl.col("layer")).alias("key")
+    zf, pn = pl.col("grad_zero_frac"), pl.col("param_norm")  # NaN/Inf there is no value: left out too
     out = (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
-                     zf=pl.when(fin).then(pl.col("grad_zero_frac")), pn=pl.col("param_norm"))
+                     zf=pl.when(fin & zf.is_finite()).then(zf), pn=pl.when(pn.is_finite()).then(pn))
            .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
                                 zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean())
            .collect(**_STREAM))

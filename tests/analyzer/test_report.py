@@ -45,7 +45,7 @@ def test_cli_json_is_one_strict_json_object_with_stable_keys(tmp_path):
     def refuse(const):  # json.loads accepts NaN/Infinity literals by default; strict JSON has none
         raise AssertionError(f"non-strict JSON literal {const}")
 
-    obj = json.loads(res.output, parse_constant=refuse)
+    obj = json.loads(res.stdout, parse_constant=refuse)
     assert {"run", "steps", "findings", "snapshots", "ranks", "verdict", "partial"} <= set(obj)
     assert obj["steps"]["count"] == 400 and obj["steps"]["nonfinite_loss"] == 150
     nf = next(f for f in obj["findings"] if f["check"] == "nonfinite_loss")
@@ -134,7 +134,7 @@ def test_healthy_two_rank_run_has_no_rank_divergence(tmp_path):
 def test_cli_rank_narrows_the_report_to_one_rank(tmp_path):
     run = _two_ranks(tmp_path)
     res = CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "0"])
-    obj = json.loads(res.output)
+    obj = json.loads(res.stdout)
     assert obj["rank"] == 0 and not [f for f in obj["findings"] if f["check"] == "rank_divergence"]
     nf = next(f for f in obj["findings"] if f["check"] == "nonfinite_loss")
     assert nf["step"] == 101 and nf["rank"] == 0  # rank 0's own loss went NaN one step later
@@ -144,7 +144,7 @@ def test_cli_steps_window_limits_the_analysis(tmp_path):
     s = Script()
     s.loss[300] = np.nan
     run = s.write(tmp_path / "run")
-    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--steps", "100:300"]).output)
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--steps", "100:300"]).stdout)
     assert (obj["steps"]["first"], obj["steps"]["last"], obj["steps"]["count"]) == (100, 299, 200)
     assert not obj["findings"]  # the NaN at step 300 is outside A <= step < B
 
@@ -237,7 +237,7 @@ def test_a_check_that_raises_becomes_check_failed_and_the_others_still_report(tm
     run = _nan_loss_run(tmp_path)
     res = CliRunner().invoke(main, ["report", str(run), "--json"])
     assert res.exit_code == 3, res.output  # an internal error: the report is incomplete
-    obj = json.loads(res.output)
+    obj = json.loads(res.stdout)
     failed = [f for f in obj["findings"] if f["check"] == "check_failed"]
     assert len(failed) == 1 and failed[0]["severity"] == "error"
     assert "'boom'" in failed[0]["message"] and "please report it" in failed[0]["message"]
@@ -299,7 +299,7 @@ def test_an_all_null_trace_says_no_usable_values_not_healthy(tmp_path):
     assert res.exit_code == 0, res.output
     verdict = res.output.splitlines()[1]
     assert verdict.startswith("Verdict: no usable values") and "healthy" not in verdict.replace("known to be healthy", "")
-    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json"]).output)
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json"]).stdout)
     assert obj["steps"]["usable_values"] == {"loss": 0, "grad_norm": 0, "scale": 0, "layer_grad_norm": 0}
 
 

@@ -140,7 +140,7 @@ def broken_from_step0_run(tmp_path_factory):
 def test_a_run_nonfinite_from_step_0_reports_without_crashing(broken_from_step0_run):
     res = CliRunner().invoke(main, ["report", str(broken_from_step0_run), "--json"])
     assert res.exit_code == 0, res.output
-    obj = json.loads(res.output, parse_constant=lambda c: pytest.fail(f"non-strict JSON literal {c}"))
+    obj = json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON literal {c}"))
     nf = next(f for f in obj["findings"] if f["check"] == "nonfinite_loss")
     assert nf["step"] == 0 and "first step with a recorded loss" in nf["message"]
     assert nf["evidence"]["snapshot"].endswith("step00000000-r00000-nonfinite_loss.pt")
@@ -289,5 +289,5 @@ def test_two_gloo_ranks_report_names_the_rank_and_step_of_the_first_nan(tmp_path
     # so rank 0's loss is NaN from step 7
     assert (f.step, f.rank) == (6, 1)
     assert f.evidence["first_nonfinite_step_per_rank"] == {0: 7, 1: 6}
-    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "1"]).output)
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "1"]).stdout)
     assert next(x for x in obj["findings"] if x["check"] == "nonfinite_loss")["step"] == 6
