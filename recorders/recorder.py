@@ -25,7 +25,7 @@ from ._claim import claim_writer, release_writer
 from ._meta import RecorderConfig, amp_dtype_of, build_meta, current_cwd, dist_info
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
-from .snapshot import build_snapshot, write_snapshot
+from .snapshot import build_snapshot, claim_snapshot, write_snapshot
 from .trace import LayerBuffer, TraceWriter
 
 __all__ = ["Recorder", "RecorderWarning"]
@@ -393,10 +393,12 @@ class Recorder(StepStats):
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
-            return write_snapshot(path, snap)
+            if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace
+                return write_snapshot(path, snap)
+            return claim_snapshot(path.parent, snap, self.writer)  # never over another process's
 
         written = self._guard(f"write snapshot {path.name}", write)
-        if written is not None:
+        if written is not None and written not in self.snapshots:
             self.snapshots.append(written)
         return written
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from . import schema
-from ._io import atomic_write
+from ._io import atomic_write, claim_write
 from ._meta import current_cwd
 
-__all__ = ["to_cpu_tree", "build_snapshot", "write_snapshot"]
+__all__ = ["to_cpu_tree", "build_snapshot", "write_snapshot", "claim_snapshot"]
 
 _PRIMITIVES = (int, float, str, bool, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -124,3 +124,18 @@ def build_snapshot(
 def write_snapshot(path: str | os.PathLike, snap: dict[str, Any]) -> Path:
     """Write `snap` to `path` atomically (temporary name, fsync, rename)."""
     return atomic_write(path, lambda f: torch.save(snap, f))
+
+
+def claim_snapshot(directory: str | os.PathLike, snap: dict[str, Any], writer: int = 0) -> Path:
+    """Write `snap` under its ``schema.snapshot_name`` in `directory`, never over an existing file.
+
+    A name already taken (a resumed run failing again at the same step, for the same reason)
+    gets ``_2``, ``_3``... after the reason, so the earlier process's snapshot is kept.
+    """
+    directory = Path(directory)
+    step, rank, reason = snap["step"], snap["rank"], snap["reason"]
+
+    def name(i: int) -> Path:
+        return directory / schema.snapshot_name(step, rank, reason if i == 0 else f"{reason}_{i + 1}", writer)
+
+    return claim_write(name, 0, lambda f: torch.save(snap, f))[0]

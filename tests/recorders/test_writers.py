@@ -192,3 +192,28 @@ def test_meta_and_snapshots_record_the_working_directory(tmp_path, monkeypatch):
         train(model, data, rec=rec)
     assert json.loads((tmp_path / "run" / "meta.json").read_text())["cwd"] == str(tmp_path)
     assert load_snapshot(rec.snapshots[0])["cwd"] == str(tmp_path)
+
+
+def test_a_resumed_run_failing_at_the_same_step_keeps_the_earlier_snapshot(tmp_path):
+    data = batches(3)
+    data[2]["y"][0, 0] = float("nan")
+    for seed in (0, 1):  # two runs, one after the other, both fail at step 2
+        model = build_mlp(seed=seed)
+        with Recorder(tmp_path, model, **REFS) as rec:
+            train(model, data, rec=rec)
+    names = sorted(p.name for p in (tmp_path / schema.SNAPSHOT_DIR).iterdir())
+    assert names == [schema.snapshot_name(2, 0, "nonfinite_loss"), schema.snapshot_name(2, 0, "nonfinite_loss_2")]
+    first, second = (load_snapshot(tmp_path / schema.SNAPSHOT_DIR / n) for n in names)
+    assert first["reason"] == second["reason"] == "nonfinite_loss"
+    # different seeds, so different weights at step 2: both processes' snapshots survive
+    assert not torch.equal(first["model_state"]["0.weight"], second["model_state"]["0.weight"])
+
+
+def test_a_second_manual_snapshot_of_one_step_replaces_this_recorders_own_file(tmp_path):
+    model = build_mlp()
+    with Recorder(tmp_path, model, **REFS) as rec:
+        rec.begin_step(0, batches(1)[0])
+        a = rec.snapshot()
+        b = rec.snapshot()
+    assert a == b and rec.snapshots == [a]
+    assert [p.name for p in (tmp_path / schema.SNAPSHOT_DIR).iterdir()] == [a.name]
