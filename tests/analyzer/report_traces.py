@@ -26,7 +26,7 @@ from recorders.trace import TraceWriter
 
 from .report_models import make_meta
 
-__all__ = ["TraceSpec", "hostile_traces", "healthy_traces", "write_trace"]
+__all__ = ["TraceSpec", "hostile_traces", "healthy_traces", "write_trace", "every_column"]
 
 _BAD = (float("nan"), float("inf"), float("-inf"), None)
 _PATTERNS = ("ok", "first", "last", "all", "sprinkled", "null")
@@ -176,3 +176,10 @@ def healthy_traces(draw) -> TraceSpec:
                      n_layers=draw(st.sampled_from([0, 2, 6])), layer_every=draw(st.sampled_from([1, 4])),
                      lengths=[n] * n_ranks, start=draw(st.sampled_from([0, 100])),
                      seed=draw(st.integers(0, 10_000)), healthy=True)
+
+
+def every_column(pattern: str, *, amp_dtype: str | None = "float16", scaler: bool = True,
+                 lengths: tuple[int, ...] = (30,), n_layers: int = 4) -> TraceSpec:
+    """One `pattern` ("all", "null", "first", "last", "sprinkled") in every column at once."""
+    return TraceSpec(amp_dtype=amp_dtype, scaler=scaler, n_layers=n_layers, layer_every=1, lengths=list(lengths),
+                     start=0, seed=1, patterns={c: pattern for c in _COLUMNS}, scale_floor=0.25)

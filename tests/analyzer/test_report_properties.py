@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from analyzer.checks import CHECK_FAILED, CHECKS
 from analyzer.cli import main
 from analyzer.findings import SEVERITIES
 
-from .report_traces import healthy_traces, hostile_traces, write_trace
+from .report_traces import every_column, healthy_traces, hostile_traces, write_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -43,6 +43,11 @@ def _report_json(spec, *args) -> dict:
 
 @_SETTINGS
 @given(hostile_traces())
+@example(every_column("all"))                       # NaN, Inf or null in every column, every step
+@example(every_column("null", amp_dtype=None, scaler=False))
+@example(every_column("first", lengths=(1,)))      # a single step, broken
+@example(every_column("last", amp_dtype="bfloat16", scaler=False, lengths=(5, 40, 1)))
+@example(every_column("sprinkled", lengths=(70, 3), n_layers=1))
 def test_report_json_on_any_generated_trace_exits_0_with_strict_json_and_complete_findings(spec):
     obj = _report_json(spec)
     assert obj["steps"]["count"] >= 1 and isinstance(obj["verdict"], str)
