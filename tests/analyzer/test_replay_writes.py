@@ -40,7 +40,7 @@ def _batches(fail_at: int, n: int = 4) -> list[dict]:
 def _assert_cast_overflow_in_the_linear(r) -> None:
     assert r.verdict == "overflow"
     c = r.culprit
-    assert c["op"] in ("aten._to_copy", "aten.addmm")
+    assert c["op"] == "aten._to_copy"  # autocast's FP16 cast of the Linear's input: the first op to make inf
     assert (c["phase"], c["module"], c["precision"]) == ("forward", "0", "float16")
     assert c["output_kind"] == "inf" and c["shadow"]["float32"] > 65504  # finite in FP32: a range problem
     assert r.nonfinite_inputs == []
