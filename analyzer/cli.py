@@ -69,8 +69,7 @@ def _one_line_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
+        with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
             try:
                 result = fn(*args, **kwargs)
             except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
