@@ -354,6 +354,8 @@ class Recorder(StepStats):
                           config=self.config)
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
+        # a Recorder dropped without close() gives its slot back too (a notebook cell run again)
+        weakref.finalize(self, release_writer, self.run_dir, self.rank, self.writer)
         self._writer = TraceWriter(self.run_dir, self.rank, self.writer)
         if others:
             who = ", ".join(f"pid {o.get('pid')} on host {o.get('host')}" for o in others)

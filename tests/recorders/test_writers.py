@@ -217,3 +217,14 @@ def test_a_second_manual_snapshot_of_one_step_replaces_this_recorders_own_file(t
         b = rec.snapshot()
     assert a == b and rec.snapshots == [a]
     assert [p.name for p in (tmp_path / schema.SNAPSHOT_DIR).iterdir()] == [a.name]
+
+
+def test_a_recorder_dropped_without_close_gives_its_writer_slot_back(tmp_path):
+    import gc
+
+    rec = Recorder(tmp_path, build_mlp(), **REFS)
+    assert rec.writer == 0
+    del rec
+    gc.collect()
+    with Recorder(tmp_path, build_mlp(), **REFS) as again:
+        assert again.writer == 0
