@@ -30,7 +30,8 @@ What the analyzer should conclude, and why that is right:
       cause, not the maths; the first op that turns finite inputs into ``inf`` is that matmul.
     - The fix: divide the logits by sqrt(d) (``scale_attn_logits=True``) and keep the
       temperature sane, or train in BF16 (``--amp bf16`` runs this script in BF16 and stays
-      finite).
+      finite; its report warns ``exploding_gradients`` from step 24, rightly: the 1/tau
+      multiplies the gradients of q and k as well).
 """
 from __future__ import annotations
 
