@@ -9,11 +9,18 @@ named that later ``nonfinite_loss`` would point at the wrong step.
 Real output (``tests/analyzer/report_models.build_sqrt_norm``, BF16, a batch whose first row
 is all zeros at step 12: ``sqrt`` of a zero sum of squares has an infinite derivative)::
 
-    nonfinite_grads @ step 12: the gradients of 1 parameter(s) went non-finite at step 12 while
-    the loss stayed finite (1.38) (proj.weight): in BF16 (FP32's range) any NaN/Inf is a real
-    numerical bug in backward or in the loss (sqrt or norm at 0, division by zero, log(0), a
-    custom backward), not a range issue; the loss went non-finite at step 13; replay it: analyzer replay run/snapshots/step00000012-r00000-nonfinite_grads.pt
-        evidence: step=12 params=[proj.weight] nearest_output=proj.weight loss=1.38 ...
+    Verdict: FAILED: the gradients of 1 parameter(s) went non-finite at step 12 while the loss
+    stayed finite at 1.383 (nonfinite_grads, step 12); 2 error(s), 0 warning(s)
+
+    errors
+      nonfinite_grads @ step 12: the gradients of 1 parameter(s) went non-finite at step 12 while
+      the loss stayed finite at 1.383 (proj.weight): in BF16 (FP32's range) any NaN/Inf is a real
+      numerical bug in backward or in the loss (sqrt or norm at 0, division by zero, log(0), a
+      custom backward), not a range issue; the loss went non-finite at step 13; replay it:
+      analyzer replay run/snapshots/step00000012-r00000-nonfinite_grads.pt
+          evidence: step=12 params=[proj.weight] n_params=1 nearest_output=proj.weight loss=1.383
+          loss_finite=True first_nonfinite_loss_step=13 nonfinite_elements=256 ...
+      nonfinite_loss @ step 13: the loss became nan at step 13 (7 non-finite step(s) of 20): ...
 
 How to read it: ``params`` lists the parameters whose gradients were non-finite at that step,
 in model order; backward runs from the output to the input, so ``nearest_output`` is the one
@@ -81,8 +88,7 @@ def nonfinite_grads(frames: Frames) -> list[Finding]:
     shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
     who = (f"the gradients of {len(names)} parameter(s)" if names else
            "gradients" + ("" if have_rows else " (the per-layer trace has no row for this step)"))
-    stayed = "the loss stayed finite" + (f" ({loss:.4g})" if loss is not None else "") if loss is not None \
-        else "the loss was not recorded"
+    stayed = f"the loss stayed finite at {loss:.4g}" if loss is not None else "the loss was not recorded"
     head = f"{who} went non-finite at step {step} while {stayed}" + (f" ({shown})" if names else "")
     if frames.amp_dtype == "float16" and not scaler:
         why = ("this FP16 run has no GradScaler, and an unscaled FP16 backward can overflow (a gradient "
