@@ -228,3 +228,17 @@ def test_a_recorder_dropped_without_close_gives_its_writer_slot_back(tmp_path):
     gc.collect()
     with Recorder(tmp_path, build_mlp(), **REFS) as again:
         assert again.writer == 0
+
+
+def test_without_hard_links_names_are_still_claimed_exclusively(tmp_path, monkeypatch):
+    import errno
+
+    def no_links(src, dst):  # what a filesystem without hard links answers (some FUSE, SMB mounts)
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    (tmp_path / "p0").write_text("taken")
+    path, index = claim_write(lambda i: tmp_path / f"p{i}", 0, lambda f: f.write(b"mine"))
+    assert (path.name, index) == ("p1", 1) and path.read_bytes() == b"mine"
+    assert (tmp_path / "p0").read_text() == "taken"
+    assert sorted(os.listdir(tmp_path)) == ["p0", "p1"]  # no temporary file left
