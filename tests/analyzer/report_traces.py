@@ -84,7 +84,8 @@ def _steps_rows(spec: TraceSpec, rank: int, n: int, rng: np.random.Generator) ->
     cols = {"loss": loss, "scale": scale, "skipped": skipped, "grad_norm": gn,
             "lr": [1e-3] * n, "wall_time": [1.7e9 + i for i in range(n)],
             "nonfinite_grads": [0] * n, "loss_dtype": ["float32"] * n}
-    typed = {"skipped": (True, None), "nonfinite_grads": (3, None), "loss_dtype": ("float16", None)}
+    typed = {"skipped": (True, None), "nonfinite_grads": (3, None), "loss_dtype": ("float16", None),
+             "scale": _BAD + (0.0, -1.0, 1e-45)}  # a scale that underflowed to 0, or nonsense
     for c in cols:
         choices = typed.get(c, _BAD)
         bad = choices[int(rng.integers(len(choices)))]
