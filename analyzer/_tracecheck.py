@@ -13,7 +13,10 @@ Nothing here imports torch: ``analyzer report`` stays light.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import polars as pl
 from ._limits import check_nesting
 from .errors import BadInputError
 
-__all__ = ["validate_meta", "check_part_types", "check_parts_decode"]
+__all__ = ["validate_meta", "check_part_types", "check_parts_decode", "READ_ERRORS", "quiet_native_stderr"]
 
 _META_FIX = "the run's meta.json is damaged; restore it from the training host or re-record the run"
 _PART_FIX = "move the damaged part out of trace/ to analyse the rest of the run"
@@ -107,14 +110,48 @@ def check_part_types(path: Path, cols: dict[str, pl.DataType], expected: dict[st
                             fix="trace/ must hold only parts written by the Recorder; move this file out")
 
 
+# polars panics (a damaged page can trip an assertion in its decoder) derive from BaseException
+READ_ERRORS = (Exception, pl.exceptions.PanicException)
 _REQUIRED = ("step", "rank", "layer")  # keys of every row: a null here has no meaning
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Hold back what native code writes to file descriptor 2 while a damaged part is read.
+
+    A polars panic (a damaged page can trip an assertion in its Rust decoder) prints "thread
+    panicked at ..." and a backtrace straight to fd 2, before Python sees the exception; the
+    one-line ``Error:`` rule needs that text kept off the terminal. It is dropped.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield  # no real fd 2 (embedded interpreter): nothing to hold back
+        return
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
 
 
 def _decode(files: list[Path], columns: dict[str, pl.DataType]) -> list[str]:
     """Decode and cast every column; return the key columns that hold nulls."""
     lf = pl.scan_parquet([str(f) for f in files], glob=False)
-    counts = lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
+    with quiet_native_stderr():
+        counts = lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
     return [c for c in _REQUIRED if c in counts.columns and counts[c][0]]
+
+
+def _detail(e: BaseException) -> str:
+    if isinstance(e, pl.exceptions.PanicException):
+        return "polars' Parquet decoder panicked on it"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
@@ -129,18 +166,18 @@ def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> No
         if not _decode(files, columns):
             return
         first_error: Exception | None = None
-    except Exception as e:  # noqa: BLE001 - polars raises ComputeError, InvalidOperationError, OSError...
+    except READ_ERRORS as e:  # polars raises ComputeError, InvalidOperationError, OSError, panics...
         first_error = e
     for f in files:
         try:
             nulls = _decode([f], columns)
-        except Exception as e:  # noqa: BLE001 - as above
-            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        except READ_ERRORS as e:  # as above
+            detail = _detail(e)
             raise BadInputError(f"Parquet part's data is corrupt or out of range ({detail[:160]})", path=f,
                                 fix=_PART_FIX) from e
         if nulls:
             raise BadInputError(f"Parquet part has null values in its key column(s) {nulls}", path=f,
                                 fix=_PART_FIX)
-    detail = (str(first_error).strip().splitlines() or [type(first_error).__name__])[0]
+    detail = _detail(first_error)
     raise BadInputError(f"the trace parts cannot be read together ({detail[:160]})", path=files[0].parent,
                         fix=_PART_FIX) from first_error

@@ -82,7 +82,9 @@ def _one_line_errors(fn):
                 if debug:
                     traceback.print_exc(file=sys.stderr)
                 raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from e
-            except Exception as e:  # noqa: BLE001 - the last line of defence, see the module docstring
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - the last line of defence; polars panics are BaseException
                 if debug:
                     traceback.print_exc(file=sys.stderr)
                 raise _InternalError(_internal_message(fn.__name__, kwargs, e)) from e

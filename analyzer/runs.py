@@ -29,7 +29,7 @@ import polars as pl
 from recorders import schema
 
 from ._terminal import escape_controls
-from ._tracecheck import check_part_types, check_parts_decode, validate_meta
+from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
 from ._versions import check_format_version
 from .errors import BadInputError, VersionError
 
@@ -152,8 +152,9 @@ def _check_part(path: Path, kind: str) -> None:
                             fix="move the damaged part out of trace/ to analyse the rest of the run")
     try:
         # NB: scan with glob=False reads only the footer, and a '[' in the path is no pattern
-        cols = pl.scan_parquet(path, glob=False).collect_schema()
-    except Exception as e:  # noqa: BLE001 - polars raises several types for a damaged footer
+        with quiet_native_stderr():  # a panic's backtrace must not precede the Error: line
+            cols = pl.scan_parquet(path, glob=False).collect_schema()
+    except READ_ERRORS as e:  # polars raises several types (panics are BaseException) for a damaged footer
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run") from e

@@ -121,6 +121,17 @@ def _corrupt_page(d: Path) -> list[str]:
     return ["report", str(run)]
 
 
+def _panicking_part(d: Path) -> list[str]:
+    """Two bytes changed in a steps part: polars 1.x's streaming decoder panics on it (a Rust
+    assertion, printed to fd 2 with a backtrace) instead of raising an error."""
+    run = run_dir(d)
+    part = run / schema.TRACE_DIR / schema.part_name("steps", 0, 0)
+    data = bytearray(part.read_bytes())
+    data[911], data[2323] = 154, 92
+    part.write_bytes(bytes(data))
+    return ["report", str(run)]
+
+
 def _file(name: str, content: bytes | str):
     def build(d):
         p = d / name
@@ -247,6 +258,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("part loss column of bools", _bad_steps(lambda: Script(n=20).steps_frame().with_columns(
         pl.lit(True).alias("loss")))),
     ("part corrupt data page", _corrupt_page),
+    ("part that panics the decoder", _panicking_part),
     ("part zero rows", _bad_steps(lambda: Script(n=20).steps_frame().head(0))),
     # foreign logs
     ("hf step inf", _file("trainer_state.json", json.dumps({"log_history": [{"step": "inf", "loss": 1.0}]}))),
