@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from analyzer.replay import VERDICTS, render_replay_text, replay_snapshot
+from recorders.snapshot import build_snapshot, write_snapshot
 
 from . import replay_models as rm
 from .test_replay import _line_of
@@ -125,3 +130,40 @@ def test_a_minus_inf_feature_among_nonzero_values_is_still_a_nonfinite_input(tmp
     r = replay_snapshot(path)
     assert r.verdict == "nonfinite_input"
     assert r.nonfinite_inputs == ["batch:x"] and r.mask_inputs == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=8, max_size=8), min_size=8, max_size=8),
+       st.lists(st.integers(0, 7), max_size=2), st.sampled_from(["batch", "buffer"]))
+def test_any_additive_mask_from_outside_the_step_is_a_mask_input_and_blamed_only_through_softmax(
+        allowed, dropped, where):
+    """Generated 0/-inf masks, in the batch or as a model buffer: never a nonfinite_input.
+
+    Each query keeps its own key unless its row is in `dropped`, which masks it fully.
+    """
+    keep = torch.tensor(allowed) | torch.eye(8, dtype=torch.bool)
+    keep[dropped] = False
+    mask = torch.zeros(8, 8).masked_fill(~keep, float("-inf"))
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(2, 8, 8, generator=g), "y": torch.randn(2, 8, 1, generator=g)}
+    kwargs = {"d": 8, "scaled": True, "causal": 8 if where == "buffer" else 0}
+    model = rm.build_attention(**kwargs)
+    if where == "buffer":
+        model.causal.copy_(mask)
+    else:
+        batch["mask"] = mask
+    with tempfile.TemporaryDirectory() as d:
+        snap = build_snapshot(step=1, reason="manual", model=model, batch=batch,
+                              rng={"cpu": torch.get_rng_state(), "cuda": None},
+                              factory=f"{rm.REF}:build_attention", factory_kwargs=kwargs,
+                              loss_fn=f"{rm.REF}:attention_mse", amp_dtype=torch.bfloat16, device_type="cpu")
+        r = replay_snapshot(write_snapshot(Path(d) / "s.pt", snap))
+    assert r.nonfinite_inputs == []
+    if keep.all():  # no -inf at all: nothing to report
+        assert r.mask_inputs == [] and r.verdict == "healthy"
+        return
+    assert r.mask_inputs == (["buffer:causal"] if where == "buffer" else ["batch:mask"])
+    if not dropped:  # every query keeps a key: softmax is finite
+        assert r.verdict == "healthy"
+    else:            # a fully masked query row: softmax turns the mask into NaN
+        assert r.verdict == "numerical_bug" and r.culprit["op"] == "aten._softmax"
