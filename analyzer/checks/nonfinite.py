@@ -42,7 +42,8 @@ _SHOWN = 6
 def _first_bad_step(frames: Frames) -> dict | None:
     s = frames.steps
     loss = pl.col("loss")
-    unabsorbed = pl.col("scale").is_null() | (pl.col("skipped") == False)  # noqa: E712 - null stays unknown
+    # no scaler, or a scaler that did not skip; a null `skipped` beside a scale is unknown: not flagged
+    unabsorbed = pl.col("scale").is_null() | ~pl.col("skipped")
     hit = s.filter((pl.col("nonfinite_grads").fill_null(0) > 0) & (loss.is_finite() | loss.is_null())
                    & unabsorbed.fill_null(False))
     return hit.row(0, named=True) if hit.height else None
@@ -53,9 +54,7 @@ def _bad_params(frames: Frames, step: int) -> tuple[list[str], bool]:
     the layer trace has a row for that step at all."""
     if frames.layer_rows is None:
         return [], False
-    rows = frames.layer_rows(step, step)
-    if frames.rank is not None:
-        rows = rows.filter(pl.col("rank") == frames.rank)
+    rows = frames.layer_rows(step, step)  # already narrowed to frames.rank, like every frame
     if rows.height == 0:
         return [], False
     gn = pl.col("grad_norm")
