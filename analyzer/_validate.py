@@ -126,6 +126,11 @@ def _check_rng(rng: Any, path) -> None:
         raise _bad("rng", f"'cpu' should be a uint8 tensor of {want} bytes (torch.get_rng_state()), got {got}",
                    path)
     check_dense(cpu, path=path, where="rng['cpu']")
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+            torch.set_rng_state(cpu)
+    except RuntimeError as e:  # "Invalid mt19937 state": bytes that no generator ever produced
+        raise _bad("rng", f"'cpu' is not a CPU generator state ({str(e).strip()[:80]})", path) from e
     cuda = rng.get("cuda")
     if cuda is None:
         return

@@ -204,6 +204,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("snapshot rng too short", snapshot_case(rng={"cpu": torch.zeros(10, dtype=torch.uint8), "cuda": None})),
     ("snapshot rng wrong dtype", snapshot_case(rng={"cpu": torch.zeros(5056), "cuda": None})),
     ("snapshot rng not a dict", snapshot_case(rng=[1, 2])),
+    ("snapshot rng garbage state", snapshot_case(rng={"cpu": torch.full((5056,), 7, dtype=torch.uint8), "cuda": None})),
     ("snapshot model_state a list", snapshot_case(model_state=[torch.zeros(2)])),
     ("snapshot model_state nested", snapshot_case(model_state={"a": {"b": torch.zeros(2)}})),
     ("snapshot model_state int key", snapshot_case(model_state={1: torch.zeros(2)})),
