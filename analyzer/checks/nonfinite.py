@@ -63,6 +63,14 @@ def _bad_params(frames: Frames, step: int) -> tuple[list[str], bool]:
     return [frames.param_name(i) for i in layers], True
 
 
+def _peers_gone_bad(frames: Frames, step: int) -> dict[int, int]:
+    """With --rank R: the other ranks whose loss went non-finite at or before `step`."""
+    if frames.rank is None or frames.n_ranks < 2:
+        return {}
+    r = frames.ranks.filter((pl.col("rank") != frames.rank) & (pl.col("first_nonfinite_step") <= step))
+    return {int(k): int(v) for k, v in zip(r["rank"].to_list(), r["first_nonfinite_step"].to_list())}
+
+
 def nonfinite_grads(frames: Frames) -> list[Finding]:
     """The first step whose gradients hold NaN/Inf while the loss is finite and no scaler skips it."""
     row = _first_bad_step(frames)
@@ -101,4 +109,10 @@ def nonfinite_grads(frames: Frames) -> list[Finding]:
         why = (f"{rng} any NaN/Inf is a real numerical bug in backward or in the loss (sqrt or norm at 0, "
                "division by zero, log(0), a custom backward), not a range issue")
     after = f"; the loss went non-finite at step {loss_bad_at}" if loss_bad_at is not None else ""
+    peers = _peers_gone_bad(frames, step)
+    if peers:
+        ev["peer_nonfinite_loss"] = peers
+        r, at = min(peers.items(), key=lambda kv: (kv[1], kv[0]))
+        why = (f"rank {r}'s loss went non-finite at step {at}: under DDP its gradients are averaged into "
+               f"this rank's, so the cause is rank {r}'s step (see rank_divergence; replay rank {r}'s snapshot)")
     return [Finding("nonfinite_grads", "error", step, f"{head}: {why}{after}; {replay}", ev, rank=rank)]

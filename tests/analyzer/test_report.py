@@ -310,3 +310,19 @@ def test_zero_row_parts_do_not_blame_a_steps_range_that_was_never_passed(tmp_pat
     res = CliRunner().invoke(main, ["report", str(run)])
     assert res.exit_code == 1 and res.output.startswith("Error: ")
     assert "--steps" not in res.output and "None" not in res.output
+
+
+def test_with_rank_a_nan_gradient_averaged_in_from_another_rank_names_that_rank(tmp_path):
+    run = tmp_path / "ddp"
+    for r in (0, 1):
+        s = Script(n=200, rank=r, amp_dtype="bfloat16")
+        s.nonfinite = np.zeros(200, np.int64)
+        s.nonfinite[100:] = 5  # DDP averages rank 1's NaN gradients into rank 0's at step 100
+        s.layer_nonfinite[100:, :] = 1
+        s.loss[100 if r == 1 else 101:] = np.nan  # rank 1's own batch; rank 0 one step later
+        s.write(run, world_size=2)
+    f = next(f for f in build_report(run, rank=0).findings if f.check == "nonfinite_grads")
+    assert f.step == 100 and f.evidence["peer_nonfinite_loss"] == {1: 100}
+    assert "rank 1's loss went non-finite at step 100" in f.message
+    # all ranks merged: the loss is NaN at step 100 already, so nonfinite_loss says it, not this check
+    assert not [f for f in build_report(run).findings if f.check == "nonfinite_grads"]

@@ -291,3 +291,7 @@ def test_two_gloo_ranks_report_names_the_rank_and_step_of_the_first_nan(tmp_path
     assert f.evidence["first_nonfinite_step_per_rank"] == {0: 7, 1: 6}
     obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "1"]).stdout)
     assert next(x for x in obj["findings"] if x["check"] == "nonfinite_loss")["step"] == 6
+    # rank 0's own loss is finite at step 6, but DDP averaged rank 1's NaN gradients into its own
+    rep0 = build_report(run, rank=0)
+    g = next(x for x in rep0.findings if x.check == "nonfinite_grads")
+    assert g.step == 6 and g.evidence["peer_nonfinite_loss"] == {1: 6}
