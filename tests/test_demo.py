@@ -13,6 +13,8 @@ from analyzer.cli import main
 from analyzer.demo import SCENARIOS, run_demo
 from analyzer.errors import AnalyzerError
 from samples import bf16_nan, fp16_attention_overflow
+from samples._common import snapshots_of
+from tests.sample_runs import demo_run, sample_run
 
 REPO = Path(__file__).resolve().parents[1]
 README_MD = REPO / "README.md"
@@ -45,11 +47,11 @@ def test_the_readme_excerpts_hold_no_trained_values_which_move_with_the_cpu():
 
 
 @pytest.mark.slow
-def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path):
-    out = tmp_path / "amp-autopsy-demo"
-    res = CliRunner().invoke(main, ["demo", "--out", str(out)])
-    assert res.exit_code == 0, res.output
-    text = res.output
+def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path_factory):
+    demo = demo_run(tmp_path_factory)  # `analyzer demo --out OUT`, shared with the scenario's tests
+    out = demo.out
+    assert demo.exit_code == 0, demo.output
+    text = demo.output
     # The README's excerpts are what the demo prints today, with paths as a user running
     # `analyzer demo` from the repository root sees them.
     printed = set(text.replace(str(out), "amp-autopsy-demo").replace(f"{REPO}{os.sep}", "").splitlines())
@@ -83,14 +85,16 @@ def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path):
 
 
 @pytest.mark.slow
-def test_running_a_scenario_again_replaces_its_previous_run(tmp_path):
-    first = run_demo(tmp_path, scenario="bf16_nan", echo=lambda _: None)
-    stale = first.snapshot.with_name("step00000099-r00000-manual.pt")
-    shutil.copyfile(first.snapshot, stale)
+def test_running_a_scenario_again_replaces_its_previous_run(tmp_path, tmp_path_factory):
+    # The previous run: a copy of the session's bf16_nan run, plus a snapshot the new run won't write.
+    previous = shutil.copytree(sample_run(tmp_path_factory, "bf16_nan"), tmp_path / "bf16_nan")
+    first = snapshots_of(previous)[0]
+    stale = first.with_name("step00000099-r00000-manual.pt")
+    shutil.copyfile(first, stale)
     second = run_demo(tmp_path, scenario="bf16_nan", echo=lambda _: None)
     assert not stale.exists()
-    assert second.snapshot.name == first.snapshot.name
-    assert first.snapshot.name.startswith(f"step{bf16_nan.BAD_STEP:08d}-")  # the batch with the constant flag
+    assert second.snapshot.name == first.name
+    assert first.name.startswith(f"step{bf16_nan.BAD_STEP:08d}-")  # the batch with the constant flag
     assert second.replay.verdict == "numerical_bug"
 
 
