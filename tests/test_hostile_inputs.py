@@ -174,6 +174,14 @@ def test_html_output_onto_the_input_log_is_refused(tmp_path):
     assert log.read_text() == "step,loss\n1,2.0\n2,1.5\n"
 
 
+def test_a_replay_plot_onto_its_own_snapshot_is_refused_before_loading_it(tmp_path):
+    snap = write_snapshot(tmp_path / "snap.pt", snapshot_dict())
+    before = snap.read_bytes()
+    res = invoke(["replay", str(snap), "--plot", str(snap)])
+    assert "--plot" in assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+    assert snap.read_bytes() == before
+
+
 def test_plots_into_the_trace_directory_are_refused(tmp_path):
     run = run_dir(tmp_path)
     before = tree_hash(run)
