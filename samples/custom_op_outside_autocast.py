@@ -7,8 +7,9 @@ What is wrong:
     where ``exp(x)`` is ``inf`` as soon as ``x`` passes log(65504) ~= 11.09. As the CNN learns,
     its conv outputs grow; at step 28 (seed 0) one passes 11.09, the op returns ``inf`` and
     the loss is NaN. (The largest input of ``features.4`` is 10.33 at step 27 and 11.20 at
-    step 28, the same with avx512, avx2 and default kernels: Adam at ``lr=1e-2`` trains this
-    CNN smoothly, so FP16 rounding does not move the step.) In FP32 the same formula is finite up to x ~= 88, and its output (~x)
+    step 28, the same with avx512, avx2 and default ATen kernels, and with oneDNN held to AVX2
+    or SSE4.1: Adam at ``lr=1e-2`` trains this CNN smoothly, so FP16 rounding moves these
+    values in the 4th digit, not across 11.09.) In FP32 the same formula is finite up to x ~= 88, and its output (~x)
     fits FP16 easily: only the op's internal ``exp`` needs FP32.
 
 What the analyzer should conclude, and why that is right:
