@@ -10,7 +10,6 @@ safetensors headers with impossible shapes, memory bombs, and escape sequences i
 """
 from __future__ import annotations
 
-import io
 import json
 import struct
 import zipfile
@@ -25,7 +24,7 @@ from recorders.snapshot import build_snapshot, write_snapshot
 
 from .analyzer.report_models import Script, make_meta
 
-__all__ = ["CASES", "snapshot_case", "deep_pickle", "rezip", "zip_bomb", "run_dir", "ESC"]
+__all__ = ["CASES", "ESC", "snapshot_dict", "snapshot_case", "deep_pickle", "rezip", "zip_bomb", "run_dir"]
 
 ESC = "\x1b[2J\x1b]0;pwned\x07"  # clear screen + set the window title (OSC)
 _REF = "tests.analyzer.replay_models"

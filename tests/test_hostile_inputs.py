@@ -17,7 +17,6 @@ from pathlib import Path
 import click
 import polars as pl
 import pytest
-import torch
 from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
