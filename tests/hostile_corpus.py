@@ -172,6 +172,20 @@ def _bad_param_groups(d: Path, name: str) -> Path:
     return d / name
 
 
+def _bad_zip_name(d: Path, name: str) -> Path:
+    """A torch.save file whose member name claims UTF-8 (flag 0x800) but is not: zipfile raises
+    UnicodeDecodeError opening it."""
+    torch.save({"w": torch.zeros(2)}, d / "ok.pt")
+    with zipfile.ZipFile(d / "ok.pt") as zin, zipfile.ZipFile(d / "named.pt", "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename.replace("version", "versi\u00e9n"), zin.read(info))
+    raw = (d / "named.pt").read_bytes().replace("\u00e9".encode(), b"\xe9A")
+    (d / name).write_bytes(raw)
+    for tmp in ("ok.pt", "named.pt"):
+        (d / tmp).unlink()
+    return d / name
+
+
 def _raw(name: str, content: bytes, cmd: str):
     def build(d):
         (d / name).write_bytes(content)
@@ -230,6 +244,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("checkpoint stride-0 weight of 3e9", _torch_file("ckpt.pt", _stride0_checkpoint)),
     ("checkpoint re-zipped unaligned", _torch_file("ckpt.pt", _unaligned_checkpoint)),
     ("checkpoint bad param_groups", _torch_file("ckpt.pt", _bad_param_groups)),
+    ("checkpoint zip name not utf-8", _torch_file("ckpt.pt", _bad_zip_name)),
+    ("snapshot zip name not utf-8", lambda d: ["replay", str(_bad_zip_name(d, "snap.pt"))]),
     ("checkpoint garbage", _raw("ckpt.pt", bytes(range(256)) * 8, "inspect")),
     ("safetensors bool shape", _safetensors({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}})),
     ("safetensors 2**63 shape", _safetensors({"w": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}})),
