@@ -207,7 +207,7 @@ def _refuse_archives(path: Path) -> None:
     """TorchScript and torch.export archives are zip files too, but programs, not checkpoints."""
     try:
         names = zipfile.ZipFile(path).namelist()
-    except (zipfile.BadZipFile, OSError):
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):  # ValueError: bad names
         return  # torch_load_safe gives the one-line error
     if any(n.endswith("/constants.pkl") for n in names):
         what = "a TorchScript archive (torch.jit.save): loading it would run its code"
