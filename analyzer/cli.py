@@ -9,7 +9,8 @@ Exit statuses (documented in docs/; scripts rely on them):
   <stage>: <type>: <message> (please report this with the file)`` line; ``analyzer --debug ...``
   adds the traceback. ``report`` also exits 3, after printing the report, when one of its checks
   raised (a ``check_failed`` finding);
-- 4: ``report --fail-on SEVERITY`` found a finding of that severity or worse.
+- 4: ``report --fail-on SEVERITY`` or ``inspect --fail-on SEVERITY`` found a finding of that severity
+  or worse.
 
 Everything printed goes through ``_terminal.escape_controls``: names read from files cannot send
 escape sequences to the terminal. Warnings raised while a command runs are held back, dropped if
@@ -250,16 +251,26 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @click.argument("checkpoint_b", required=False, type=click.Path(dir_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, None), help="Tensors to list per finding.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where to scan the tensors: cuda copies each chunk to the GPU (auto: cuda when present). "
+                   "The results are the same.")
+@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
+              help="Exit with status 4 when a finding of this severity or worse is present (to gate a "
+                   "pipeline); the output is printed as usual.")
 @_one_line_errors
-def inspect(checkpoint, checkpoint_b, as_json, top):
+def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
     """Check a checkpoint (or two) for NaN/Inf, FP16/BF16 range risk and optimizer-state damage."""
     from .inspect import inspect_checkpoints, render_inspect_text
 
-    result = inspect_checkpoints(checkpoint, checkpoint_b, progress=sys.stderr.isatty() and not as_json)
+    result = inspect_checkpoints(checkpoint, checkpoint_b, progress=sys.stderr.isatty() and not as_json,
+                                 device=device)
     if as_json:
         _print_json(result.to_dict())
     else:
         _echo(render_inspect_text(result, top=top))
+    status = result.exit_status(fail_on)  # 4: --fail-on matched, as for report
+    if status:
+        raise click.exceptions.Exit(status)
 
 
 @main.command()

@@ -24,6 +24,7 @@ import torch
 
 from recorders import schema
 
+from .._limits import MAX_NESTING
 from .._versions import check_format_version
 from ..errors import BadInputError
 from ..loaders import torch_load_safe
@@ -86,8 +87,21 @@ def _is_optimizer_state(d: Any) -> bool:
     return isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
 
 
+def _number(v: Any, kind: type) -> int | float | None:
+    """v as a Python int/float if it is one (bools aside) or a one-element tensor, else None: values read
+    from a file are checked before ``int()``/``float()`` sees them."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.layout == torch.strided:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if kind is int and (isinstance(v, float) and not v.is_integer()):
+        return None
+    return kind(v) if kind is float or abs(v) < 2**63 else None
+
+
 def _is_scaler_state(d: Any) -> bool:
-    return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
+    return (isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
+            and _number(d["scale"], float) is not None)
 
 
 def _is_tensor_dict(d: Any) -> bool:
@@ -105,6 +119,7 @@ class _Walker:
         self.ckpt = ckpt
         self.models: list[tuple[str, dict]] = []
         self.optims: list[tuple[str, dict]] = []
+        self.seen: set[int] = set()  # containers already walked: a pickle can share one many times over
 
     def add(self, name: str, role: str, t: torch.Tensor, **kw) -> None:
         if t.is_floating_point() and t.layout == torch.strided:
@@ -112,27 +127,33 @@ class _Walker:
         else:  # integer, bool, complex, quantized, sparse: counted, not scanned
             self.ckpt.non_floating += 1
 
-    def walk(self, obj: Any, path: str, role: str = "other") -> None:
+    def walk(self, obj: Any, path: str, role: str = "other", depth: int = 0) -> None:
+        if depth > MAX_NESTING:  # torch_load_safe refuses this already; safetensors and callers' objects not
+            raise BadInputError(f"containers nested more than {MAX_NESTING} deep (at {path[:120]!r})",
+                                path=self.ckpt.path, fix=_FIX)
         if isinstance(obj, torch.Tensor):
             self.add(path or "tensor", role, obj)
         elif _is_optimizer_state(obj):
             self.optims.append((path, obj))
         elif _is_scaler_state(obj):
-            scale = obj["scale"]
-            self.ckpt.scaler = {"path": path, "scale": float(scale),
-                                "growth_tracker": obj.get("_growth_tracker")}
+            self.ckpt.scaler = {"path": path, "scale": _number(obj["scale"], float),
+                                "growth_tracker": _number(obj.get("_growth_tracker"), int)}
         elif _is_tensor_dict(obj) and role != "input":
             self.models.append((path, obj))
             self.ckpt.model_paths.append(path)
             for k, v in obj.items():
                 if isinstance(v, torch.Tensor):
                     self.add(_join(path, k), "buffer" if _BUFFER.search(k) else "weight", v)
+        elif isinstance(obj, (dict, list, tuple)) and id(obj) in self.seen:
+            return
         elif isinstance(obj, dict):
+            self.seen.add(id(obj))
             for k, v in obj.items():
-                self.walk(v, _join(path, k), role)
+                self.walk(v, _join(path, k), role, depth + 1)
         elif isinstance(obj, (list, tuple)):
+            self.seen.add(id(obj))
             for i, v in enumerate(obj):
-                self.walk(v, _join(path, i), role)
+                self.walk(v, _join(path, i), role, depth + 1)
 
 
 def _params(sd: dict) -> list[tuple[str, torch.Tensor]]:
@@ -169,11 +190,27 @@ def _order_mapping(ids: list, state: dict, models: list[tuple[str, dict]]) -> tu
     return {}, "none", f"not mapped: the optimizer has {len(ids)} parameters, model parameters found: {found}"
 
 
-def _optimizer(walker: _Walker, path: str, opt: dict) -> OptimizerInfo:
+def _groups(walker: _Walker, path: str, opt: dict) -> tuple[list[dict], list[int], list[str]]:
+    """param_groups, their parameter ids and names, each checked: ids are ints, names strings."""
     groups = [g for g in opt["param_groups"] if isinstance(g, dict)]
-    ids = [pid for g in groups for pid in g.get("params", [])]
+    ids, pnames = [], []
+    for i, g in enumerate(groups):
+        params, names = g.get("params", []), g.get("param_names", [])
+        if not (isinstance(params, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool)
+                                                          for p in params)):
+            raise BadInputError(f"optimizer {path or 'state_dict'!r}: param_groups[{i}]['params'] is not a list of "
+                                "integer ids", path=walker.ckpt.path, fix=_FIX)
+        if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+            raise BadInputError(f"optimizer {path or 'state_dict'!r}: param_groups[{i}]['param_names'] is not a list "
+                                "of strings", path=walker.ckpt.path, fix=_FIX)
+        ids += params
+        pnames += names
+    return groups, ids, pnames
+
+
+def _optimizer(walker: _Walker, path: str, opt: dict) -> OptimizerInfo:
+    groups, ids, pnames = _groups(walker, path, opt)
     state = opt["state"]
-    pnames = [n for g in groups for n in g.get("param_names", [])]
     if pnames and len(pnames) == len(ids):
         prefix = next((m for m, sd in walker.models if pnames[0] in sd), "")
         names = {pid: _join(prefix, n) for pid, n in zip(ids, pnames)}
@@ -269,13 +306,13 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         walker.walk(obj, "")
     elif isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
         _check_snapshot(obj, path)
-        ckpt.layout, ckpt.step, ckpt.step_key = "snapshot", obj.get("step"), "step"
+        ckpt.layout, ckpt.step, ckpt.step_key = "snapshot", _number(obj.get("step"), int), "step"
         walker.walk(obj.get("model_state"), "model_state")
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
             walker.walk(obj["scaler_state"], "scaler_state")
-        if ckpt.scaler is None and isinstance(obj.get("scale"), (int, float)):
-            ckpt.scaler = {"path": "scale", "scale": float(obj["scale"]), "growth_tracker": None}
+        if ckpt.scaler is None and _number(obj.get("scale"), float) is not None:
+            ckpt.scaler = {"path": "scale", "scale": _number(obj["scale"], float), "growth_tracker": None}
     else:
         if _is_tensor_dict(obj):
             ckpt.layout = "state_dict"
@@ -283,7 +320,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         walker.walk(obj, "")
     ckpt.optimizers = [_optimizer(walker, p, o) for p, o in walker.optims]
     if not ckpt.entries:
-        keys = list(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        keys = [k if isinstance(k, (int, str)) and len(str(k)) <= 40 else f"{str(k)[:37]}..."
+                for k in list(obj)[:8]] if isinstance(obj, dict) else type(obj).__name__
         raise BadInputError(f"unknown layout: no floating-point tensors found (top level: {keys})",
                             path=path, fix=_FIX)
     return ckpt

@@ -17,12 +17,14 @@ from ._checkpoint import Checkpoint, Entry, load_checkpoint
 from ._scan import Scanner, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
 
-__all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device"]
+__all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device",
+           "EXIT_FAIL_ON"]
 
 PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504 / 64 (see _range_risk)
 UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam/AdamW, AMSGrad, RMSprop
 _PROGRESS_MIN_BYTES = 64 << 20
+EXIT_FAIL_ON = 4  # inspect --fail-on matched: the same status as report --fail-on (analyzer.report)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ class InspectResult:
     changes: tuple[TensorChange, ...] | None = None
     only_in_a: tuple[str, ...] = ()
     only_in_b: tuple[str, ...] = ()
+
+    def exit_status(self, fail_on: str | None = None) -> int:
+        """The CLI's exit status: EXIT_FAIL_ON when a finding of severity `fail_on` ("error" or
+        "warning") or worse is present, else 0 (also when `fail_on` is None)."""
+        gate = {"error": ("error",), "warning": ("error", "warning")}.get(fail_on or "", ())
+        return EXIT_FAIL_ON if any(f.severity in gate for f in self.findings) else 0
 
     def to_dict(self) -> dict[str, Any]:
         """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``)."""

@@ -4,7 +4,9 @@ Format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}?}``,
 then the raw little-endian tensor bytes; offsets are relative to the end of the header.
 Nothing in the file is executed; every offset is checked against the file size before mapping,
-so a truncated file is an error here, not a crash later.
+so a truncated file is an error here, not a crash later. Hostile headers (booleans for integers,
+dimensions past 2**48, overlapping tensors, deep JSON nesting, huge numbers) are one BadInputError.
+A tensor that starts off its dtype's alignment is mapped where it lies: the torch scan reads it there.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ _DTYPES = {
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }
 _MAX_HEADER = 100_000_000  # the safetensors reference implementation's own limit
+_MAX_DIMS = 64             # torch's own limit on dimensions
+_MAX_DIM = 1 << 48         # a larger dimension cannot be real data, and products of such overflow int64
 _FIX = "re-export it with safetensors.torch.save_file, or pass a torch.save'd state_dict"
 
 
@@ -46,6 +50,15 @@ def looks_like_safetensors(path: str | os.PathLike) -> bool:
     return 2 <= n <= min(_MAX_HEADER, size - 8)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int too
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _bad(path: Path, what: str) -> BadInputError:
     return BadInputError(f"not a valid safetensors file: {what}", path=path, fix=_FIX)
 
@@ -59,10 +72,10 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
         raise _bad(path, f"header length {n} does not fit in the {size}-byte file (truncated?)")
     try:
         header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"header is not JSON ({e})") from e
     except RecursionError as e:
         raise _bad(path, "header JSON is nested too deeply") from e
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and numbers past int's digit limit
+        raise _bad(path, f"header is not JSON ({' '.join(str(e).split())[:160]})") from e
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     return 8 + n, header
@@ -71,24 +84,33 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
 def _entry(path: Path, name: str, spec, data_len: int) -> tuple[torch.dtype, list[int], int, int]:
     if not isinstance(spec, dict):
         raise _bad(path, f"entry {name!r} is not an object")
-    dtype = _DTYPES.get(spec.get("dtype"))
+    code = spec.get("dtype")
+    dtype = _DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
-        raise _bad(path, f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}")
+        raise _bad(path, f"tensor {name!r} has unknown dtype {_short(code)}")
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= 64
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)):
-        raise _bad(path, f"tensor {name!r} has a bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise _bad(path, f"tensor {name!r} has bad data_offsets {offsets!r}")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS
+            and all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape)):
+        raise _bad(path, f"tensor {name!r} has a bad shape {_short(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise _bad(path, f"tensor {name!r} has bad data_offsets {_short(offsets)}")
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= 2**62:
-        raise _bad(path, f"tensor {name!r} declares {nbytes} bytes ({shape})")
+        raise _bad(path, f"tensor {name!r} declares {nbytes} bytes ({_short(shape)})")
     if not 0 <= begin <= end or end - begin != nbytes:
         raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {spec['dtype']}")
     if end > data_len:
         raise _bad(path, f"tensor {name!r} ends at byte {end} but the data is {data_len} bytes (truncated?)")
     return dtype, shape, begin, end
+
+
+def _check_overlap(path: Path, entries: dict) -> None:
+    """Two tensors sharing bytes are not something safetensors writes: refuse rather than guess."""
+    spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items() if end > begin)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise _bad(path, f"tensors {a!r} and {b!r} overlap in the data (bytes {begin_b}..{end_a})")
 
 
 def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -109,6 +131,7 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if not isinstance(meta, dict):
             raise _bad(path, "__metadata__ is not an object")
         entries = {name: _entry(path, name, spec, size - start) for name, spec in header.items()}
+        _check_overlap(path, entries)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > start else None
     tensors = {}
     with warnings.catch_warnings():
@@ -117,10 +140,7 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
             count = end - begin
             if count == 0:
                 tensors[name] = torch.empty(shape, dtype=dtype)
-            elif (start + begin) % dtype.itemsize:  # unaligned: copy this one tensor
-                raw = bytearray(mm[start + begin:start + end])
-                tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape)
-            else:
+            else:  # NB: possibly off its alignment (packed back to back): the scan reads it in place
                 t = torch.frombuffer(mm, dtype=dtype, count=count // dtype.itemsize, offset=start + begin)
                 tensors[name] = t.reshape(shape)
     return tensors, {str(k): str(v) for k, v in meta.items()}

@@ -501,3 +501,32 @@ def test_render_lists_at_most_top_tensors_per_file(tmp_path):
     path, _, _ = _trained(tmp_path)
     text = render_inspect_text(inspect_checkpoints(path), top=3)
     assert "worst first (top 3 of 26)" in text and "findings: none" in text  # 26: see the CLI test
+
+
+@pytest.mark.parametrize("fail_on, status", [(None, 0), ("error", 0), ("warning", 4)])
+def test_fail_on_exits_4_only_when_a_finding_that_severe_is_present(tmp_path, fail_on, status):
+    torch.save({"w": torch.randn(8, 8) * 1e-9}, tmp_path / "sd.pt")  # one fp16_range_risk warning, no error
+    args = ["inspect", str(tmp_path / "sd.pt"), "--json"] + (["--fail-on", fail_on] if fail_on else [])
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == status
+    assert [f["check"] for f in json.loads(res.stdout)["findings"]] == ["fp16_range_risk"]  # printed either way
+
+
+def test_fail_on_error_exits_4_on_nonfinite_weights_and_0_on_a_healthy_checkpoint(tmp_path):
+    path, model, opt = _trained(tmp_path)
+    assert CliRunner().invoke(main, ["inspect", str(path), "--fail-on", "warning"]).exit_code == 0
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    bad = _save(tmp_path / "bad.pt", model, opt, 3)
+    res = CliRunner().invoke(main, ["inspect", str(bad), "--fail-on", "error"])
+    assert res.exit_code == 4 and "nonfinite_weights" in res.stdout
+
+
+def test_the_device_option_scans_on_the_cpu_and_refuses_cuda_where_there_is_none(tmp_path):
+    path, _, _ = _trained(tmp_path)
+    cpu = CliRunner().invoke(main, ["inspect", str(path), "--json", "--device", "cpu"])
+    auto = CliRunner().invoke(main, ["inspect", str(path), "--json", "--device", "auto"])
+    assert cpu.exit_code == auto.exit_code == 0 and json.loads(cpu.stdout) == json.loads(auto.stdout)
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(main, ["inspect", str(path), "--device", "cuda"])
+        assert res.exit_code == 1 and res.output.startswith("Error: --device cuda: torch sees no CUDA device")
