@@ -14,7 +14,7 @@ import torch
 from ..errors import BadInputError
 from ..findings import Finding, json_safe, sort_findings
 from ._checkpoint import Checkpoint, Entry, load_checkpoint
-from ._scan import Scanner, scanned_numel
+from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device",
@@ -160,25 +160,23 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
     total = sum(_nbytes(e.tensor) for e in cka.entries) + sum(_nbytes(e.tensor) for e in by_b.values())
     prog = _Progress(total, progress)
-    scanner = Scanner(device)
-    rep_a: list[TensorReport] = []
-    rep_b: dict[str, TensorReport] = {}
-    changes = []
-    for e in cka.entries:
-        eb = by_b.get(e.name)
-        pair = scanner.pair(e.tensor, eb.tensor, prog) if eb is not None and eb.tensor.shape == e.tensor.shape \
-            else None
-        if pair is None:  # no tensor of that name and shape in B (or expanded differently): scanned alone
-            rep_a.append(_report(e, scanner.tensor(e.tensor, prog)))
-            continue
-        sa, sb, ch = pair
-        rep_a.append(_report(e, sa))
-        rep_b[eb.name] = _report(eb, sb)
-        changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
-    for name, eb in by_b.items():
-        if name not in rep_b:
-            rep_b[name] = _report(eb, scanner.tensor(eb.tensor, prog))
+    # each tensor of A with B's tensor of the same name and shape, if any; then B's others
+    partner = {e.name: eb for e in cka.entries
+               if (eb := by_b.get(e.name)) is not None and eb.tensor.shape == e.tensor.shape}
+    alone_b = [eb for eb in by_b.values() if eb.name not in partner]
+    items = [(e.tensor, partner[e.name].tensor if e.name in partner else None) for e in cka.entries]
+    results = scan_all(items + [(eb.tensor, None) for eb in alone_b], device, prog)
     prog.close()
+    rep_a, rep_b, changes = [], {}, []
+    for e, (sa, sb, ch) in zip(cka.entries, results):
+        rep_a.append(_report(e, sa))
+        if sb is not None:
+            eb = partner[e.name]
+            rep_b[eb.name] = _report(eb, sb)
+            if ch is not None:  # NB: tensors expanded differently in A and B are scanned, not compared
+                changes.append(TensorChange(e.name, e.role, ch, sa.nonfinite == 0 and sb.nonfinite > 0))
+    for eb, (sb, _, _) in zip(alone_b, results[len(cka.entries):]):
+        rep_b[eb.name] = _report(eb, sb)
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:
         files.append(FileReport(ckb, tuple(rep_b[e.name] for e in ckb.entries)))

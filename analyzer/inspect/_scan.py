@@ -15,15 +15,18 @@ The scan runs wherever ``device`` says: a CUDA device gets each chunk copied ove
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ._pieces import pair_pieces, pieces, scanned_numel
 from ._stats import BITS, Bits, PairChange, TensorStats
 
-__all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scanned_numel"]
+__all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scan_all", "scanned_numel"]
 
 CHUNK = 1 << 18       # elements per CPU chunk: chunk + mask buffer stay in L2 (bench: --chunk)
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
@@ -241,3 +244,61 @@ def scan_pair(ta: torch.Tensor, tb: torch.Tensor, chunk: int | None = None,
               device: str = "cpu") -> tuple[TensorStats, TensorStats, PairChange] | None:
     """``Scanner(device, chunk).pair(ta, tb)``: A's and B's statistics and how B differs from A."""
     return Scanner(device, chunk).pair(ta, tb)
+
+
+Result = tuple[TensorStats, "TensorStats | None", "PairChange | None"]
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n inside, restored after.
+
+    NB: the scan runs ~10 small ops per chunk; each is an OpenMP region when torch has 2+ threads, and on
+    a busy machine every region waits for a descheduled thread (measured: 100x slower on 2 loaded cores).
+    So the scan's threads are ours, one tensor each, and torch's are 1 meanwhile (process-wide).
+    """
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: str = "cpu",
+             on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> list[Result]:
+    """For each (A, None): (A's stats, None, None); for each (A, B): A's and B's stats and the change
+    (None when the two cannot be paired). On the CPU, items run side by side on ``threads`` threads
+    (default ``torch.get_num_threads()``), each scanning whole tensors; the results do not depend on it.
+
+    Example:
+        >>> [r[0].abs_max for r in scan_all([(torch.ones(3), None), (torch.full((2,), -4.0), None)])]
+        [1.0, 4.0]
+    """
+    threads = threads or torch.get_num_threads()
+    if torch.device(device).type != "cpu":
+        threads = 1
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            on_bytes(n)
+
+    local = threading.local()
+
+    def one(item: tuple[torch.Tensor, torch.Tensor | None]) -> Result:
+        scanner = getattr(local, "scanner", None)
+        if scanner is None:
+            scanner = local.scanner = Scanner(device)
+        cb = report if on_bytes is not None else None
+        a, b = item
+        if b is None:
+            return scanner.tensor(a, cb), None, None
+        return scanner.pair(a, b, cb) or (scanner.tensor(a, cb), scanner.tensor(b, cb), None)
+
+    if threads <= 1 or len(items) <= 1:
+        return [one(item) for item in items]
+    with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="amp-autopsy-scan") as pool:
+        return list(pool.map(one, items))

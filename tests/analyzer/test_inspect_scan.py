@@ -244,3 +244,19 @@ def test_progress_is_reported_in_bytes_read():
     x = torch.randn(10_000).bfloat16()
     Scanner(chunk=3000).tensor(x, seen.append)
     assert seen == [6000, 6000, 6000, 2000]
+
+
+def test_tensors_scanned_side_by_side_on_threads_give_what_one_thread_gives_and_torch_threads_come_back():
+    from analyzer.inspect._scan import scan_all
+
+    g = torch.Generator().manual_seed(11)
+    ts = [torch.randn(n, generator=g) * 10.0 ** e for n, e in [(5000, 0), (30_000, -9), (7, 4), (0, 0), (64_000, 6)]]
+    ts[1][3] = float("nan")
+    items = [(t, None) for t in ts] + [(edge_values(), edge_values().flip(0)), (ts[0].bfloat16(), ts[0])]
+    before = torch.get_num_threads()
+    seen = []
+    one = scan_all(items, threads=1)
+    many = scan_all(items, threads=3, on_bytes=seen.append)
+    assert torch.get_num_threads() == before
+    assert many == one and many[0][0] == scan_tensor(ts[0]) and many[-1][2] == scan_pair(ts[0].bfloat16(), ts[0])[2]
+    assert sum(seen) == sum(a.nbytes + (0 if b is None else b.nbytes) for a, b in items)
