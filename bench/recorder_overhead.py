@@ -1,6 +1,7 @@
 """Step-time overhead of the Recorder against a plain step, a naive ``.item()`` loop and detect_anomaly.
 
-A ~17M-parameter decoder-only transformer trains on CPU under BF16 autocast with AdamW. Every
+A ~17M-parameter decoder-only transformer trains on CPU under BF16 autocast with AdamW (or, with
+``--size 100m --device cuda --dtype fp16``, a ~100M-parameter one on a GPU under CUDA AMP). Every
 round times one step of each variant, in a freshly shuffled order (seeded), so a noisy, shared
 machine slows all variants alike and no variant always follows the same one (a plain rotation
 made "plain" always follow detect_anomaly). Each variant's ratio is the median over rounds of
@@ -12,6 +13,14 @@ steadier estimate of its overhead.
     python bench/recorder_overhead.py --batch 16   # longer steps: the recorder's share shrinks
     python bench/recorder_overhead.py --quick      # tiny model, 4 rounds (a smoke run)
     python bench/recorder_overhead.py --model cnn --dtype fp32   # BatchNorm CNN: buffer-copy cost
+    python bench/recorder_overhead.py --device cuda --dtype fp16 --size 100m   # ~100M params, CUDA AMP
+
+On CUDA every step is bracketed by ``torch.cuda.synchronize()`` so step times are GPU times, FP16
+runs with a GradScaler (as CUDA AMP training does), and a separate, untimed check counts the host
+syncs inside ``begin_step`` + ``end_step`` of healthy steps with ``torch.cuda.set_sync_debug_mode``
+(the recorder's contract: exactly one, its stacked ``.tolist()``). The "recorder's own time" line is
+CPU-only: on CUDA end_step's one sync waits for the queued backward, so its time is not the
+recorder's. ``--rows FILE`` appends the results as rows of ``bench/gpu_check.sh``'s table.
 
 Variants:
     plain          the step alone
@@ -44,6 +53,11 @@ from torch import nn
 from recorders import Recorder
 from recorders._buffers import BufferTracker
 
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+TARGET_RATIO = 1.02  # issue 16: the recorder at most 1.02x a plain step (on a GPU)
+SIZES = {"small": dict(vocab=8192, d=384, layers=6, heads=6, seq=64),       # ~17M params
+         "100m": dict(vocab=8192, d=768, layers=12, heads=12, seq=256)}   # ~98M params
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
@@ -69,7 +83,7 @@ class GPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
@@ -95,8 +109,8 @@ def loss_fn(model, batch):
     return F.cross_entropy(logits.float().flatten(0, -2), batch["y"].flatten())
 
 
-def _build(kind: str, quick: bool, batch_size: int | None):
-    """(model, batches, description, batch size) for ``--model``."""
+def _build(kind: str, quick: bool, batch_size: int | None, size: str = "small"):
+    """(model, batches, description, batch size) for ``--model`` and ``--size``."""
     g = torch.Generator().manual_seed(1)
     if kind == "cnn":
         channels, blocks, side = (16, 2, 16) if quick else (32, 8, 16)
@@ -105,8 +119,7 @@ def _build(kind: str, quick: bool, batch_size: int | None):
         batches = [{"x": torch.randn(batch_size, 3, side, side, generator=g),
                     "y": torch.randint(10, (batch_size,), generator=g)} for _ in range(16)]
         return model, batches, f"{batch_size}x3x{side}x{side} images", batch_size
-    cfg = dict(vocab=512, d=64, layers=2, heads=4, seq=32) if quick else \
-        dict(vocab=8192, d=384, layers=6, heads=6, seq=64)
+    cfg = dict(vocab=512, d=64, layers=2, heads=4, seq=32) if quick else SIZES[size]
     batch_size = batch_size or (4 if quick else 8)
     model = GPT(**cfg)
     data = torch.randint(cfg["vocab"], (16, batch_size, cfg["seq"] + 1), generator=g)
@@ -117,29 +130,98 @@ def naive_monitor(model):
     return [p.grad.norm().item() for p in model.parameters() if p.grad is not None]
 
 
-def main() -> None:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # deliberate: a step's time must be its GPU time
+
+
+def count_syncs(model, batches, opt, scaler, amp, steps: int = 8) -> list[int]:
+    """Host syncs inside ``begin_step`` + ``end_step`` of each healthy CUDA step (untimed).
+
+    The loop's own work is synchronised first, so ``set_sync_debug_mode("warn")`` sees only the
+    recorder's syncs. ``flush_every`` is beyond the run, so no step writes a trace part: a flush
+    copies the buffered statistics to the host once per ``flush_every`` steps, by design. Steps
+    with non-finite gradients take the recorder's cold path (which may sync) and are left out.
+    """
+    counts: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="amp-autopsy-sync-") as tmp, \
+            Recorder(tmp, model, amp_dtype=amp, optimizer=opt, scaler=scaler, flush_every=10 * steps) as rec:
+        for i in range(steps):
+            batch = batches[i % len(batches)]
+            with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                loss = loss_fn(model, batch)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    rec.begin_step(i, batch)  # (after the backward, so the loop stays unwatched)
+                    rec.end_step(loss)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if rec.last is not None and rec.last["nonfinite_grads"] == 0:
+                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    return counts
+
+
+def _rows(label: str, ratio: float, plain_ms: float, rounds: int, syncs: list[int] | None) -> list[str]:
+    """This run's rows of ``bench/gpu_check.sh``'s table: check | measured | target | result."""
+    verdict = "PASS" if ratio <= TARGET_RATIO else "FAIL"
+    rows = [f"| recorder step / plain step, {label} | {ratio:.3f}x (plain {plain_ms:.1f} ms, "
+            f"median of {rounds} rounds) | <= {TARGET_RATIO}x | {verdict} |"]
+    if syncs is not None:
+        ok = bool(syncs) and all(n == 1 for n in syncs)
+        seen = f"{syncs} over {len(syncs)} healthy steps" if syncs else "no healthy step to count"
+        rows.append(f"| host syncs per healthy recorder step, {label} | {seen} | exactly 1 | "
+                    f"{'PASS' if ok else 'FAIL'} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 rounds")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared box)")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dtype", choices=list(AMP), default="bf16", help="autocast dtype (fp16 adds a GradScaler)")
     ap.add_argument("--batch", type=int, default=None, help="sequences/images per step (gpt 8, cnn 16; quick: 4)")
     ap.add_argument("--model", choices=["gpt", "cnn"], default="gpt")
-    args = ap.parse_args()
+    ap.add_argument("--size", choices=list(SIZES), default="small",
+                    help="gpt size: small (~17M params, default) or 100m (~98M params, seq 256)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--sync-steps", type=int, default=8, help="healthy steps whose host syncs are counted (cuda)")
+    ap.add_argument("--rows", metavar="FILE", default=None,
+                    help="append the results as Markdown rows (check | measured | target | result) to FILE")
+    args = ap.parse_args(argv)
+    if args.model == "cnn" and args.size != "small":
+        ap.error("--size applies to --model gpt only")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available here")
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 21)
-    amp = torch.bfloat16 if args.dtype == "bf16" else None
+    amp = AMP[args.dtype]
+    device = torch.device(args.device)
 
     torch.manual_seed(0)
-    model, batches, shape, batch_size = _build(args.model, args.quick, args.batch)
+    model, batches, shape, batch_size = _build(args.model, args.quick, args.batch, args.size)
+    model.to(device)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # FP16 trains with a GradScaler, as AMP does; every variant runs the same scaled loop.
+    scaler = torch.amp.GradScaler(device.type) if args.dtype == "fp16" else None
     n_params = sum(p.numel() for p in model.parameters())
     tracker = BufferTracker(model)  # the "buffer copy" variant's own, outside any Recorder
     copy_time: list[float] = []  # tracker.begin() inside the "buffer copy" steps
     run_dir = tempfile.TemporaryDirectory(prefix="amp-autopsy-bench-")
-    rec = Recorder(f"{run_dir.name}/every", model, amp_dtype=amp,
+    rec = Recorder(f"{run_dir.name}/every", model, amp_dtype=amp, scaler=scaler,
                    optimizer=opt, layer_every=1, flush_every=50)
-    rec10 = Recorder(f"{run_dir.name}/every10", model, amp_dtype=amp, optimizer=opt, layer_every=10,
+    rec10 = Recorder(f"{run_dir.name}/every10", model, amp_dtype=amp, scaler=scaler, optimizer=opt, layer_every=10,
                      flush_every=50)
     step_no = 0
     hot_path: list[float] = []  # begin_step + end_step inside the "recorder" steps
@@ -149,6 +231,7 @@ def main() -> None:
         batch = batches[step_no % len(batches)]
         r = {"recorder": rec, "recorder/10": rec10}.get(variant)
         anomaly = torch.autograd.detect_anomaly() if variant == "detect_anomaly" else contextlib.nullcontext()
+        _sync(device)
         t0 = time.perf_counter()
         if r is not None:
             r.begin_step(step_no, batch)
@@ -157,9 +240,9 @@ def main() -> None:
             copy_time.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         with anomaly:
-            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
                 loss = loss_fn(model, batch)
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         t2 = time.perf_counter()
         if r is not None:
             r.end_step(loss)
@@ -169,8 +252,13 @@ def main() -> None:
             naive_monitor(model)
         if variant == "buffer copy":
             tracker.end()
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         dt = time.perf_counter() - t0
         step_no += 1
         return dt
@@ -192,31 +280,44 @@ def main() -> None:
     rec.close()
     rec10.close()
     run_dir.cleanup()
+    syncs = count_syncs(model, batches, opt, scaler, amp, args.sync_steps) if device.type == "cuda" else None
 
     plain = times["plain"]
     n_buffers = sum(b.numel() for b in model.buffers())
     watched = sum(tracker.tensors[i].numel() for i in tracker.watch or ())
+    where = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"model: {args.model}, {n_params / 1e6:.1f}M params, {n_buffers} buffer elements of which a "
           f"forward writes {watched}, batch {shape}, "
-          f"{args.dtype}, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
+          f"{args.dtype}, {where}, {rounds} interleaved rounds, torch {torch.__version__}")
     print()
     print("| variant | median step (ms) | median ratio vs plain | ratio IQR |")
     print("|---|---:|---:|---|")
+    ratio = {}
     for v in variants:
         ratios = sorted(t / p for t, p in zip(times[v], plain))
+        ratio[v] = statistics.median(ratios)
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-        print(f"| {v} | {statistics.median(times[v]) * 1e3:.1f} | {statistics.median(ratios):.3f} "
+        print(f"| {v} | {statistics.median(times[v]) * 1e3:.1f} | {ratio[v]:.3f} "
               f"| {q[0]:.3f}-{q[2]:.3f} |")
-    # The step-vs-step ratios above carry the machine's noise; the recorder's own time inside its
-    # steps (begin_step + end_step, flushes included) is a steadier estimate of its overhead.
-    own = sorted(h / p for h, p in zip(hot_path, plain))
     print()
-    print(f"recorder's own time (begin_step + end_step, flushes included) / plain step: "
-          f"median {statistics.median(own):.3f}, max {own[-1]:.3f} "
-          f"(so the recorder's ratio is about {1 + statistics.median(own):.3f})")
+    if device.type == "cpu":
+        # The step-vs-step ratios above carry the machine's noise; the recorder's own time inside its
+        # steps (begin_step + end_step, flushes included) is a steadier estimate of its overhead.
+        own = sorted(h / p for h, p in zip(hot_path, plain))
+        print(f"recorder's own time (begin_step + end_step, flushes included) / plain step: "
+              f"median {statistics.median(own):.3f}, max {own[-1]:.3f} "
+              f"(so the recorder's ratio is about {1 + statistics.median(own):.3f})")
+    else:
+        print(f"recorder target: at most {TARGET_RATIO}x a plain step; measured {ratio['recorder']:.3f}x")
+        print(f"host syncs inside begin_step + end_step, per healthy step (target: exactly 1): {syncs}")
     copies = sorted(c / p for c, p in zip(copy_time, plain))
     print(f"pre-step buffer copy alone / plain step: median {statistics.median(copies):.5f}, "
           f"max {copies[-1]:.5f} (median {statistics.median(copy_time) * 1e6:.0f} us)")
+    if args.rows:
+        label = f"{args.device} {args.dtype}, {n_params / 1e6:.1f}M params"
+        with open(args.rows, "a", encoding="utf-8") as f:
+            for row in _rows(label, ratio["recorder"], statistics.median(plain) * 1e3, rounds, syncs):
+                f.write(row + "\n")
 
 
 if __name__ == "__main__":
