@@ -44,6 +44,8 @@ class _Acc:
         self.hi = -1                # greatest finite magnitude seen, as bits (-1: none)
         self.lo = bits.inf          # least non-zero finite magnitude seen, as bits (inf: none)
         self.nonneg = True          # no chunk had a sign bit set yet (Adam's second moments never do)
+        self.mag: torch.Tensor | None = None  # scratch of the scanner's chunk size, set by Scanner._acc
+        self.tmp: torch.Tensor | None = None
 
     def freeze(self, dtype: torch.dtype) -> TensorStats:
         b = self.b
@@ -158,35 +160,42 @@ class Scanner:
             buf = self._bufs[(role, dtype)] = torch.empty(max(k, self.chunk), dtype=dtype, device=self.device)
         return buf[:k]
 
-    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.device == self.device else x.to(self.device)
+    def _acc(self, dtype: torch.dtype) -> _Acc:
+        acc = _Acc(BITS[dtype])
+        acc.mag, acc.tmp = self._buf("mag", acc.b.view, self.chunk), self._buf("tmp", acc.b.view, self.chunk)
+        return acc
 
     def _fold(self, acc: _Acc, x: torch.Tensor, dtype: torch.dtype) -> None:
-        x = self._on_device(x)
+        """Fold a chunk of at most ``self.chunk`` elements in. NB: the hot loop; kept to a few calls."""
+        if self.device.type != "cpu":
+            x = x.to(self.device)
         if x.dtype != dtype:  # a float dtype without its own bit layout: converted exactly
             x = x.float()
-        bits, k = x.view(acc.b.view), x.numel()
-        tmp = self._buf("tmp", acc.b.view, k)
+        b, k = acc.b, x.numel()
+        bits = x.view(b.view)
+        full = k == self.chunk
+        tmp = acc.tmp if full else acc.tmp[:k]
         if acc.nonneg:  # no sign bit so far: the bits are the magnitudes, one read and no write
-            lo, hi = (int(v) for v in torch.aminmax(bits))  # NB: a host sync per chunk
+            lo, hi = torch.aminmax(bits)
+            lo, hi = lo.item(), hi.item()  # NB: a host sync per chunk
             if lo >= 0:
                 if not _healthy(acc, k, lo, hi):
-                    if lo > 0 and hi < acc.b.inf:  # counts only, nothing written: read where it lies
+                    if lo > 0 and hi < b.inf:  # counts only, nothing written: read where it lies
                         _fold(acc, bits, tmp, lo, hi)
                     else:
-                        _fold(acc, self._buf("mag", acc.b.view, k).copy_(bits), tmp, lo, hi)
+                        _fold(acc, acc.mag[:k].copy_(bits), tmp, lo, hi)
                 return
             acc.nonneg = False
-        mag = self._buf("mag", acc.b.view, k)
-        torch.bitwise_and(bits, acc.b.mask, out=mag)
-        lo, hi = (int(v) for v in torch.aminmax(mag))  # NB: a host sync per chunk
+        mag = torch.bitwise_and(bits, b.mask, out=acc.mag if full else acc.mag[:k])
+        lo, hi = torch.aminmax(mag)
+        lo, hi = lo.item(), hi.item()  # NB: a host sync per chunk
         if not _healthy(acc, k, lo, hi):
             _fold(acc, mag, tmp, lo, hi)
 
     def tensor(self, t: torch.Tensor, on_bytes: Callable[[int], None] | None = None) -> TensorStats:
         """Statistics of one floating-point tensor (CPU or not; never copied whole, never written to)."""
         dtype = t.dtype if t.dtype in BITS else torch.float32
-        acc = _Acc(BITS[dtype])
+        acc = self._acc(dtype)
         for x in pieces(t.detach(), self.chunk):
             self._fold(acc, x, dtype)
             if on_bytes is not None:
@@ -204,10 +213,11 @@ class Scanner:
             return None
         da = ta.dtype if ta.dtype in BITS else torch.float32
         db = tb.dtype if tb.dtype in BITS else torch.float32
-        acc_a, acc_b = _Acc(BITS[da]), _Acc(BITS[db])
+        acc_a, acc_b = self._acc(da), self._acc(db)
         changed, dd, aa = 0, [], []
         for xa, xb in it:
-            xa, xb = self._on_device(xa), self._on_device(xb)
+            if self.device.type != "cpu":
+                xa, xb = xa.to(self.device), xb.to(self.device)
             a64, b64 = self._buf("a64", torch.float64, xa.numel()), self._buf("b64", torch.float64, xa.numel())
             a64.copy_(xa)
             b64.copy_(xb)
