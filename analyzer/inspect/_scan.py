@@ -28,7 +28,8 @@ from ._stats import BITS, Bits, PairChange, TensorStats
 
 __all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scan_all", "scanned_numel"]
 
-CHUNK = 1 << 18       # elements per CPU chunk: chunk + mask buffer stay in L2 (bench: --chunk)
+CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as many bytes): chunk + scratch
+                      # stay in L2 (bench: --chunk)
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
 _SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
 _ROW = 1024           # counts skip rows of this many elements whose least magnitude is above the limit
@@ -44,6 +45,7 @@ class _Acc:
         self.hi = -1                # greatest finite magnitude seen, as bits (-1: none)
         self.lo = bits.inf          # least non-zero finite magnitude seen, as bits (inf: none)
         self.nonneg = True          # no chunk had a sign bit set yet (Adam's second moments never do)
+        self.n = 0                  # elements per chunk, set by Scanner._acc
         self.mag: torch.Tensor | None = None  # scratch of the scanner's chunk size, set by Scanner._acc
         self.tmp: torch.Tensor | None = None
 
@@ -160,9 +162,14 @@ class Scanner:
             buf = self._bufs[(role, dtype)] = torch.empty(max(k, self.chunk), dtype=dtype, device=self.device)
         return buf[:k]
 
-    def _acc(self, dtype: torch.dtype) -> _Acc:
+    def _n(self, *ts: torch.Tensor) -> int:
+        """Elements per chunk for these tensors: ``chunk`` float32s' worth of bytes of the widest."""
+        return max(1, self.chunk * 4 // max(t.element_size() for t in ts))
+
+    def _acc(self, dtype: torch.dtype, n: int) -> _Acc:
         acc = _Acc(BITS[dtype])
-        acc.mag, acc.tmp = self._buf("mag", acc.b.view, self.chunk), self._buf("tmp", acc.b.view, self.chunk)
+        acc.n = n
+        acc.mag, acc.tmp = self._buf("mag", acc.b.view, n), self._buf("tmp", acc.b.view, n)
         return acc
 
     def _fold(self, acc: _Acc, x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -173,7 +180,7 @@ class Scanner:
             x = x.float()
         b, k = acc.b, x.numel()
         bits = x.view(b.view)
-        full = k == self.chunk
+        full = k == acc.n
         tmp = acc.tmp if full else acc.tmp[:k]
         if acc.nonneg:  # no sign bit so far: the bits are the magnitudes, one read and no write
             lo, hi = torch.aminmax(bits)
@@ -195,8 +202,9 @@ class Scanner:
     def tensor(self, t: torch.Tensor, on_bytes: Callable[[int], None] | None = None) -> TensorStats:
         """Statistics of one floating-point tensor (CPU or not; never copied whole, never written to)."""
         dtype = t.dtype if t.dtype in BITS else torch.float32
-        acc = self._acc(dtype)
-        for x in pieces(t.detach(), self.chunk):
+        n = self._n(t)
+        acc = self._acc(dtype, n)
+        for x in pieces(t.detach(), n):
             self._fold(acc, x, dtype)
             if on_bytes is not None:
                 on_bytes(x.numel() * x.element_size())
@@ -208,12 +216,13 @@ class Scanner:
         two cannot be paired element by element without materialising a view (differently expanded)."""
         if ta.shape != tb.shape:
             raise ValueError(f"shapes differ: {tuple(ta.shape)} vs {tuple(tb.shape)}")
-        it = pair_pieces(ta.detach(), tb.detach(), self.chunk)
+        n = self._n(ta, tb)
+        it = pair_pieces(ta.detach(), tb.detach(), n)
         if it is None:
             return None
         da = ta.dtype if ta.dtype in BITS else torch.float32
         db = tb.dtype if tb.dtype in BITS else torch.float32
-        acc_a, acc_b = self._acc(da), self._acc(db)
+        acc_a, acc_b = self._acc(da, n), self._acc(db, n)
         changed, dd, aa = 0, [], []
         for xa, xb in it:
             if self.device.type != "cpu":

@@ -239,11 +239,12 @@ def test_a_scan_on_the_gpu_gives_what_the_cpu_scan_gives():
     assert (ga, gb, gc.changed) == (ca, cb, cc.changed) and math.isclose(gc.rel_change, cc.rel_change, rel_tol=1e-12)
 
 
-def test_progress_is_reported_in_bytes_read():
-    seen = []
-    x = torch.randn(10_000).bfloat16()
-    Scanner(chunk=3000).tensor(x, seen.append)
-    assert seen == [6000, 6000, 6000, 2000]
+def test_progress_is_reported_in_bytes_read_in_chunks_of_the_same_bytes_for_every_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        seen = []
+        Scanner(chunk=3000).tensor(torch.randn(7_500).to(dtype), seen.append)  # chunk: 3000 float32s = 12000 bytes
+        size = 7_500 * dtype.itemsize
+        assert seen == [12000] * (size // 12000) + ([size % 12000] if size % 12000 else []), dtype
 
 
 def test_tensors_scanned_side_by_side_on_threads_give_what_one_thread_gives_and_torch_threads_come_back():
