@@ -32,7 +32,7 @@ CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as 
                       # stay in L2 (bench: --chunk)
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
 _SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
-_ROW = 1024           # counts skip rows of this many elements whose least magnitude is above the limit
+_ROW = 256            # counts skip rows of this many elements whose least magnitude is above the limit
 
 
 class _Acc:
