@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["pieces", "pair_pieces", "scanned_numel"]
+__all__ = ["pieces", "pair_pieces", "scanned_numel", "distinct"]
 
 
 def _broadcast_dims(t: torch.Tensor) -> frozenset[int]:
@@ -43,7 +43,7 @@ def _extent(t: torch.Tensor) -> tuple[int, bool]:
     return extent, overlap
 
 
-def _distinct(t: torch.Tensor) -> torch.Tensor:
+def distinct(t: torch.Tensor) -> torch.Tensor:
     """t's distinct elements as a tensor walkable without repeats: broadcast dims dropped, then either
     t in memory order or, if its elements still overlap, the storage span it covers (1-D)."""
     t = _drop(t, _broadcast_dims(t))
@@ -57,7 +57,7 @@ def _distinct(t: torch.Tensor) -> torch.Tensor:
 
 def scanned_numel(t: torch.Tensor) -> int:
     """How many elements ``pieces(t)`` yields: t.numel() unless t's elements overlap."""
-    return _distinct(t).numel()
+    return distinct(t).numel()
 
 
 def _split(ts: tuple[torch.Tensor, ...], chunk: int) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -85,7 +85,7 @@ def pieces(t: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
         >>> [p.tolist() for p in pieces(torch.arange(6.0).view(2, 3).t(), 4)]
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
-    for (p,) in _split((_distinct(t),), chunk):
+    for (p,) in _split((distinct(t),), chunk):
         yield p
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._pieces import pair_pieces, pieces, scanned_numel
+from ._pieces import distinct, pair_pieces, pieces, scanned_numel
 from ._stats import BITS, Bits, PairChange, TensorStats
 
 __all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scan_all", "scanned_numel"]
@@ -32,6 +32,7 @@ CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as 
                       # stay in L2 (bench: --chunk)
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
 _SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
+SPLIT_AT = 1 << 24    # elements: a lone tensor this large is cut into one part per thread
 _ROW = 256            # counts skip rows of this many elements whose least magnitude is above the limit
 
 
@@ -317,7 +318,37 @@ def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: 
             return scanner.tensor(a, cb), None, None
         return scanner.pair(a, b, cb) or (scanner.tensor(a, cb), scanner.tensor(b, cb), None)
 
-    if threads <= 1 or len(items) <= 1:
+    if threads <= 1:
         return [one(item) for item in items]
+    # a large lone tensor is cut into `threads` parts of its flat view, so one embedding does not leave
+    # the other threads idle; its parts' statistics are merged back (exact: counts add, extremes compare)
+    work, owner = [], []
+    for i, (a, b) in enumerate(items):
+        parts = _parts(a, threads) if b is None else [a]
+        work += [(p, b) for p in parts]
+        owner += [i] * len(parts)
     with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="amp-autopsy-scan") as pool:
-        return list(pool.map(one, items))
+        done = list(pool.map(one, work))
+    out: list[list[Result]] = [[] for _ in items]
+    for i, r in zip(owner, done):
+        out[i].append(r)
+    return [rs[0] if len(rs) == 1 else (_merge([r[0] for r in rs]), None, None) for rs in out]
+
+
+def _parts(t: torch.Tensor, threads: int) -> list[torch.Tensor]:
+    """t's distinct elements as `threads` 1-D views when t is dense and at least SPLIT_AT elements, else [t]."""
+    d = distinct(t)
+    if d.numel() < SPLIT_AT or not d.is_contiguous():
+        return [t]
+    flat = d.view(-1)
+    per = -(-flat.numel() // threads)
+    return [flat[i:i + per] for i in range(0, flat.numel(), per)]
+
+
+def _merge(parts: list[TensorStats]) -> TensorStats:
+    """One tensor's statistics from those of disjoint parts of it."""
+    counts = ("numel", "nan", "inf", "zeros", "fp16_overflow", "fp16_flush", "bf16_overflow", "bf16_flush")
+    tops = [p.abs_max for p in parts if p.abs_max is not None]
+    lows = [p.min_nonzero for p in parts if p.min_nonzero is not None]
+    return TensorStats(**{c: sum(getattr(p, c) for p in parts) for c in counts},
+                       abs_max=max(tops) if tops else None, min_nonzero=min(lows) if lows else None)

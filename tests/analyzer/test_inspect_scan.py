@@ -261,3 +261,13 @@ def test_tensors_scanned_side_by_side_on_threads_give_what_one_thread_gives_and_
     assert torch.get_num_threads() == before
     assert many == one and many[0][0] == scan_tensor(ts[0]) and many[-1][2] == scan_pair(ts[0].bfloat16(), ts[0])[2]
     assert sum(seen) == sum(a.nbytes + (0 if b is None else b.nbytes) for a, b in items)
+
+
+def test_a_large_tensor_cut_between_threads_gives_the_statistics_of_one_scan(monkeypatch):
+    from analyzer.inspect import _scan
+
+    monkeypatch.setattr(_scan, "SPLIT_AT", 1000)  # edge_values' 20,029 values: cut in 3 parts
+    x = edge_values().view(-1, 1).expand(-1, 2).t()  # a broadcast, transposed view: parts of its distinct values
+    assert len(_scan._parts(x, 3)) == 3
+    for t in (edge_values(), x, edge_values().bfloat16()):
+        assert _scan.scan_all([(t, None)], threads=3)[0] == (scan_tensor(t), None, None)
