@@ -58,6 +58,9 @@ def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = 
     Walking (or printing) a 100k-deep list recursively raises RecursionError; real files nest a
     handful of levels, so anything deeper is refused at load.
     """
+    # A container shared many times over (torch.load keeps shared references) is walked again only
+    # when reached deeper than before, so a DAG costs at most nodes x limit steps, not its unfolding.
+    deepest: dict[int, int] = {}
     stack = [(obj, 1)]
     while stack:
         cur, depth = stack.pop()
@@ -67,6 +70,9 @@ def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = 
             children = cur
         else:
             continue
+        if deepest.get(id(cur), 0) >= depth:
+            continue
+        deepest[id(cur)] = depth
         if depth > limit:
             raise BadInputError(f"{what} is nested more than {limit} levels deep", path=path,
                                 fix="real files nest a few levels; this one is damaged or hostile")
