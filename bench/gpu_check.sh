@@ -139,7 +139,7 @@ if [[ $DRY == 1 ]]; then
 fi
 
 # --- the real run ------------------------------------------------------------------------------
-if ! gpu=$("$PY" -c 'import torch, sys; sys.exit("no") if not torch.cuda.is_available() else print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)' 2>&1); then
+if ! gpu=$("$PY" -c 'import torch, sys; sys.exit("no") if not torch.cuda.is_available() else print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")' 2>&1); then
   echo "Error: bench/gpu_check.sh needs a CUDA device, and torch.cuda.is_available() is False with $PY ($(tail -n 1 <<< "$gpu")); run it on a GPU machine, or use --dry-run to list what it would run" >&2
   exit 1
 fi
@@ -156,12 +156,13 @@ for i in "${!KEYS[@]}"; do
   rc=$?
   echo "    exit $rc after $((SECONDS - t0)) s; log: $log" >&2
   last=$(grep -v '^\s*$' "$log" | tail -n 1 | tr '|' '/' | cut -c1-200)
+  why="exited $rc"; [[ $rc == 124 || $rc == 137 ]] && why="timed out after $t s"
   if [[ $key == cuda_tests ]]; then
     result=FAIL
     if [[ $rc == 0 ]] && grep -q ' passed' <<< "$last" && ! grep -Eq 'skipped|failed|error' <<< "$last"; then result=PASS; fi
+    [[ $rc == 0 || $rc == 1 ]] || last="step $why: $last"  # pytest: 1 is failed tests, anything else is worse
     echo "| ${NAMES[$i]} | ${last:-no output} | ${TARGETS[$i]} | $result |" >> "$ROWS"
   elif [[ $rc != 0 ]]; then
-    why="exited $rc"; [[ $rc == 124 || $rc == 137 ]] && why="timed out after $t s"
     echo "| ${NAMES[$i]} | step $why: ${last:-no output} | ${TARGETS[$i]} | FAIL |" >> "$ROWS"
   elif [[ $(wc -l < "$ROWS") == "$before" ]]; then
     echo "| ${NAMES[$i]} | step wrote no result row: ${last:-no output} | ${TARGETS[$i]} | FAIL |" >> "$ROWS"

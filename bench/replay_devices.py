@@ -57,7 +57,7 @@ def _replay_cmd(snapshot: Path | str, device: str) -> list[str]:
     return [*_analyzer(), "replay", str(snapshot), "--device", device, "--json"]
 
 
-def _first_line(text: str) -> str:
+def _last_line(text: str) -> str:
     lines = [x for x in text.strip().splitlines() if x.strip()]
     return (lines[-1] if lines else "no output")[:160]
 
@@ -83,7 +83,7 @@ def summarize(answer: dict) -> dict:
 def _replay(snapshot: Path, device: str, timeout: float) -> dict | str:
     rc, out, err = _run(_replay_cmd(snapshot, device), timeout)
     if rc != 0:
-        return f"replay --device {device} exited {rc}: {_first_line(err or out)}"
+        return f"replay --device {device} exited {rc}: {_last_line(err or out)}"
     try:
         return summarize(json.loads(out))
     except (json.JSONDecodeError, AttributeError) as e:
@@ -113,7 +113,7 @@ def _one(name: str, run_dir: Path, train: bool, device: str, timeout: float) -> 
     if train:
         rc, out, err = _run(_train_cmd(name, run_dir), timeout)
         if rc != 0:
-            msg = f"training exited {rc}: {_first_line(err or out)}"
+            msg = f"training exited {rc}: {_last_line(err or out)}"
             return name, msg, msg
     snap = _snapshot_of(run_dir)
     if snap is None:
