@@ -14,7 +14,8 @@ not necessarily a bug. Trainings run in parallel (one thread each), then the rep
 
 ``--rows FILE`` appends one row per sample (check | measured | target | result) to FILE, for
 ``bench/gpu_check.sh``'s table. It exits 0 once every sample has a row (a mismatch or a failed
-replay is a FAIL row, not a crash); 2 on bad options.
+replay is a FAIL row, not a crash; a run with no snapshot, such as stalled_layers', is n/a);
+2 on bad options.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["discover_samples", "summarize", "main"]
 
+# stalled_layers and loss_outside_autocast never fail, by design: report-only diagnoses.
+NO_SNAPSHOT = "the run wrote no snapshot: nothing to replay"
 _DEADLINE = [float("inf")]  # time.monotonic() by which every process must be done (--budget)
 
 
@@ -98,6 +101,8 @@ def _show(s: dict | str) -> str:
 
 def _row(name: str, device: str, base: dict | str, other: dict | str) -> str:
     same = isinstance(base, dict) and isinstance(other, dict) and base == other
+    if base == NO_SNAPSHOT:
+        return f"| replay {device} vs cpu: {name} | {NO_SNAPSHOT} | same verdict, op, module, phase | n/a |"
     measured = f"both: {_show(base)}" if same else f"cpu: {_show(base)}; {device}: {_show(other)}"
     measured = measured.replace("|", "/")
     return f"| replay {device} vs cpu: {name} | {measured} | same verdict, op, module, phase | " \
@@ -117,7 +122,7 @@ def _one(name: str, run_dir: Path, train: bool, device: str, timeout: float) -> 
             return name, msg, msg
     snap = _snapshot_of(run_dir)
     if snap is None:
-        return name, f"no snapshot in {run_dir}", f"no snapshot in {run_dir}"
+        return name, NO_SNAPSHOT, NO_SNAPSHOT
     base = _replay(snap, "cpu", timeout)
     return name, base, _replay(snap, device, timeout)
 

@@ -88,7 +88,7 @@ def test_an_unknown_option_is_refused_with_exit_2_and_one_error_line():
     assert res.stderr.startswith("Error:") and len(res.stderr.strip().splitlines()) == 1 and "--gpu" in res.stderr
 
 
-def test_replay_devices_gives_a_sample_without_a_snapshot_a_fail_row(tmp_path):
+def test_replay_devices_gives_a_run_without_a_snapshot_a_not_applicable_row(tmp_path):
     rows = tmp_path / "rows.md"
     empty_run = tmp_path / "run"
     empty_run.mkdir()
@@ -96,7 +96,7 @@ def test_replay_devices_gives_a_sample_without_a_snapshot_a_fail_row(tmp_path):
                                  "--rows", str(rows)])
     assert rc == 0
     (row,) = _table(rows.read_text())
-    assert row[0] == "replay cpu vs cpu: healthy" and "no snapshot" in row[1] and row[3] == "FAIL"
+    assert row[0] == "replay cpu vs cpu: healthy" and "no snapshot" in row[1] and row[3] == "n/a"
 
 
 @pytest.mark.slow
