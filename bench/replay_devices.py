@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     rows = []
     for name, base, other in results:
-        same = isinstance(base, dict) and base == other
-        print(f"| {name} | {_show(base)} | {_show(other)} | {'yes' if same else 'NO'} |")
+        same = "n/a" if base == NO_SNAPSHOT else "yes" if isinstance(base, dict) and base == other else "NO"
+        print(f"| {name} | {_show(base)} | {_show(other)} | {same} |")
         rows.append(_row(name, args.device, base, other))
     if args.rows:
         with open(args.rows, "a", encoding="utf-8") as f:
