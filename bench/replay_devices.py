@@ -104,7 +104,7 @@ def _row(name: str, device: str, base: dict | str, other: dict | str) -> str:
     if base == NO_SNAPSHOT:
         return f"| replay {device} vs cpu: {name} | {NO_SNAPSHOT} | same verdict, op, module, phase | n/a |"
     measured = f"both: {_show(base)}" if same else f"cpu: {_show(base)}; {device}: {_show(other)}"
-    measured = measured.replace("|", "/")
+    measured = measured.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")  # <loss_fn> is no HTML tag
     return f"| replay {device} vs cpu: {name} | {measured} | same verdict, op, module, phase | " \
            f"{'PASS' if same else 'FAIL'} |"
 
