@@ -26,7 +26,7 @@ import warnings
 
 import click
 
-from ._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, set_max_archive_ratio
+from .load._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, set_max_archive_ratio
 from ._terminal import escape_controls
 from .errors import AnalyzerError
 
@@ -164,8 +164,8 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, 
     if show:
         _show_imports(snapshot, factory, loss_fn, paths, as_json)
         return
-    from ._outputs import check_output_path
-    from .replay import plot_replay, render_replay_text, replay_snapshot
+    from .render import check_output_path, plot_replay, render_replay_text
+    from .replay import replay_snapshot
 
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot], option="--plot")
@@ -184,7 +184,7 @@ def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
     """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
     import os
 
-    from .loaders import load_snapshot, plan_imports, snapshot_roots
+    from .load import load_snapshot, plan_imports, snapshot_roots
 
     snap = load_snapshot(snapshot)
     rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
@@ -222,8 +222,8 @@ def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
 @_one_line_errors
 def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
     """Diagnose a run's traces: a run directory, or a log from HF, Lightning, DeepSpeed, CSV/JSONL."""
-    from ._outputs import check_output_path
-    from .report import build_report, render_report_text, write_html, write_plots
+    from .render import check_output_path, render_report_text, write_html, write_plots
+    from .report import build_report
 
     if html_path:
         check_output_path(html_path, inputs=[run], option="--html")
@@ -260,7 +260,8 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @_one_line_errors
 def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
     """Check a checkpoint (or two) for NaN/Inf, FP16/BF16 range risk and optimizer-state damage."""
-    from .inspect import inspect_checkpoints, render_inspect_text
+    from .inspect import inspect_checkpoints
+    from .render import render_inspect_text
 
     result = inspect_checkpoints(checkpoint, checkpoint_b, progress=sys.stderr.isatty() and not as_json,
                                  device=device)

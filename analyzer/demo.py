@@ -83,8 +83,9 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     if scenario not in SCENARIOS:
         raise AnalyzerError(f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)}",
                             fix="pass --scenario NAME")
-    from .replay import plot_replay, render_replay_text, replay_snapshot
-    from .report import build_report, render_report_text, write_html, write_plots
+    from .render import plot_replay, render_replay_text, render_report_text, write_html, write_plots
+    from .replay import replay_snapshot
+    from .report import build_report
 
     module = importlib.import_module(f"samples.{scenario}")
     out = Path(out_dir)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                               loss_fn="samples.models:gpt_loss", amp_dtype=torch.bfloat16,
                               device_type=args.device)
         path = write_snapshot(Path(tmp) / "snap.pt", snap)
-        from analyzer.loaders import load_snapshot
+        from analyzer.load import load_snapshot
 
         ctx = _context(str(path), load_snapshot(path), args.device, None, None)
     model.to(args.device)

@@ -25,14 +25,13 @@ follows: relative L2 change per tensor, the tensors that became non-finite, and 
 Findings (stable names): ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
 ``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``.
 
-Layout: ``_checkpoint`` / ``_safetensors`` open a file and list its tensors by role; ``_scan`` (over
-``_pieces`` and ``_stats``) is the one torch scan of their values; ``_diagnose`` turns statistics into
-findings; ``_text`` renders them.
+Layout: ``analyzer.load.checkpoint`` / ``analyzer.load.safetensors`` open a file and list its tensors
+by role; ``_scan`` (over ``_pieces`` and ``_stats``) is the one torch scan of their values;
+``_diagnose`` turns statistics into findings; ``analyzer.render.inspect`` renders them.
 """
 from __future__ import annotations
 
 from ._diagnose import FileReport, InspectResult, TensorChange, TensorReport, inspect_checkpoints, resolve_device
-from ._text import render_inspect_text
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints",
-           "render_inspect_text", "resolve_device"]
+           "resolve_device"]

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from ..findings import Finding, json_safe, sort_findings
-from ._checkpoint import Checkpoint, Entry, load_checkpoint
+from ..report.findings import Finding, json_safe, sort_findings
+from ..load.checkpoint import Checkpoint, Entry, load_checkpoint
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
 

@@ -1,12 +1,11 @@
 """Differential replay of a failing step: which op made the first NaN/Inf, in which module, and why.
 
 The public surface is ``replay_snapshot`` (run it), ``ReplayResult`` (what it found, with
-``to_dict()`` for strict JSON), ``render_replay_text`` and ``plot_replay``.
+``to_dict()`` for strict JSON); ``analyzer.render`` draws it.
 """
 from __future__ import annotations
 
-from .render import plot_replay, render_replay_text
 from .replay import replay_snapshot
 from .result import VERDICTS, ReplayResult
 
-__all__ = ["replay_snapshot", "render_replay_text", "plot_replay", "ReplayResult", "VERDICTS"]
+__all__ = ["replay_snapshot", "ReplayResult", "VERDICTS"]

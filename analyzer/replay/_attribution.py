@@ -20,6 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ._cache import Memo
+
 __all__ = ["user_source", "attach_module_hooks", "CUDA_FP32_OPS"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -60,7 +62,7 @@ def user_source() -> str | None:
     return None
 
 
-_SHOWN: dict[str, str] = {}
+_SHOWN: Memo = Memo()  # file name -> its shown (shortened) name
 
 
 def _shown_name(filename: str) -> str:

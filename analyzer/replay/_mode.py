@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ._attribution import _flat, user_source
+from ._cache import Memo
 from ._writes import BufferReads, unread_args, written_args
 
 __all__: list[str] = []
@@ -45,7 +46,7 @@ _ALIAS_OPS = frozenset({
 })
 
 
-_NAMES: dict = {}  # OpOverload -> "aten.bmm"
+_NAMES = Memo()  # OpOverload -> "aten.bmm"
 
 
 @dataclass(slots=True)
@@ -222,7 +223,7 @@ class _OpStatsMode(TorchDispatchMode):
         return absmax, nonzero
 
 
-_VIEWS: dict = {}  # OpOverload -> whether it returns a view of an input (Tensor(a) return)
+_VIEWS = Memo()  # OpOverload -> whether it returns a view of an input (Tensor(a) return)
 
 
 def _returns_view(func) -> bool:

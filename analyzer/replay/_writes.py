@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ._cache import Memo
+
 __all__: list[str] = []
 
 # op name -> the boolean argument that says "training", or None when the op always updates.
@@ -49,7 +51,7 @@ _RUNNING_STATS_OPS: dict[str, str | None] = {
     "aten.miopen_batch_norm_backward": None,
 }
 _STATS_ARGS = ("running_mean", "running_var")
-_WRITTEN: dict = {}  # OpOverload -> argument positions its schema marks as written (Tensor(a!))
+_WRITTEN = Memo()  # OpOverload -> argument positions its schema marks as written (Tensor(a!))
 
 
 def _arg(func, args, kwargs, name: str):

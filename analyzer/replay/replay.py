@@ -1,7 +1,8 @@
 """``replay_snapshot``: re-run a failing step in FP32 and FP16/BF16 and name the op that broke it.
 
 Example:
-    >>> from analyzer.replay import replay_snapshot, render_replay_text
+    >>> from analyzer.render import render_replay_text
+    >>> from analyzer.replay import replay_snapshot
     >>> result = replay_snapshot("run/snapshots/step00000042-r00000-nonfinite_loss.pt")  # doctest: +SKIP
     >>> result.verdict, result.culprit["op"], result.culprit["module"]  # doctest: +SKIP
     ('overflow', 'aten.bmm', 'attn')
@@ -18,7 +19,7 @@ import torch
 from recorders import schema
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
-from ..loaders import load_snapshot, resolve_ref, snapshot_roots
+from ..load import load_snapshot, resolve_ref, snapshot_roots
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once

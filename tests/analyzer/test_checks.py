@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analyzer.checks import CHECKS, build_frames, run_checks
-from analyzer.checks.gradients import stalled_fraction
-from analyzer.findings import Finding, sort_findings
-from analyzer.runs import load_run
+from analyzer.report.checks import CHECKS, build_frames, run_checks
+from analyzer.report.checks.gradients import stalled_fraction
+from analyzer.report.findings import Finding, sort_findings
+from analyzer.load import load_run
 
 from .report_models import Script
 
@@ -261,7 +261,7 @@ def test_finding_rejects_unknown_severity():
 def test_light_statistics_match_scipy_stats():
     from scipy import stats as ref
 
-    from analyzer.checks import _stats
+    from analyzer.report.checks import _stats
 
     rng = np.random.default_rng(0)
     x = np.arange(40.0)

@@ -130,7 +130,7 @@ def _refused_proc(proc: subprocess.CompletedProcess, marker: Path) -> str:
 
 # -- references that reach past the module they name ---------------------------------------------
 @pytest.mark.parametrize("ref", [
-    "analyzer.loaders:os.system",            # the bypass: attribute chain through an import
+    "analyzer.load.refs:os.system",            # the bypass: attribute chain through an import
     "samples.models:torch.load",             # the bypass: torch re-exported by an allowed module
     "recorders.refs:importlib.import_module",
     "recorders.schema:_os.system",           # a dotted qualname chain through a private alias
@@ -325,7 +325,7 @@ def test_os_system_through_an_allowed_module_never_runs_in_a_real_replay(tmp_pat
         rec.snapshot("manual")
     snap_path = next((run / schema.SNAPSHOT_DIR).glob("*.pt"))
     snap = torch.load(snap_path, weights_only=True)
-    snap["factory"], snap["factory_kwargs"] = "analyzer.loaders:os.system", {"command": f"touch {marker}"}
+    snap["factory"], snap["factory_kwargs"] = "analyzer.load.refs:os.system", {"command": f"touch {marker}"}
     edited = tmp_path / "edited.pt"
     torch.save(snap, edited)
     _refused_proc(_run_cli([edited], tmp_path), marker)

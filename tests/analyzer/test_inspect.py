@@ -12,7 +12,8 @@ from torch import nn
 
 from analyzer.cli import main
 from analyzer.errors import BadInputError, VersionError
-from analyzer.inspect import _diagnose, inspect_checkpoints, render_inspect_text
+from analyzer.inspect import _diagnose, inspect_checkpoints
+from analyzer.render import render_inspect_text
 from recorders import schema
 from recorders.snapshot import build_snapshot, write_snapshot
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analyzer.errors import BadInputError, FactoryError, VersionError
-from analyzer.loaders import load_snapshot, resolve_ref, torch_load_safe
+from analyzer.load import load_snapshot, resolve_ref, torch_load_safe
 from recorders import schema
 from recorders.snapshot import build_snapshot, write_snapshot
 
@@ -139,7 +139,7 @@ def test_a_zip_bomb_is_refused_before_decompression_naming_the_flag(tmp_path):
 
 
 def test_raising_the_archive_ratio_lets_a_trusted_compressed_file_load(tmp_path, monkeypatch):
-    from analyzer._limits import set_max_archive_ratio
+    from analyzer.load._limits import set_max_archive_ratio
 
     bomb = _deflated_snapshot(tmp_path)
     monkeypatch.setenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO", "10000")

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzer.replay import VERDICTS, render_replay_text, replay_snapshot
+from analyzer.render import render_replay_text
+from analyzer.replay import VERDICTS, replay_snapshot
 from recorders.snapshot import build_snapshot, write_snapshot
 
 from . import replay_models as rm

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from analyzer.replay import VERDICTS, ReplayResult, plot_replay, render_replay_text, replay_snapshot
-from analyzer.findings import json_safe
+from analyzer.render import plot_replay, render_replay_text
+from analyzer.replay import VERDICTS, ReplayResult, replay_snapshot
+from analyzer.report.findings import json_safe
 
 from . import replay_models as rm
 

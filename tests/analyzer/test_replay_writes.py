@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzer.replay import replay_snapshot, render_replay_text
+from analyzer.render import render_replay_text
+from analyzer.replay import replay_snapshot
 from analyzer.replay._mode import _OpStatsMode
 from analyzer.replay._writes import BufferReads
 from recorders.snapshot import build_snapshot, write_snapshot

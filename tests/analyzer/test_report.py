@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from analyzer.report import build_report, render_report_text, write_html, write_plots
+from analyzer.render import render_report_text, write_html, write_plots
+from analyzer.report import build_report
 
 from .report_models import Script
 
@@ -231,7 +232,7 @@ def _boom(frames):
 
 
 def test_a_check_that_raises_becomes_check_failed_and_the_others_still_report(tmp_path, monkeypatch):
-    from analyzer.checks import CHECKS
+    from analyzer.report.checks import CHECKS
 
     monkeypatch.setitem(CHECKS, "boom", _boom)  # a real registered check, run by run_checks
     run = _nan_loss_run(tmp_path)
@@ -249,7 +250,7 @@ def test_a_check_that_raises_becomes_check_failed_and_the_others_still_report(tm
 
 
 def test_a_check_that_raises_on_a_clean_run_makes_the_verdict_incomplete_not_healthy(tmp_path, monkeypatch):
-    from analyzer.checks import CHECKS
+    from analyzer.report.checks import CHECKS
 
     monkeypatch.setitem(CHECKS, "boom", _boom)
     rep = build_report(Script(n=60).write(tmp_path / "run"))

@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 
-from analyzer.checks import CHECK_FAILED, CHECKS
+from analyzer.report.checks import CHECK_FAILED, CHECKS
 from analyzer.cli import main
-from analyzer.findings import SEVERITIES
+from analyzer.report.findings import SEVERITIES
 
 from .report_traces import every_column, healthy_traces, hostile_traces, write_trace
 

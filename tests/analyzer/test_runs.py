@@ -10,7 +10,7 @@ import pytest
 
 from analyzer.errors import BadInputError, VersionError
 from analyzer.report import build_report
-from analyzer.runs import load_run
+from analyzer.load import load_run
 from recorders import schema
 
 from .report_models import Script

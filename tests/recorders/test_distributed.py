@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from analyzer.loaders import load_snapshot
+from analyzer.load import load_snapshot
 from recorders import Recorder, schema
 from tests.recorders.models import batches, build_mlp, train
 

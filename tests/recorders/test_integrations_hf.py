@@ -94,7 +94,7 @@ def test_the_run_meta_names_bf16_and_the_pretrained_factory_and_loss(bf16_run):
 
 
 def test_the_nan_step_is_snapshotted_with_the_batch_the_trainer_fed_the_model(bf16_run):
-    from analyzer.loaders import load_snapshot
+    from analyzer.load import load_snapshot
 
     run_dir, cb = bf16_run
     path = run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss")

@@ -101,7 +101,7 @@ def test_a_bf16_lightning_run_records_every_step_and_snapshots_the_nan_batch(bf1
 
 
 def test_the_lightning_snapshot_holds_the_failing_batch_and_the_pre_step_weights(bf16_run):
-    from analyzer.loaders import load_snapshot
+    from analyzer.load import load_snapshot
 
     run_dir, _ = bf16_run
     snap = load_snapshot(_snapshot_path(run_dir))

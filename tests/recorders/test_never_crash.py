@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from analyzer.loaders import load_snapshot
-from analyzer.runs import load_run
+from analyzer.load import load_snapshot
+from analyzer.load import load_run
 from recorders import Recorder
 from recorders.recorder import RecorderWarning
 from tests.recorders import fsdp_worker

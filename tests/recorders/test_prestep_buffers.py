@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from analyzer.loaders import load_snapshot
+from analyzer.load import load_snapshot
 from recorders import Recorder
 from recorders._buffers import BufferTracker
 

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 import torch
 
-from analyzer.loaders import load_snapshot
+from analyzer.load import load_snapshot
 from recorders import Recorder, schema
 from tests.recorders.models import batches, build_mlp, mse_loss, sgd, train
 

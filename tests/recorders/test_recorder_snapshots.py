@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 import torch
 
-from analyzer.loaders import load_snapshot
+from analyzer.load import load_snapshot
 from recorders import Recorder, schema
 from recorders.recorder import RecorderWarning
 from tests.recorders.models import (

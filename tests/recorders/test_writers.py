@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzer.loaders import load_snapshot
+from analyzer.load import load_snapshot
 from analyzer.report import build_report
-from analyzer.runs import load_run, snapshot_info
+from analyzer.load import load_run, snapshot_info
 from recorders import Recorder, schema
 from recorders._io import claim_write
 from recorders.recorder import RecorderWarning

@@ -18,7 +18,7 @@ import torch
 from recorders import schema
 
 from ._limits import check_nesting
-from .errors import BadInputError
+from ..errors import BadInputError
 
 __all__ = ["check_nesting", "check_dense", "validate_snapshot"]
 

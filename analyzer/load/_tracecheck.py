@@ -23,7 +23,7 @@ from typing import Any
 import polars as pl
 
 from ._limits import check_nesting
-from .errors import BadInputError
+from ..errors import BadInputError
 
 __all__ = ["validate_meta", "check_part_types", "check_parts_decode", "READ_ERRORS", "quiet_native_stderr"]
 

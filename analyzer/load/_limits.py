@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import BadInputError
+from ..errors import BadInputError
 
 __all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "max_archive_ratio", "set_max_archive_ratio",
            "MAX_NESTING", "archive_budget", "check_nesting"]

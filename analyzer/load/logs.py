@@ -29,8 +29,8 @@ import polars as pl
 
 from recorders import schema
 
-from .errors import BadInputError
-from .runs import Run, progress_line, step_frame
+from ..errors import BadInputError
+from .run import Run, progress_line, step_frame
 
 __all__ = ["import_file", "import_dir"]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from recorders import schema
 
-from .errors import BadInputError, VersionError
+from ..errors import BadInputError, VersionError
 
 __all__ = ["check_format_version"]
 

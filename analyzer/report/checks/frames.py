@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from ..runs import Run, progress_line, snapshot_info
+from ...load import Run, progress_line, snapshot_info
 
 __all__ = ["Frames", "build_frames", "LOG_FLOOR", "MAX_BINS"]
 

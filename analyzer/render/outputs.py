@@ -20,7 +20,7 @@ from pathlib import Path
 
 from recorders import schema
 
-from .errors import BadInputError
+from ..errors import BadInputError
 
 __all__ = ["check_output_path", "atomic_write_bytes", "atomic_write_text"]
 

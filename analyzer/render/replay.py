@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 import os
 
-from ._origin import compute_roots
-from .result import ReplayResult
+from ..replay._origin import compute_roots
+from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay"]
 
@@ -114,10 +114,7 @@ def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
     top edge as crosses (except mask values such as ``masked_fill(-inf)`` and the ops that only
     carry them on); the culprit is marked with a vertical line.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import plt  # the Agg backend is chosen there, once
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     top = 1.0

@@ -1,4 +1,4 @@
-"""Matplotlib figures of a run's trace (Agg backend). Each returns a Figure; the caller saves it.
+"""Matplotlib figures of a run's trace; the one place the Agg backend is chosen. Each returns a Figure.
 
 Every figure is readable on its own: a title naming the run, labelled axes, log scales where
 values span decades. Long runs are downsampled to at most ``MAX_POINTS`` bins (median loss,
@@ -17,8 +17,7 @@ import polars as pl  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from .checks.frames import LOG_FLOOR, Frames  # noqa: E402
-from .checks.gradients import stalled_fraction  # noqa: E402
+from ..report.checks.frames import LOG_FLOOR, Frames  # noqa: E402
 
 __all__ = ["plot_loss_scale", "plot_grad_heatmap", "plot_stalled_fraction", "plot_grad_vs_depth", "MAX_POINTS"]
 
@@ -131,9 +130,12 @@ def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     return fig
 
 
-def plot_stalled_fraction(frames: Frames, run: str = "") -> Figure:
-    """Fraction of parameters (by element count) whose gradient is stalled, over steps."""
-    sf = stalled_fraction(frames)
+def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:
+    """Fraction of parameters (by element count) whose gradient is stalled, over steps.
+
+    `sf` is ``Report.stalled_fraction`` (columns ``step``, ``frac``): the report computes it,
+    the figure only draws it.
+    """
     fig, ax = plt.subplots(figsize=(10, 3.5))
     ax.plot(sf["step"].to_numpy(), sf["frac"].to_numpy(), color="C3", lw=1)
     ax.set_ylim(-0.02, 1.02)

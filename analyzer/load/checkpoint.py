@@ -24,11 +24,11 @@ import torch
 
 from recorders import schema
 
-from .._limits import MAX_NESTING
-from .._versions import check_format_version
 from ..errors import BadInputError
-from ..loaders import torch_load_safe
-from ._safetensors import load_safetensors, looks_like_safetensors
+from ._limits import MAX_NESTING
+from .torchfile import torch_load_safe
+from .versions import check_format_version
+from .safetensors import load_safetensors, looks_like_safetensors
 
 __all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint"]
 

@@ -1,7 +1,7 @@
 """``analyzer report``: findings on a run's trace, rendered as text, JSON, PNG plots and HTML.
 
-``build_report`` opens the run lazily (``analyzer.runs``), aggregates it with streaming polars
-queries (``analyzer.checks.frames``), runs every registered check and returns a ``Report``.
+``build_report`` opens the run lazily (``analyzer.load``), aggregates it with streaming polars
+queries (``analyzer.report.checks.frames``), runs every registered check and returns a ``Report``.
 
 Real output (an FP16 run whose attention logits overflow)::
 
@@ -22,9 +22,6 @@ the numbers behind it. ``--json`` carries the same findings with stable ``check`
 """
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +29,14 @@ from typing import Any
 
 import polars as pl
 
-from ._outputs import atomic_write_bytes, atomic_write_text
 from .checks import CHECK_FAILED, CHECKS, Frames, build_frames, run_checks
-from .errors import BadInputError
+from .checks.gradients import stalled_fraction
+from ..errors import BadInputError
+from ..load import load_run
 from .findings import Finding, json_safe, sort_findings
-from .runs import load_run
 
-__all__ = ["Report", "build_report", "render_report_text", "write_plots", "write_html",
-           "EXIT_CHECK_FAILED", "EXIT_FAIL_ON"]
+__all__ = ["Report", "build_report", "EXIT_CHECK_FAILED", "EXIT_FAIL_ON"]
 
-_MAX_LISTED = 16  # ranks and snapshots listed in the text report
 EXIT_CHECK_FAILED = 3  # a check raised (check_failed): the report is incomplete, an internal error
 EXIT_FAIL_ON = 4       # --fail-on SEVERITY: a finding that severe or worse is present
 
@@ -87,6 +82,13 @@ class Report:
         out = {c: int(s[c].is_not_null().sum()) for c in ("loss", "grad_norm", "scale")}
         out["layer_grad_norm"] = int(lb["n_grad"].sum()) if lb is not None else 0
         return out
+
+    @property
+    def stalled_fraction(self) -> pl.DataFrame:
+        """Per step, the fraction of parameters (by element count) whose gradient is stalled
+        (columns ``step``, ``frac``): the series the ``stalled_layers`` check reads, for plots.
+        Needs the layer table (``frames.layer_bins`` not None)."""
+        return stalled_fraction(self.frames)
 
     def steps_summary(self) -> dict[str, Any]:
         s = self.frames.steps
@@ -179,152 +181,3 @@ def build_report(run, *, rank: int | None = None, steps=None, progress: bool = F
     findings = sort_findings(run_checks(frames))
     return Report(run=str(run), source_format=r.source_format, frames=frames, findings=findings,
                   notes=list(r.notes) + frames.notes, partial=r.partial, rank=rank, steps_range=steps)
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    if isinstance(v, dict):
-        items = list(v.items())
-        text = ", ".join(f"{k}: {_fmt(x)}" for k, x in items[:6])
-        return "{" + text + (", ..." if len(items) > 6 else "") + "}"
-    if isinstance(v, (list, tuple)):
-        text = ", ".join(_fmt(x) for x in v[:6])
-        return "[" + text + (", ..." if len(v) > 6 else "") + "]"
-    return str(v)
-
-
-def _evidence_line(f: Finding) -> str:
-    skip = {"profile", "first_nonfinite_step_per_rank"}
-    return " ".join(f"{k}={_fmt(v)}" for k, v in f.evidence.items() if k not in skip and v is not None)
-
-
-def render_report_text(rep: Report) -> str:
-    """Short verdict first, then findings by severity with their evidence numbers."""
-    s = rep.steps_summary()
-    fr = rep.frames
-    kind = "amp-autopsy run" if rep.source_format == "amp-autopsy" else f"{rep.source_format} import"
-    who = f"rank {rep.rank} of {fr.n_ranks}" if rep.rank is not None else f"{fr.n_ranks} rank(s)"
-    lines = [f"amp-autopsy report: {rep.run} ({kind}, {fr.amp_dtype or 'fp32/unknown'} AMP, {who}, "
-             f"steps {s.get('first')}..{s.get('last')}, {s.get('count')} steps)",
-             f"Verdict: {rep.verdict}"]
-    if rep.partial or rep.notes:
-        lines.append("")
-        lines += [f"note: {n}" for n in rep.notes]
-    for sev, title in (("error", "errors"), ("warning", "warnings"), ("info", "info")):
-        group = [f for f in rep.findings if f.severity == sev]
-        if not group:
-            continue
-        lines += ["", title]
-        for f in group:
-            at = f" @ step {f.step}" if f.step is not None else ""
-            on = f" (rank {f.rank})" if f.rank is not None and fr.n_ranks > 1 else ""
-            lines.append(f"  {f.check}{at}{on}: {f.message}")
-            ev = _evidence_line(f)
-            if ev:
-                lines.append(f"      evidence: {ev}")
-    lines += ["", f"steps: {s.get('count')} recorded, {s.get('skipped')} skipped, "
-              f"{s.get('nonfinite_loss')} non-finite loss, last finite loss {_fmt(s.get('last_finite_loss'))}, "
-              f"final scale {_fmt(s.get('final_scale'))}"]
-    if fr.n_ranks > 1:
-        lines.append("ranks:")
-        for row in fr.ranks.head(_MAX_LISTED).iter_rows(named=True):
-            nf = row["first_nonfinite_step"]
-            lines.append(f"  rank {row['rank']}: steps {row['first_step']}..{row['last_step']}, "
-                         f"{row['n_skipped']} skipped, first non-finite loss "
-                         f"{'at step ' + str(nf) if nf is not None else 'never'}, final scale {_fmt(row['final_scale'])}")
-        if fr.n_ranks > _MAX_LISTED:
-            lines.append(f"  ... and {fr.n_ranks - _MAX_LISTED} more (--json lists every rank)")
-    if fr.snapshots:
-        lines.append("snapshots (replay with: analyzer replay FILE):")
-        lines += [f"  {sn['file']} (step {sn['step']}, rank {sn['rank']}, {sn['reason']})"
-                  for sn in fr.snapshots[:_MAX_LISTED]]
-        if len(fr.snapshots) > _MAX_LISTED:
-            lines.append(f"  ... and {len(fr.snapshots) - _MAX_LISTED} more (--json lists every snapshot)")
-    return "\n".join(lines)
-
-
-def _figures(rep: Report):
-    from . import plots
-
-    fr = rep.frames
-    name = Path(rep.run).name or rep.run
-    yield "loss_scale", lambda: plots.plot_loss_scale(fr, name)
-    if fr.layer_bins is not None:
-        yield "grad_heatmap", lambda: plots.plot_grad_heatmap(fr, name)
-        yield "stalled_fraction", lambda: plots.plot_stalled_fraction(fr, name)
-        yield "grad_vs_depth", lambda: plots.plot_grad_vs_depth(fr, name)
-
-
-def write_plots(rep: Report, out_dir) -> list[Path]:
-    """Write the report's PNGs into `out_dir` (created) and return their paths."""
-    import matplotlib.pyplot as plt
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for stem, make in _figures(rep):
-        fig = make()
-        try:
-            path = out / f"{stem}.png"
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=110)
-            paths.append(atomic_write_bytes(path, buf.getvalue()))  # never a half-written PNG
-        finally:
-            plt.close(fig)
-    return paths
-
-
-def _png_b64(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-h1{font-size:1.4em}.verdict{font-size:1.15em;padding:.6em .8em;border-radius:6px;background:#eef}
-.error{color:#b00020}.warning{color:#a66300}.info{color:#555}table{border-collapse:collapse;width:100%}
-td,th{border-bottom:1px solid #ddd;padding:.35em .5em;text-align:left;vertical-align:top}
-code{font-size:12px;color:#333;word-break:break-all}img{max-width:100%;margin:1em 0}"""
-
-
-def write_html(rep: Report, path) -> Path:
-    """Write one self-contained HTML page (plots embedded as base64 PNG) and return its path."""
-    import matplotlib.pyplot as plt
-
-    e = html.escape
-    s = rep.steps_summary()
-    rows = []
-    for f in rep.findings:
-        rows.append(f"<tr><td class='{f.severity}'>{f.severity}</td><td><b>{e(f.check)}</b></td>"
-                    f"<td>{'' if f.step is None else f.step}</td><td>{e(f.message)}"
-                    f"<br><code>{e(_evidence_line(f))}</code></td></tr>")
-    imgs = []
-    for stem, make in _figures(rep):
-        fig = make()
-        try:
-            imgs.append(f"<h3>{e(stem.replace('_', ' '))}</h3><img alt='{stem}' src='data:image/png;base64,"
-                        f"{_png_b64(fig)}'>")
-        finally:
-            plt.close(fig)
-    snaps = "".join(f"<li><a href='{e(Path(sn['file']).resolve().as_uri())}'>{e(Path(sn['file']).name)}</a> "
-                    f"(step {sn['step']}, rank {sn['rank']}, {e(str(sn['reason']))}): "
-                    f"<code>analyzer replay {e(sn['file'])}</code></li>" for sn in rep.frames.snapshots)
-    notes = "".join(f"<li>{e(n)}</li>" for n in rep.notes)
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>amp-autopsy report: {e(rep.run)}</title>
-<style>{_CSS}</style></head><body>
-<h1>amp-autopsy report: {e(rep.run)}</h1>
-<p class="verdict">{e(rep.verdict)}</p>
-<p>{e(rep.source_format)}, AMP {e(str(rep.frames.amp_dtype))}, {rep.frames.n_ranks} rank(s),
-steps {s.get('first')}..{s.get('last')} ({s.get('count')} steps, {s.get('skipped')} skipped,
-{s.get('nonfinite_loss')} non-finite losses)</p>
-{f'<ul>{notes}</ul>' if notes else ''}
-<h2>Findings</h2>
-{'<table><tr><th>severity</th><th>check</th><th>step</th><th>message and evidence</th></tr>'
- + ''.join(rows) + '</table>' if rows else '<p>No findings.</p>'}
-<h2>Snapshots</h2>{f'<ul>{snaps}</ul>' if snaps else '<p>No snapshots.</p>'}
-<h2>Plots</h2>{''.join(imgs)}
-</body></html>"""
-    return atomic_write_text(path, page)  # a crash leaves the old file or the new one

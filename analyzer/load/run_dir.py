@@ -4,7 +4,7 @@
 the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): nothing is read
 but the parts' footers until a query is collected. Logs from other tools (HF Trainer,
 Lightning, DeepSpeed, Megatron, CSV, JSONL, TensorBoard) are mapped onto the same step
-columns by ``analyzer.importers``; they have no per-layer table.
+columns by ``analyzer.load.logs``; they have no per-layer table.
 
 Every problem becomes a one-line ``BadInputError`` / ``VersionError`` naming the file and the
 fix. A run whose process was killed is read up to its last complete part; ``Run.notes`` says so.
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,76 +26,18 @@ import polars as pl
 
 from recorders import schema
 
-from ._terminal import escape_controls
+from ..errors import BadInputError, VersionError
 from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
-from ._versions import check_format_version
-from .errors import BadInputError, VersionError
+from .logs import import_dir, import_file
+from .run import Run, progress_line
+from .versions import check_format_version
 
-__all__ = ["Run", "load_run", "read_meta", "snapshot_info", "step_frame", "progress_line"]
+__all__ = ["load_run", "read_meta", "snapshot_info"]
 
 _PART_RE = schema.PART_RE
 _SNAP_RE = schema.SNAPSHOT_RE
 _RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a trainer_state.json, "
              "metrics.csv, DeepSpeed/Megatron log, CSV or JSONL file")
-
-
-@dataclass
-class Run:
-    """A run opened for reading. ``steps``/``layers`` are lazy; ``meta`` is rank 0's meta.json.
-
-    Attributes:
-        path: the directory or file given.
-        source_format: ``"amp-autopsy"`` or the importer's name (``"hf_trainer_state"``, ...).
-        meta: rank 0's meta (synthesised for imported logs: amp_dtype, scaler, params may be empty).
-        metas: meta per rank.
-        steps: LazyFrame with ``schema.STEP_COLUMNS`` (plus ``n_iter``/``n_skipped`` for logs
-            whose rows cover several iterations).
-        layers: LazyFrame with ``schema.LAYER_COLUMNS``, or None when the source has no layer table.
-        params: parameter names in model order (``layer`` indexes this list).
-        numels: element count per parameter, or None where unknown.
-        snapshots: snapshot files, sorted by step.
-        notes: caveats the report must repeat (partial run, what an imported log lacks,
-            several processes that wrote one rank).
-        partial: True when the run was cut short (killed process, missing parts).
-        writers: for each rank in the frames that is not a real rank: ``(rank, writer)``, the
-            rank an extra process also claimed and its writer number. Its steps keep their own
-            stream (this rank number in the frames), so they never mix with the first writer's.
-    """
-
-    path: Path
-    source_format: str
-    meta: dict[str, Any]
-    metas: dict[int, dict[str, Any]]
-    steps: pl.LazyFrame
-    layers: pl.LazyFrame | None
-    params: list[str] = field(default_factory=list)
-    numels: list[int | None] = field(default_factory=list)
-    snapshots: list[Path] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    partial: bool = False
-    writers: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-    @property
-    def amp_dtype(self) -> str | None:
-        return schema.dtype_name(self.meta.get("amp_dtype"))
-
-    @property
-    def growth_interval(self) -> int:
-        """GradScaler growth interval from the scaler config (2000, torch's default, if unknown)."""
-        scaler = self.meta.get("scaler") or {}
-        try:
-            return max(1, int(scaler.get("growth_interval", 2000)))
-        except (TypeError, ValueError):
-            return 2000
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self.metas) or [0]
-
-
-def progress_line(enabled: bool, text: str) -> None:
-    if enabled:
-        print(f"[amp-autopsy] {escape_controls(text)}", file=sys.stderr, flush=True)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -303,15 +243,6 @@ def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: d
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 
 
-def step_frame(df: pl.DataFrame) -> pl.DataFrame:
-    """Give an imported frame every ``STEP_COLUMNS`` column (nulls where unknown), schema dtypes."""
-    out = []
-    for c, t in schema.STEP_COLUMNS.items():
-        out.append(pl.col(c).cast(t, strict=False) if c in df.columns else pl.lit(None, dtype=t).alias(c))
-    extra = [pl.col(c) for c in ("n_iter", "n_skipped") if c in df.columns]
-    return df.select(out + extra).sort("rank", "step")
-
-
 def snapshot_info(path: Path) -> dict[str, Any]:
     """step, rank, reason and writer (0: the rank's first process) parsed from a snapshot's file name."""
     m = _SNAP_RE.match(path.name)
@@ -330,9 +261,5 @@ def load_run(path: str | Path, *, progress: bool = False) -> Run:
     if p.is_dir():
         if (p / schema.META_FILE).exists():
             return _load_run_dir(p, progress)
-        from .importers import import_dir
-
         return import_dir(p, progress=progress)
-    from .importers import import_file
-
     return import_file(p, progress=progress)

@@ -1,0 +1,86 @@
+"""``Run``: a run opened for reading (a recorder run directory or an imported foreign log).
+
+Both readers (``run_dir`` and ``logs``) build one; the report reads only this.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from recorders import schema
+
+from .._terminal import escape_controls
+
+__all__ = ["Run", "progress_line", "step_frame"]
+
+
+@dataclass
+class Run:
+    """A run opened for reading. ``steps``/``layers`` are lazy; ``meta`` is rank 0's meta.json.
+
+    Attributes:
+        path: the directory or file given.
+        source_format: ``"amp-autopsy"`` or the importer's name (``"hf_trainer_state"``, ...).
+        meta: rank 0's meta (synthesised for imported logs: amp_dtype, scaler, params may be empty).
+        metas: meta per rank.
+        steps: LazyFrame with ``schema.STEP_COLUMNS`` (plus ``n_iter``/``n_skipped`` for logs
+            whose rows cover several iterations).
+        layers: LazyFrame with ``schema.LAYER_COLUMNS``, or None when the source has no layer table.
+        params: parameter names in model order (``layer`` indexes this list).
+        numels: element count per parameter, or None where unknown.
+        snapshots: snapshot files, sorted by step.
+        notes: caveats the report must repeat (partial run, what an imported log lacks,
+            several processes that wrote one rank).
+        partial: True when the run was cut short (killed process, missing parts).
+        writers: for each rank in the frames that is not a real rank: ``(rank, writer)``, the
+            rank an extra process also claimed and its writer number. Its steps keep their own
+            stream (this rank number in the frames), so they never mix with the first writer's.
+    """
+
+    path: Path
+    source_format: str
+    meta: dict[str, Any]
+    metas: dict[int, dict[str, Any]]
+    steps: pl.LazyFrame
+    layers: pl.LazyFrame | None
+    params: list[str] = field(default_factory=list)
+    numels: list[int | None] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    partial: bool = False
+    writers: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def amp_dtype(self) -> str | None:
+        return schema.dtype_name(self.meta.get("amp_dtype"))
+
+    @property
+    def growth_interval(self) -> int:
+        """GradScaler growth interval from the scaler config (2000, torch's default, if unknown)."""
+        scaler = self.meta.get("scaler") or {}
+        try:
+            return max(1, int(scaler.get("growth_interval", 2000)))
+        except (TypeError, ValueError):
+            return 2000
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.metas) or [0]
+
+
+def progress_line(enabled: bool, text: str) -> None:
+    if enabled:
+        print(f"[amp-autopsy] {escape_controls(text)}", file=sys.stderr, flush=True)
+
+
+def step_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """Give an imported frame every ``STEP_COLUMNS`` column (nulls where unknown), schema dtypes."""
+    out = []
+    for c, t in schema.STEP_COLUMNS.items():
+        out.append(pl.col(c).cast(t, strict=False) if c in df.columns else pl.lit(None, dtype=t).alias(c))
+    extra = [pl.col(c) for c in ("n_iter", "n_skipped") if c in df.columns]
+    return df.select(out + extra).sort("rank", "step")
