@@ -117,9 +117,9 @@ if [[ $DRY == 1 ]]; then
       [[ $n -gt 0 ]] || { echo "     MISSING: no cuda-marked test was collected"; problems=$((problems + 1)); }
     fi
     if [[ ${KEYS[$i]} == replay_devices ]]; then
-      echo "     which runs, per sample (trainings on CPU side by side, then both replays):"
+      echo "     which runs, per sample (samples side by side; each trains on CPU, then replays on cpu and cuda):"
       "$PY" bench/replay_devices.py --device cuda --work "$WORK/samples" --dry-run | sed 's/^/       /'
-      rhelp=$("$PY" -m analyzer.cli replay --help 2>&1)
+      rhelp=$("$PY" -c "from analyzer.cli import main; main(prog_name='analyzer')" replay --help 2>&1)
       for opt in --device --json; do
         grep -q -- "$opt" <<< "$rhelp" || { echo "     MISSING: analyzer replay has no option $opt"; problems=$((problems + 1)); }
       done

@@ -5,7 +5,8 @@ does, into ``--work/NAME``; then ``analyzer replay SNAPSHOT --json`` runs on its
 once with ``--device cpu`` and once with ``--device DEVICE`` (cuda by default). Both answers are
 printed side by side. They may legitimately differ: CUDA autocast runs softmax, log_softmax and
 layer_norm in FP32 where CPU autocast keeps FP16, so a row that differs is a finding to read,
-not necessarily a bug. Trainings run in parallel (one thread each), then the replays.
+not necessarily a bug. Samples run side by side (one thread per process): each trains, then
+replays on cpu, then on DEVICE.
 
     python bench/replay_devices.py                          # every sample, cuda against cpu
     python bench/replay_devices.py --samples bf16_nan,healthy
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,8 @@ def discover_samples(root: Path = ROOT) -> list[str]:
 
 
 def _analyzer() -> list[str]:
-    return [sys.executable, "-m", "analyzer.cli"]
+    """The ``analyzer`` command of this interpreter's environment (as its console script runs it)."""
+    return [sys.executable, "-c", "from analyzer.cli import main; main(prog_name=\"analyzer\")"]
 
 
 def _env() -> dict[str, str]:
@@ -159,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             for n in names:
                 if n not in given:
-                    print(" ".join(_train_cmd(n, runs[n])))
+                    print(shlex.join(_train_cmd(n, runs[n])))
                 for dev in ("cpu", args.device):
-                    print(" ".join(_replay_cmd(runs[n] / "snapshots" / "<first snapshot>", dev)))
+                    print(shlex.join(_replay_cmd(runs[n] / "snapshots" / "<first snapshot>", dev)))
             return 0
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             results = list(pool.map(lambda n: _one(n, runs[n], n not in given, args.device, args.timeout), names))
