@@ -160,7 +160,7 @@ for i in "${!KEYS[@]}"; do
   if [[ $key == cuda_tests ]]; then
     result=FAIL
     if [[ $rc == 0 ]] && grep -q ' passed' <<< "$last" && ! grep -Eq 'skipped|failed|error' <<< "$last"; then result=PASS; fi
-    [[ $rc == 0 || $rc == 1 ]] || last="step $why: $last"  # pytest: 1 is failed tests, anything else is worse
+    [[ $rc == 0 || $rc == 1 ]] || last="step $why${last:+: $last}"  # pytest: 1 is failed tests, anything else is worse
     echo "| ${NAMES[$i]} | ${last:-no output} | ${TARGETS[$i]} | $result |" >> "$ROWS"
   elif [[ $rc != 0 ]]; then
     echo "| ${NAMES[$i]} | step $why: ${last:-no output} | ${TARGETS[$i]} | FAIL |" >> "$ROWS"
