@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WIDTH", "BATCH", "build_model", "mse_loss", "batch_for", "train_rank"]
+__all__ = ["WIDTH", "BATCH", "build_model", "mse_loss", "batch_for", "train_rank", "train_unwrapped"]
 
 WIDTH = 8
 BATCH = 4
@@ -41,8 +41,9 @@ def batch_for(rank: int, step: int, *, nan_rank: int, nan_step: int) -> dict:
 
 
 def train_rank(rank: int, world_size: int, port: int, runs: dict[str, bool], steps: int,
-               nan_rank: int, nan_step: int) -> None:
-    """Join the gloo group, then train one run per ``runs`` entry (run_dir -> sync_failures).
+               nan_rank: int, nan_step: int, unwrapped: dict[str, bool] | None = None) -> None:
+    """Join the gloo group, then train one run per ``runs`` entry (run_dir -> sync_failures),
+    then one per ``unwrapped`` entry (``train_unwrapped``), in the same group: one spawn for all.
 
     FP16 autocast with a GradScaler: the all-reduced NaN gradient only makes the other ranks
     *skip* the step (not a failure by itself), so without ``sync_failures`` only the NaN rank
@@ -75,6 +76,26 @@ def train_rank(rank: int, world_size: int, port: int, runs: dict[str, bool], ste
                     scaler.update()
                     opt.zero_grad(set_to_none=True)
             dist.barrier()
+        for run_dir, sync in (unwrapped or {}).items():
+            train_unwrapped(rank, run_dir, sync)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
+
+def train_unwrapped(rank: int, run_dir: str, sync: bool) -> None:
+    """A plain FP32 MLP per rank, no DDP and no scaler, an inf in rank 1's target at step 2 of 4.
+
+    Nothing is all-reduced, so only rank 1 fails: what ``sync_failures`` adds is then visible on
+    its own, and rank 1's NaN weights (SGD applied the NaN gradient) keep failing after step 2.
+    """
+    from recorders import Recorder
+    from tests.recorders.models import batches, build_mlp, train
+
+    model = build_mlp()
+    data = batches(4, seed=rank + 1)
+    if rank == 1:
+        data[2]["y"][0, 0] = float("inf")  # only rank 1 fails, at step 2
+    with Recorder(run_dir, model, factory="tests.recorders.models:build_mlp",
+                  loss_fn="tests.recorders.models:mse_loss", sync_failures=sync) as rec:
+        train(model, data, rec=rec)

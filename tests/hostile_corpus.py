@@ -22,12 +22,12 @@ import torch
 from recorders import schema
 from recorders.snapshot import build_snapshot, write_snapshot
 
-from .analyzer.report_models import Script, make_meta
+from .analyzer.report.report_models import Script, make_meta
 
 __all__ = ["CASES", "ESC", "snapshot_dict", "snapshot_case", "deep_pickle", "rezip", "zip_bomb", "run_dir"]
 
 ESC = "\x1b[2J\x1b]0;pwned\x07"  # clear screen + set the window title (OSC)
-_REF = "tests.analyzer.replay_models"
+_REF = "tests.analyzer.replay.replay_models"
 
 
 def snapshot_dict(**overrides) -> dict:

@@ -1,7 +1,9 @@
-"""Two real processes, DDP over gloo on CPU, a Recorder in each rank, a NaN in rank 1's batch.
+"""Two real processes over gloo on CPU, a Recorder in each rank: the one distributed test file.
 
-One spawn trains two runs in the same process group: ``plain`` (default) and ``synced``
-(``sync_failures=True``), to keep the test under ~30 s on a small machine.
+One spawn trains every run in the same process group, to keep the file under ~30 s on a small
+machine: DDP with FP16 autocast and a NaN in rank 1's batch, ``plain`` (default) and ``synced``
+(``sync_failures=True``); then an unwrapped FP32 MLP per rank with an inf in rank 1's target,
+``unwrapped`` and ``unwrapped_synced`` (``dist_worker.train_unwrapped``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from click.testing import CliRunner
 
+from analyzer.load import load_snapshot
 from recorders import schema
 
 from . import dist_worker
@@ -36,8 +39,10 @@ def _free_port() -> int:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     plain, synced = root / "plain", root / "synced"
+    # NB: spawn, not fork: forked children hung in gloo after other tests had run in the parent.
     mp.spawn(dist_worker.train_rank,
-             args=(WORLD, _free_port(), {str(plain): False, str(synced): True}, STEPS, NAN_RANK, NAN_STEP),
+             args=(WORLD, _free_port(), {str(plain): False, str(synced): True}, STEPS, NAN_RANK, NAN_STEP,
+                   {str(root / "unwrapped"): False, str(root / "unwrapped_synced"): True}),
              nprocs=WORLD, join=True)
     return plain, synced
 
@@ -137,3 +142,30 @@ def test_replay_of_rank_0s_synced_snapshot_is_healthy(runs):
     path = synced / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "peer_failure")
     # Rank 0's local forward and backward were finite: the NaN came in through the all-reduce.
     assert replay_snapshot(str(path), device="cpu").to_dict()["verdict"] == "healthy"
+
+
+# ---------------------------------------------------------------- unwrapped runs: no DDP, no scaler
+def test_each_rank_of_an_unwrapped_run_writes_its_own_meta_parts_and_rows(runs):
+    run = runs[0].parent / "unwrapped"
+    assert json.loads((run / "meta.json").read_text())["rank"] == 0
+    meta1 = json.loads((run / schema.meta_name(1)).read_text())
+    assert (meta1["rank"], meta1["world_size"]) == (1, 2)
+    assert sorted(p.name for p in (run / "trace").glob(schema.STEPS_GLOB)) == [
+        schema.part_name("steps", 0, 0), schema.part_name("steps", 1, 0), schema.part_name("steps", 1, 1)]
+    steps = pl.read_parquet(run / "trace" / schema.STEPS_GLOB)
+    assert steps.group_by("rank").len().sort("rank").rows() == [(0, 4), (1, 4)]
+    layers = pl.read_parquet(run / "trace" / schema.LAYERS_GLOB)
+    assert sorted(layers["rank"].unique().to_list()) == [0, 1]
+
+
+def test_without_sync_failures_only_the_failing_unwrapped_rank_snapshots(runs):
+    assert _snapshots(runs[0].parent / "unwrapped") == [schema.snapshot_name(2, 1, "nonfinite_loss")]
+
+
+def test_with_sync_failures_every_unwrapped_rank_snapshots_the_failing_step_and_it_loads(runs):
+    synced = runs[0].parent / "unwrapped_synced"
+    names = _snapshots(synced)
+    # rank 1 stays NaN after step 2 (SGD applied its NaN gradients): one stretch, one snapshot each
+    assert names == [schema.snapshot_name(2, 0, "peer_failure"), schema.snapshot_name(2, 1, "nonfinite_loss")]
+    snap = load_snapshot(synced / schema.SNAPSHOT_DIR / names[0])
+    assert (snap["rank"], snap["world_size"], snap["step"]) == (0, 2, 2)

@@ -296,7 +296,7 @@ def test_any_snapshot_field_value_gives_one_error_line(tmp_path_factory, key, va
 @given(col=st.sampled_from(sorted(schema.STEP_COLUMNS)),
        dtype=st.sampled_from([pl.String, pl.Boolean, pl.Float32, pl.Int8, pl.UInt64, pl.Null]))
 def test_any_column_type_in_a_part_gives_a_report_or_one_error_line(tmp_path_factory, col, dtype):
-    from .analyzer.report_models import Script
+    from .analyzer.report.report_models import Script
 
     df = Script(n=20).steps_frame()
     try:

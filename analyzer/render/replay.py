@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..replay._origin import compute_roots
+from ..replay._origin import op_roots
 from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay"]
@@ -121,7 +121,7 @@ def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
     series = []
     for p, trace in result.traces.items():
         xs, ys, bad = [], [], []
-        roots = compute_roots(trace)
+        roots = op_roots(trace)  # kept on the trace by the replay's origin analysis
         for rec in trace.records:
             v = _mx([trace.absmax[s] for s in rec.outputs])
             if v is None:

@@ -51,7 +51,14 @@ def input_kind(run: RunTrace, rec: _OpRecord) -> int:
     return max((run.kind(s) for s, _ in rec.inputs), default=0)
 
 
-def compute_roots(run: RunTrace) -> list[Root | None]:
+def op_roots(run: RunTrace) -> list[Root | None]:
+    """Per op of `run`, the op its non-finite output comes from (None: finite), kept on the trace."""
+    if run.roots is None:
+        run.roots = _compute_roots(run)
+    return run.roots
+
+
+def _compute_roots(run: RunTrace) -> list[Root | None]:
     roots: list[Root | None] = []
     for rec in run.records:
         out_k = op_kind(run, rec)
@@ -79,7 +86,7 @@ def find_origin(run: RunTrace) -> Origin | None:
     """The origin of `run`'s failure, or None when the run is finite."""
     if run.finite:
         return None
-    roots = compute_roots(run)
+    roots = op_roots(run)
     recs = run.records
     symptom = None
     if not run.forward_finite:

@@ -42,6 +42,9 @@ class RunTrace:
     emulated_cuda_ops: int = 0
     captured: tuple[Any, Any] | None = None
     buffers_read: set[str] | None = None  # of the watched buffers, those the step reads (None: none watched)
+    # Per op, where its non-finite output came from (``_origin.op_roots``): worked out once, by the
+    # origin analysis, and read again by the plot, which must not redo the analysis.
+    roots: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def forward_finite(self) -> bool:

@@ -1,4 +1,4 @@
-"""``analyzer report``: findings on a run's trace, rendered as text, JSON, PNG plots and HTML.
+"""``analyzer report``: build a ``Report`` (findings on a run's trace); ``analyzer.render`` draws it as text, PNG, HTML.
 
 ``build_report`` opens the run lazily (``analyzer.load``), aggregates it with streaming polars
 queries (``analyzer.report.checks.frames``), runs every registered check and returns a ``Report``.

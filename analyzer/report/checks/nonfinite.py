@@ -6,7 +6,7 @@ FP32, FP16 without a scaler), or when the scaler did not skip the step, the opti
 NaN/Inf and poisons the weights: the loss goes non-finite one step later, and a report that only
 named that later ``nonfinite_loss`` would point at the wrong step.
 
-Real output (``tests/analyzer/report_models.build_sqrt_norm``, BF16, a batch whose first row
+Real output (``tests/analyzer/report/report_models.build_sqrt_norm``, BF16, a batch whose first row
 is all zeros at step 12: ``sqrt`` of a zero sum of squares has an infinite derivative)::
 
     Verdict: FAILED: the gradients of 1 parameter(s) went non-finite at step 12 while the loss

@@ -5,7 +5,7 @@ GradScaler halves the scale on every step whose gradients overflow and doubles i
 settles where about one step per growth interval overflows, after a few skips at the start
 (65536 is above FP16's max of 65504, so the first backward often overflows).
 
-Real output (``tests/analyzer/report_models.build_attn``: attention logits not divided by
+Real output (``tests/analyzer/report/report_models.build_attn``: attention logits not divided by
 sqrt(d), FP16, Adam at lr=1.0, 50 steps)::
 
     scale_collapse @ step 1: the loss scale fell from 65536 to 1.49e-08 in 16 backoffs and never

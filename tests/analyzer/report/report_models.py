@@ -126,8 +126,8 @@ def make_meta(rank, world_size, amp_dtype, scaler, params) -> dict:
     return {"format": schema.META_FORMAT, "format_version": schema.FORMAT_VERSION, "torch_version": "2.13.0",
             "amp_autopsy_version": "0.1.0", "created": 1.7e9, "host": "test", "pid": 1, "rank": rank,
             "world_size": world_size, "device_type": "cpu", "amp_dtype": amp_dtype, "scaler": scaler,
-            "params": params, "buffers": [], "factory": "tests.analyzer.report_models:build_small_mlp",
-            "factory_kwargs": {}, "loss_fn": "tests.analyzer.report_models:mlp_loss", "layer_every": 1,
+            "params": params, "buffers": [], "factory": "tests.analyzer.report.report_models:build_small_mlp",
+            "factory_kwargs": {}, "loss_fn": "tests.analyzer.report.report_models:mlp_loss", "layer_every": 1,
             "flush_every": 50}
 
 

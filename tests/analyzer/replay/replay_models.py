@@ -1,7 +1,7 @@
 """Tiny CPU models that fail in known ways, their loss functions, and a real recorded step.
 
 Each scenario is a factory ``build_*(**kwargs) -> nn.Module`` and a loss ``loss(model, batch)``
-importable as ``tests.analyzer.replay_models:NAME``, which is what the recorder stores and the
+importable as ``tests.analyzer.replay.replay_models:NAME``, which is what the recorder stores and the
 replay resolves. ``record_step`` runs one real training step with the ``Recorder`` (autocast,
 GradScaler) and returns the snapshot it wrote.
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from recorders import Recorder
 
-REF = "tests.analyzer.replay_models"
+REF = "tests.analyzer.replay.replay_models"
 
 
 # -- attention whose logits are not divided by sqrt(d): FP16 overflow -------------------------

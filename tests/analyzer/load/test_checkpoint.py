@@ -16,7 +16,7 @@ from analyzer.cli import main
 from analyzer.errors import BadInputError
 from analyzer.inspect import inspect_checkpoints
 
-from .inspect_values import STAT_FIELDS, expected
+from ..inspect.inspect_values import STAT_FIELDS, expected
 
 
 def _safetensors(header: dict, data: bytes = b"") -> bytes:

@@ -26,8 +26,8 @@ def _snapshot(tmp_path, **overrides):
     snap = build_snapshot(
         step=3, reason="manual", model=model, batch={"x": torch.randn(2, 4)},
         rng={"cpu": torch.get_rng_state(), "cuda": None},
-        factory="tests.analyzer.test_loaders:build_linear", factory_kwargs={"d": 4},
-        loss_fn="tests.analyzer.test_loaders:linear_loss", amp_dtype=torch.float16, device_type="cpu",
+        factory="tests.analyzer.load.test_snapshot:build_linear", factory_kwargs={"d": 4},
+        loss_fn="tests.analyzer.load.test_snapshot:linear_loss", amp_dtype=torch.float16, device_type="cpu",
         scale=65536.0,
     )
     snap.update(overrides)
@@ -106,7 +106,7 @@ def test_factory_references_into_the_stdlib_builtins_or_torch_are_refused(ref):
         resolve_ref(ref)
 
 
-@pytest.mark.parametrize("ref", ["no_such_pkg_xyz.models:build", "tests.analyzer.test_loaders:nope", "nocolon"])
+@pytest.mark.parametrize("ref", ["no_such_pkg_xyz.models:build", "tests.analyzer.load.test_snapshot:nope", "nocolon"])
 def test_unimportable_factories_name_the_factory_option(ref):
     with pytest.raises(FactoryError, match="--factory"):
         resolve_ref(ref)

@@ -159,7 +159,7 @@ def test_a_loss_fn_that_returns_a_non_scalar_is_a_one_line_error(tmp_path):
 
 def test_a_loss_fn_that_raises_is_a_one_line_error_naming_the_exception(tmp_path):
     line = _one_line_error(_invoke(_snapshot(tmp_path, loss_fn=f"{rm.REF}:build_mlp")))  # wrong signature
-    assert "loss_fn 'tests.analyzer.replay_models:build_mlp' raised TypeError" in line
+    assert "loss_fn 'tests.analyzer.replay.replay_models:build_mlp' raised TypeError" in line
 
 
 def test_a_snapshot_without_rng_state_is_a_bad_input(tmp_path):

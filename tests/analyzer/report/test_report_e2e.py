@@ -30,7 +30,7 @@ def attn_run(tmp_path_factory):
     # by step ~30 and at 1e-7 by step 45)
     kw = dict(vocab=16, d=32, gain=1.0)
     return rm.train_recorded(tmp_path_factory.mktemp("attn") / "run", model=rm.build_attn(**kw),
-                             factory="tests.analyzer.report_models:build_attn", factory_kwargs=kw,
+                             factory="tests.analyzer.report.report_models:build_attn", factory_kwargs=kw,
                              loss_fn=rm.attn_loss, steps=50, amp_dtype=torch.float16, lr=1.0, kind="tokens")
 
 
@@ -47,7 +47,7 @@ def test_fp16_attention_overflow_gives_scale_collapse_and_names_the_snapshot(att
 def test_deep_sigmoid_mlp_with_small_init_names_the_early_layers(tmp_path):
     kw = dict(depth=10, width=16, init_std=0.02)
     run = rm.train_recorded(tmp_path / "run", model=rm.build_sigmoid_mlp(**kw),
-                            factory="tests.analyzer.report_models:build_sigmoid_mlp", factory_kwargs=kw,
+                            factory="tests.analyzer.report.report_models:build_sigmoid_mlp", factory_kwargs=kw,
                             loss_fn=rm.mlp_loss, steps=40, amp_dtype=torch.float16, lr=1e-3)
     rep = build_report(run)
     f = next(f for f in rep.findings if f.check == "stalled_layers")
@@ -61,7 +61,7 @@ def test_deep_sigmoid_mlp_with_small_init_names_the_early_layers(tmp_path):
 def test_loss_outside_autocast_gives_low_precision_loss(tmp_path):
     kw = dict(width=16)
     run = rm.train_recorded(tmp_path / "run", model=rm.build_small_mlp(**kw),
-                            factory="tests.analyzer.report_models:build_small_mlp", factory_kwargs=kw,
+                            factory="tests.analyzer.report.report_models:build_small_mlp", factory_kwargs=kw,
                             loss_fn=rm.mlp_loss, steps=30, amp_dtype=torch.float16, lr=1e-3,
                             outside_autocast=True)
     rep = build_report(run)
@@ -72,7 +72,7 @@ def test_loss_outside_autocast_gives_low_precision_loss(tmp_path):
 def test_a_bias_before_batchnorm_is_reported_as_redundant_not_as_a_stall(tmp_path):
     kw = dict(width=16)
     run = rm.train_recorded(tmp_path / "run", model=rm.build_bn_mlp(**kw),
-                            factory="tests.analyzer.report_models:build_bn_mlp", factory_kwargs=kw,
+                            factory="tests.analyzer.report.report_models:build_bn_mlp", factory_kwargs=kw,
                             loss_fn=rm.mlp_loss, steps=60, amp_dtype=None, lr=3e-3)
     rep = build_report(run)
     assert not _checks(rep, "error", "warning"), [f.message for f in rep.findings]
@@ -86,7 +86,7 @@ def test_a_bias_before_batchnorm_is_reported_as_redundant_not_as_a_stall(tmp_pat
 def test_healthy_recorded_run_has_no_errors_or_warnings(tmp_path, amp):
     kw = dict(width=16)
     run = rm.train_recorded(tmp_path / "run", model=rm.build_small_mlp(**kw),
-                            factory="tests.analyzer.report_models:build_small_mlp", factory_kwargs=kw,
+                            factory="tests.analyzer.report.report_models:build_small_mlp", factory_kwargs=kw,
                             loss_fn=rm.mlp_loss, steps=120, amp_dtype=amp, lr=3e-3)
     rep = build_report(run)
     assert not _checks(rep, "error", "warning"), [f.message for f in rep.findings]
@@ -98,7 +98,7 @@ def test_healthy_recorded_run_has_no_errors_or_warnings(tmp_path, amp):
 # 1e30 that no FP16 kernel can hold, an identity design matrix, a loss weight falling 9 decades),
 # so the same steps come out under ATEN_CPU_CAPABILITY=default, avx2 and avx512. Session-scoped:
 # each run is trained once however many tests read it.
-_R = "tests.analyzer.report_models:"
+_R = "tests.analyzer.report.report_models:"
 
 
 @pytest.fixture(scope="session")
@@ -255,7 +255,7 @@ def _ddp_worker(rank: int, world: int, init: str, run_dir: str, nan_step: int) -
         model = DDP(rm.build_small_mlp(16))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)
-        with Recorder(run_dir, model, factory="tests.analyzer.report_models:build_small_mlp",
+        with Recorder(run_dir, model, factory="tests.analyzer.report.report_models:build_small_mlp",
                       factory_kwargs={"width": 16}, loss_fn=rm.mlp_loss, amp_dtype=torch.bfloat16,
                       optimizer=opt, flush_every=5) as rec:
             for step in range(nan_step + 4):
@@ -280,7 +280,7 @@ def test_two_gloo_ranks_report_names_the_rank_and_step_of_the_first_nan(tmp_path
 
     run = tmp_path / "ddp"
     init = f"file://{tmp_path / 'rendezvous'}"
-    root = str(Path(__file__).resolve().parents[2])  # spawned workers import this test module by name
+    root = str(Path(__file__).resolve().parents[3])  # spawned workers import this test module by name
     monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     mp.spawn(_ddp_worker, args=(2, init, str(run), 6), nprocs=2, join=True)
     rep = build_report(run)

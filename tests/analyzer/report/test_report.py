@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from analyzer.render import render_report_text, write_html, write_plots
+from analyzer.render import render_report_text
 from analyzer.report import build_report
 
 from .report_models import Script
@@ -68,24 +68,6 @@ def test_text_starts_with_a_verdict_then_findings_by_severity(tmp_path):
 def test_healthy_text_says_healthy(tmp_path):
     rep = build_report(Script().write(tmp_path / "run"))
     assert render_report_text(rep).splitlines()[1] == "Verdict: healthy: no errors or warnings over 400 steps"
-
-
-def test_plots_are_four_readable_pngs_and_html_embeds_them(tmp_path):
-    import matplotlib.image as mpimg
-
-    s = Script()
-    s.lg[:, 4:6] = -14
-    s.loss[350:] = np.nan
-    rep = build_report(s.write(tmp_path / "run"))
-    paths = write_plots(rep, tmp_path / "plots")
-    assert [p.name for p in paths] == ["loss_scale.png", "grad_heatmap.png", "stalled_fraction.png",
-                                       "grad_vs_depth.png"]
-    for p in paths:
-        img = mpimg.imread(p)
-        assert img.shape[0] > 300 and img.shape[1] > 800 and img.std() > 0.01  # a real picture
-    page = write_html(rep, tmp_path / "r.html").read_text()
-    assert page.count("src='data:image/png;base64,") == 4 and "http" not in page
-    assert "nonfinite_loss" in page and "stalled_layers" in page
 
 
 def test_report_never_modifies_its_input(tmp_path):
@@ -197,15 +179,6 @@ def test_progress_goes_to_stderr(tmp_path, capsys):
     build_report(Script(n=50).write(tmp_path / "run"), progress=True)
     err = capsys.readouterr().err
     assert "checking 4 trace parts" in err and "aggregating per-layer gradient norms" in err
-
-
-def test_imported_log_reports_without_layer_plots(tmp_path):
-    path = tmp_path / "log.jsonl"
-    path.write_text("".join(json.dumps({"step": i, "loss": 2.0 if i != 30 else math.inf, "loss_scale": 1024})
-                            + "\n" for i in range(60)))
-    rep = build_report(path)
-    assert rep.source_format == "jsonl" and [p.name for p in write_plots(rep, tmp_path / "p")] == ["loss_scale.png"]
-    assert any("no per-layer gradient norms" in n for n in rep.notes)
 
 
 def test_a_reused_run_directory_uses_the_latest_row_of_each_step_and_says_so(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from analyzer.replay._attribution import _ForwardTagMode, attach_module_hooks
 from analyzer.replay._mode import _OpStatsMode
-from analyzer.replay._origin import align, compute_roots, find_origin
+from analyzer.replay._origin import align, find_origin, op_roots
 from analyzer.replay._runs import ReplayContext, run_once
 from analyzer.replay._shadow import shadow
 
@@ -95,7 +95,7 @@ def test_a_partly_masked_attention_with_minus_inf_is_healthy_and_has_no_origin()
     mask = torch.tril(torch.ones(8, 8, dtype=torch.bool)).expand(2, 8, 8)  # causal: never a full row
     run = run_once(_ctx("build_attention", "attention_mse", _attention_batch(mask), d=8, scaled=True),
                    "float32", 1.0)
-    roots = compute_roots(run)
+    roots = op_roots(run)
     masked = next(r for r in run.records if r.name == "aten.masked_fill")
     assert roots[masked.index].literal  # the -inf is written on purpose
     assert run.finite and find_origin(run) is None

@@ -13,7 +13,7 @@ from analyzer.report import build_report
 from analyzer.load import load_run
 from recorders import schema
 
-from .report_models import Script
+from ..report.report_models import Script
 
 
 @pytest.fixture
