@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from recorders import schema
-from samples._common import one_thread
 
 from .errors import AnalyzerError
+from .load import samples_package
 
 if TYPE_CHECKING:
     from .replay import ReplayResult
@@ -87,7 +86,8 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     from .replay import replay_snapshot
     from .report import build_report
 
-    module = importlib.import_module(f"samples.{scenario}")
+    module = importlib.import_module(f"{samples_package()}.{scenario}")
+    one_thread = importlib.import_module(f"{module.__package__}._common").one_thread
     out = Path(out_dir)
     run_dir = out / scenario
     _clear_previous_run(run_dir)
@@ -144,3 +144,4 @@ def _clear_previous_run(run_dir: Path) -> None:
         raise AnalyzerError("exists and is not an amp-autopsy run directory; the demo will not overwrite it",
                             path=run_dir, fix="pass another --out")
     shutil.rmtree(run_dir)
+

@@ -233,7 +233,8 @@ REFUSED_MODULES = frozenset(_sys.stdlib_module_names) | frozenset(_sys.builtin_m
 # framework builders and the bundled samples' models and losses (``analyzer demo`` replays them).
 # NB: only modules of builders and models. The scenario modules (``samples.healthy`` ...) define
 # ``run(out_dir)``, which trains and writes files: a snapshot must not be able to call it.
-OWN_MODULES = ("recorders.integrations.hf", "recorders.integrations.lightning", "samples.models")
+OWN_MODULES = ("recorders.integrations.hf", "recorders.integrations.lightning", "samples.models",
+               "amp_autopsy_samples.models")  # the samples in a checkout, and as a wheel installs them
 
 # Built-in builders' class arguments: builder ref -> (kwarg name, base class ref, libraries the
 # class may also come from). The class must subclass the base and be defined where it says.

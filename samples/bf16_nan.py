@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, main, teacher_batches, train
+from . import models
+from ._common import Progress, main, teacher_batches, train
 
 __all__ = ["run", "STEPS", "BAD_STEP", "MLP_KWARGS"]
 
@@ -47,7 +47,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_mlp(**MLP_KWARGS)
     return train(
-        out_dir, name="bf16_nan", model=model, factory="samples.models:build_mlp", factory_kwargs=MLP_KWARGS,
+        out_dir, name="bf16_nan", model=model, factory=f"{models.__name__}:build_mlp", factory_kwargs=MLP_KWARGS,
         loss_fn=models.mlp_loss, batches=_batches(seed), steps=steps or STEPS,
         amp_dtype=torch.bfloat16, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
         use_scaler=False, progress=progress,

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, main, train
+from . import models
+from ._common import Progress, main, train
 
 __all__ = ["run", "STEPS", "FIRST_NAN_STEP", "CNN_KWARGS"]
 
@@ -65,7 +65,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_cnn(**CNN_KWARGS)
     return train(
-        out_dir, name="custom_op_outside_autocast", model=model, factory="samples.models:build_cnn",
+        out_dir, name="custom_op_outside_autocast", model=model, factory=f"{models.__name__}:build_cnn",
         factory_kwargs=CNN_KWARGS, loss_fn=models.cnn_loss, batches=_batches(seed), steps=steps or STEPS,
         amp_dtype=torch.float16, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
         use_scaler=True, progress=progress,

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from samples import models
-from samples._common import Progress, gpt_batches, main, train
+from . import models
+from ._common import Progress, gpt_batches, main, train
 
 __all__ = ["run", "temperature", "STEPS", "BAD_STEP", "TAU_FINAL", "INIT_SCALE", "GPT_KWARGS"]
 
@@ -70,7 +70,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     model = models.build_gpt(**GPT_KWARGS)
     return train(
         out_dir, name="fp16_attention_overflow" if amp == "fp16" else "fp16_attention_overflow (bf16)",
-        model=model, factory="samples.models:build_gpt", factory_kwargs=GPT_KWARGS,
+        model=model, factory=f"{models.__name__}:build_gpt", factory_kwargs=GPT_KWARGS,
         loss_fn=models.gpt_loss,
         batches=gpt_batches(vocab_size=32, block_size=16, batch_size=16, seed=seed),
         steps=steps or STEPS, amp_dtype=amp_dtype,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, gpt_batches, main, train
+from . import models
+from ._common import Progress, gpt_batches, main, train
 
 __all__ = ["run", "STEPS", "GPT_KWARGS"]
 
@@ -33,7 +33,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_gpt(**GPT_KWARGS)
     return train(
-        out_dir, name="healthy", model=model, factory="samples.models:build_gpt", factory_kwargs=GPT_KWARGS,
+        out_dir, name="healthy", model=model, factory=f"{models.__name__}:build_gpt", factory_kwargs=GPT_KWARGS,
         loss_fn=models.gpt_loss, batches=gpt_batches(vocab_size=32, block_size=16, batch_size=16, seed=seed),
         steps=steps or STEPS, amp_dtype=torch.float16,
         optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, main, teacher_batches, teacher_weights, train
+from . import models
+from ._common import Progress, main, teacher_batches, teacher_weights, train
 
 __all__ = ["run", "STEPS", "BAD_STEP", "MLP_KWARGS"]
 
@@ -52,7 +52,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_mlp(**MLP_KWARGS)
     return train(
-        out_dir, name="log_zero", model=model, factory="samples.models:build_mlp", factory_kwargs=MLP_KWARGS,
+        out_dir, name="log_zero", model=model, factory=f"{models.__name__}:build_mlp", factory_kwargs=MLP_KWARGS,
         loss_fn=models.mlp_nll_loss, batches=_batches(seed), steps=steps or STEPS,
         amp_dtype=torch.float16, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
         use_scaler=True, progress=progress,

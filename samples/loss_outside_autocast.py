@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from samples import models
-from samples._common import Progress, gpt_batches, main, train
+from . import models
+from ._common import Progress, gpt_batches, main, train
 
 __all__ = ["run", "STEPS", "GPT_KWARGS"]
 
@@ -42,7 +42,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_gpt(**GPT_KWARGS)
     return train(
-        out_dir, name="loss_outside_autocast", model=model, factory="samples.models:build_gpt",
+        out_dir, name="loss_outside_autocast", model=model, factory=f"{models.__name__}:build_gpt",
         factory_kwargs=GPT_KWARGS, loss_fn=models.gpt_loss,
         batches=gpt_batches(vocab_size=32, block_size=16, batch_size=16, seed=seed),
         steps=steps or STEPS, amp_dtype=torch.float16,

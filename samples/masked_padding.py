@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, gpt_batches, main, train
+from . import models
+from ._common import Progress, gpt_batches, main, train
 
 __all__ = ["run", "STEPS", "BAD_STEP", "GPT_KWARGS"]
 
@@ -50,7 +50,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_gpt(**GPT_KWARGS)
     return train(
-        out_dir, name="masked_padding", model=model, factory="samples.models:build_gpt", factory_kwargs=GPT_KWARGS,
+        out_dir, name="masked_padding", model=model, factory=f"{models.__name__}:build_gpt", factory_kwargs=GPT_KWARGS,
         loss_fn=models.gpt_masked_loss, batches=_batches(seed), steps=steps or STEPS,
         amp_dtype=torch.float16, optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),
         use_scaler=True, progress=progress,

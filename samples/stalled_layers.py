@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from samples import models
-from samples._common import Progress, main, teacher_batches, train
+from . import models
+from ._common import Progress, main, teacher_batches, train
 
 __all__ = ["run", "STEPS", "MLP_KWARGS"]
 
@@ -35,7 +35,7 @@ def run(out_dir: str | Path, steps: int | None = None, progress: Progress | None
     torch.manual_seed(seed)
     model = models.build_mlp(**MLP_KWARGS)
     return train(
-        out_dir, name="stalled_layers", model=model, factory="samples.models:build_mlp",
+        out_dir, name="stalled_layers", model=model, factory=f"{models.__name__}:build_mlp",
         factory_kwargs=MLP_KWARGS, loss_fn=models.mlp_loss,
         batches=teacher_batches(in_features=16, n_classes=4, batch_size=64, seed=seed),
         steps=steps or STEPS, amp_dtype=torch.float16,

@@ -1,10 +1,13 @@
 """Packaging contracts: what `recorders` may import, the CLI entry point, CI == README test command."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +49,72 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert test_cmd.startswith("python -m pytest")
     ci_lines = [line.strip() for line in ci.splitlines()]
     assert test_cmd in ci_lines, f"CI must run the README test command {test_cmd!r} verbatim"
+
+
+def _wheel_env(tmp: Path) -> tuple[Path, dict]:
+    """Build the wheel from a copy of the sources, unpack it, and return (site dir, environment).
+
+    The environment runs Python with ``-S`` (no ``.pth`` files: not the development install's
+    path hooks) on the unpacked wheel, then the virtual environment's site-packages for torch,
+    polars and the rest, so only what the wheel installs is importable of amp-autopsy.
+    """
+    import os
+    import shutil
+    import site
+    import zipfile
+
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    for pkg in ("recorders", "analyzer", "samples"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = tmp / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(wheels), str(src)], check=True, capture_output=True, text=True)
+    (whl,) = wheels.glob("amp_autopsy-*.whl")
+    installed = tmp / "site"
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(installed)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = os.pathsep.join([str(installed), *site.getsitepackages()])
+    return installed, env
+
+
+@pytest.mark.slow  # builds a wheel and trains a small scenario (~20 s)
+def test_the_wheel_installs_samples_under_its_own_name_and_the_demo_and_old_snapshots_replay(tmp_path):
+    import torch
+
+    installed, env = _wheel_env(tmp_path)
+    tops = sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info"))
+    assert tops == ["amp_autopsy_samples", "analyzer", "recorders"]  # no top-level "samples"
+    away = tmp_path / "elsewhere"  # outside the repository: nothing of the checkout is importable
+    away.mkdir()
+    py = [sys.executable, "-S"]
+    probe = subprocess.run(py + ["-c", "import importlib.util as u, analyzer; print(u.find_spec('samples'), "
+                                       "analyzer.__file__)"], cwd=away, env=env, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.startswith("None ") and str(installed) in probe.stdout
+    demo = subprocess.run(py + ["-m", "analyzer.cli", "demo", "--scenario", "bf16_nan", "--out", "out"], cwd=away,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "verdict" in demo.stdout.lower()
+    (snap,) = sorted((away / "out" / "bf16_nan" / "snapshots").glob("*.pt"))[:1]
+    recorded = torch.load(snap, weights_only=True)
+    assert recorded["factory"] == "amp_autopsy_samples.models:build_mlp"
+    # A snapshot recorded in a checkout names samples.models: it replays from the wheel too.
+    recorded["factory"] = "samples.models:build_mlp"
+    old = tmp_path / "old.pt"
+    torch.save(recorded, old)
+    show = subprocess.run(py + ["-m", "analyzer.cli", "replay", "--show", "--json", str(old)], cwd=away, env=env,
+                          capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    factory = json.loads(show.stdout)["imports"][0]
+    assert factory["allowed"] and factory["file"] == str(installed / "amp_autopsy_samples" / "models.py")
+    replay = subprocess.run(py + ["-m", "analyzer.cli", "replay", "--json", "--dtypes", "fp32,bf16", str(old)],
+                            cwd=away, env=env, capture_output=True, text=True, timeout=600)
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["verdict"] == json.loads(
+        subprocess.run(py + ["-m", "analyzer.cli", "replay", "--json", "--dtypes", "fp32,bf16", str(snap)],
+                       cwd=away, env=env, capture_output=True, text=True, timeout=600).stdout)["verdict"]

@@ -6,13 +6,21 @@ refusals to ``FactoryError`` with the option that overrides them.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 from recorders import schema
 
 from ..errors import FactoryError
 
-__all__ = ["plan_imports", "resolve_ref", "snapshot_roots"]
+__all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package", "snapshot_roots"]
+
+# The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
+# ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
+# top-level name ``samples``, which other projects use. Both names are in ``schema.OWN_MODULES``.
+INSTALLED_SAMPLES = "amp_autopsy_samples"
 
 
 def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", roots=(),
@@ -30,7 +38,7 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
     argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
     to what it was between calls.
     """
-    roots = tuple(roots)
+    roots, ref = tuple(roots), _own_name(ref)
     try:
         obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
     except schema.ImportRuleError as e:
@@ -80,7 +88,7 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
     roots = snapshot_roots(snap, paths)
     rows = []
     for role, given, recorded in (("factory", factory, snap.get("factory")), ("loss_fn", loss_fn, snap.get("loss_fn"))):
-        ref = given or recorded
+        ref = _own_name(given or recorded)
         plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
@@ -93,3 +101,30 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
                          "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
                          else sub.why, "kind": sub.kind, "explicit": False})
     return rows
+
+
+def samples_package() -> str:
+    """The bundled samples' package name: ``samples`` in a checkout, ``amp_autopsy_samples`` installed.
+
+    A checkout is recognised by the ``samples/`` directory next to this package's own directory,
+    imported as ``samples`` (the repository root is on ``sys.path``); anything else named
+    ``samples`` belongs to another project and is never used.
+    """
+    checkout = Path(__file__).resolve().parents[2] / "samples"
+    mod = sys.modules.get("samples")
+    if mod is None and (checkout / "__init__.py").is_file():
+        spec = importlib.util.find_spec("samples")
+        origin = spec.origin if spec is not None else None
+    else:
+        origin = getattr(mod, "__file__", None)
+    if origin and Path(origin).resolve() == checkout / "__init__.py":
+        return "samples"
+    return INSTALLED_SAMPLES
+
+
+def _own_name(ref):
+    """A snapshot's ``samples.models:NAME`` under the name the samples have here (installed:
+    ``amp_autopsy_samples.models:NAME``), so runs recorded in a checkout replay from a wheel."""
+    if isinstance(ref, str) and ref.startswith("samples.") and samples_package() != "samples":
+        return INSTALLED_SAMPLES + ref[len("samples"):]
+    return ref
