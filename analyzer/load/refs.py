@@ -14,6 +14,7 @@ from pathlib import Path
 from recorders import schema
 
 from ..errors import FactoryError
+from .snapshot import Snapshot
 
 __all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package", "snapshot_roots"]
 
@@ -65,18 +66,18 @@ def _ref_fix(kind: str, option: str) -> str:
     return f"if you trust that code, name it yourself with {option} pkg.module:function"
 
 
-def snapshot_roots(snap: dict, paths=()) -> tuple[str, ...]:
+def snapshot_roots(snap: Snapshot, paths=()) -> tuple[str, ...]:
     """Import roots for a snapshot's references: ``--path`` roots first, then the recorded cwd.
 
     (The current directory is always added last by the rule itself.) A recorded cwd that is not
     an absolute path is ignored: older snapshots have none.
     """
-    cwd = snap.get("cwd") if isinstance(snap, dict) else None
+    cwd = snap.cwd
     recorded = (cwd,) if isinstance(cwd, str) and os.path.isabs(cwd) else ()
     return tuple(os.path.abspath(p) for p in paths) + recorded
 
 
-def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None = None,
+def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | None = None,
                  paths=()) -> list[dict]:
     """What replaying `snap` would import, from which file, and whether the rule allows it.
 
@@ -87,13 +88,13 @@ def plan_imports(snap: dict, *, factory: str | None = None, loss_fn: str | None 
     """
     roots = snapshot_roots(snap, paths)
     rows = []
-    for role, given, recorded in (("factory", factory, snap.get("factory")), ("loss_fn", loss_fn, snap.get("loss_fn"))):
+    for role, given, recorded in (("factory", factory, snap.factory), ("loss_fn", loss_fn, snap.loss_fn)):
         ref = _own_name(given or recorded)
         plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
         builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
-        kwargs = snap.get("factory_kwargs")
+        kwargs = snap.factory_kwargs
         if builder and isinstance(kwargs, dict):
             arg, base, libraries = builder
             sub = schema.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)

@@ -5,6 +5,9 @@ User-code references in it are resolved by ``refs``; the file itself is read by 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from recorders import schema
@@ -14,11 +17,65 @@ from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
 from .versions import check_format_version
 
-__all__ = ["load_snapshot"]
+__all__ = ["Snapshot", "load_snapshot"]
 
 
-def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
-    """Load and validate a recorder snapshot. Raises BadInputError / VersionError."""
+@dataclass(frozen=True, eq=False)
+class Snapshot(Mapping):
+    """A validated recorder snapshot: one attribute per ``schema.SNAPSHOT_KEYS`` key, values checked.
+
+    Every value has been validated by ``load_snapshot`` (types, ranges, dense tensors, a real
+    generator state), so readers use the attributes and check nothing again. Keys that files of
+    older versions lack (``schema.KEYS_ADDED``, e.g. ``cwd``) are None. It is also a read-only
+    mapping of the file's own keys (``snap["step"]``), for code written against the raw dict.
+
+    Example:
+        >>> snap = load_snapshot("run/snapshots/step00000013-r00000-nonfinite_loss.pt")  # doctest: +SKIP
+        >>> snap.step, snap.reason, snap.factory                                          # doctest: +SKIP
+        (13, 'nonfinite_loss', 'samples.models:build_gpt')
+    """
+
+    path: str
+    format: str
+    format_version: int
+    torch_version: str
+    amp_autopsy_version: str | None
+    created: float
+    host: str | None
+    rank: int
+    world_size: int
+    step: int
+    reason: str
+    device_type: str
+    amp_dtype: str | None
+    scale: float | None
+    scaler_state: dict | None
+    factory: str | None
+    factory_kwargs: dict | None
+    loss_fn: str | None
+    train_mode: bool
+    model_state: dict = field(repr=False)
+    batch: Any = field(repr=False)
+    rng: dict = field(repr=False)
+    loss: float | None
+    loss_dtype: str | None
+    grad_norm: float | None
+    cwd: str | None
+    _raw: Mapping = field(repr=False)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+
+def load_snapshot(path: str | os.PathLike) -> Snapshot:
+    """Load and validate a recorder snapshot into a ``Snapshot``. Raises BadInputError / VersionError."""
     snap = torch_load_safe(path)
     if not isinstance(snap, dict) or snap.get("format") != schema.SNAPSHOT_FORMAT:
         raise BadInputError(
@@ -32,4 +89,5 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
     validate_snapshot(snap, path)
-    return snap
+    return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
+                    _raw=MappingProxyType(snap))

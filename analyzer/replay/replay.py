@@ -19,7 +19,7 @@ import torch
 from recorders import schema
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
-from ..load import load_snapshot, resolve_ref, snapshot_roots
+from ..load import Snapshot, load_snapshot, resolve_ref, snapshot_roots
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
@@ -77,19 +77,19 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         bar.extra("diagnosis")
         diag = _diagnose(ctx, runs, at_one, amp, scale, nonfinite_inputs, on_ops=bar.ops)
         bar.done()
-    recorded = snap.get("device_type")
+    recorded = snap.device_type
     return ReplayResult(
         verdict=diag["verdict"],
         summary=_advice.summary(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
-                                recorded_loss=_float_or_none(snap.get("loss")), written_only=written_only,
+                                recorded_loss=_float_or_none(snap.loss), written_only=written_only,
                                 masks=masks),
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
         advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks),
-        snapshot=path, step=snap.get("step"), reason=snap.get("reason"),
+        snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
-        amp_dtype=amp, scale=scale, recorded_loss=_float_or_none(snap.get("loss")),
+        amp_dtype=amp, scale=scale, recorded_loss=_float_or_none(snap.loss),
         nonfinite_inputs=nonfinite_inputs, written_only_buffers=written_only, mask_inputs=masks,
         hidden_nonfinite=diag.get("hidden"), literal_nonfinite=diag.get("literal"),
         underflow_at=diag.get("underflow_at"),
@@ -103,10 +103,10 @@ def _float_or_none(v) -> float | None:
 
 
 # -- setup ---------------------------------------------------------------------------------------
-def _context(path: str, snap: dict, device: str, factory: str | None, loss_fn: str | None,
+def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_fn: str | None,
              paths: tuple[str, ...] = ()) -> ReplayContext:
-    factory_ref = factory or snap.get("factory")
-    loss_ref = loss_fn or snap.get("loss_fn")
+    factory_ref = factory or snap.factory
+    loss_ref = loss_fn or snap.loss_fn
     if not factory_ref:
         raise FactoryError("snapshot names no model factory", path=path, fix="pass --factory pkg.module:function")
     if not loss_ref:
@@ -114,15 +114,7 @@ def _context(path: str, snap: dict, device: str, factory: str | None, loss_fn: s
     roots = snapshot_roots(snap, paths)  # --path roots, then the run's recorded cwd (the import rule)
     factory_fn = resolve_ref(factory_ref, what="factory", option="--factory", roots=roots, explicit=bool(factory))
     loss_callable = resolve_ref(loss_ref, what="loss_fn", option="--loss-fn", roots=roots, explicit=bool(loss_fn))
-    kwargs = snap.get("factory_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadInputError("snapshot factory_kwargs is not a dict", path=path, fix="re-record the run")
-    state = snap.get("model_state")
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise BadInputError("snapshot model_state is not a dict of tensors", path=path, fix="re-record the run")
-    rng = snap.get("rng")
-    if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor) or rng["cpu"].dtype != torch.uint8:
-        raise BadInputError("snapshot rng has no CPU generator state (uint8 tensor)", path=path, fix="re-record the run")
+    # factory_kwargs, model_state and rng were validated by load_snapshot (load/_validate.py)
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     elif device in ("cpu", "cuda"):
@@ -131,17 +123,17 @@ def _context(path: str, snap: dict, device: str, factory: str | None, loss_fn: s
         dev = torch.device(device)
     else:
         raise AnalyzerError(f"unknown device {device!r}", fix="use --device auto, cpu or cuda")
-    recorded = snap.get("device_type")
+    recorded = snap.device_type
     return ReplayContext(
-        path=path, factory=factory_fn, factory_ref=factory_ref, factory_kwargs=kwargs,
-        loss_fn=loss_callable, loss_ref=loss_ref, model_state=state, batch=snap.get("batch"),
-        rng=rng, train_mode=bool(snap.get("train_mode", True)), device=dev,
+        path=path, factory=factory_fn, factory_ref=factory_ref, factory_kwargs=snap.factory_kwargs or {},
+        loss_fn=loss_callable, loss_ref=loss_ref, model_state=snap.model_state, batch=snap.batch,
+        rng=snap.rng, train_mode=snap.train_mode, device=dev,
         emulate_cuda=(recorded == "cuda" and dev.type == "cpu"),
     )
 
 
-def _amp_dtype(path: str, snap: dict) -> str | None:
-    raw = snap.get("amp_dtype")
+def _amp_dtype(path: str, snap: Snapshot) -> str | None:
+    raw = snap.amp_dtype
     if raw is None:
         return None
     try:
@@ -165,8 +157,8 @@ def _precisions(amp: str | None, dtypes: list[str] | None) -> list[str]:
     return wanted
 
 
-def _scale(path: str, snap: dict) -> float:
-    scale = snap.get("scale")
+def _scale(path: str, snap: Snapshot) -> float:
+    scale = snap.scale
     if scale is None:
         return 1.0
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:

@@ -49,6 +49,32 @@ def test_a_written_snapshot_loads_back_with_every_key_and_equal_tensors(tmp_path
     assert torch.equal(rebuilt(x), model(x))
 
 
+def test_a_loaded_snapshot_is_a_frozen_value_whose_attributes_are_the_files_keys(tmp_path):
+    import dataclasses
+
+    path, _ = _snapshot(tmp_path)
+    snap = load_snapshot(path)
+    raw = torch.load(path, weights_only=True)
+    assert snap.path == str(path)
+    for key in schema.SNAPSHOT_KEYS:  # every key, as an attribute, the value the file holds
+        value = getattr(snap, key)
+        assert value is snap[key] or value == raw[key] or (torch.is_tensor(raw[key]) and torch.equal(value, raw[key]))
+    assert (snap.step, snap.reason, snap.amp_dtype, snap.scale) == (3, "manual", "float16", 65536.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.step = 4
+    with pytest.raises(TypeError):
+        snap["step"] = 4  # the mapping view is read-only too
+
+
+def test_a_version_1_snapshot_without_cwd_loads_with_cwd_none(tmp_path):
+    path, _ = _snapshot(tmp_path, format_version=1)
+    raw = torch.load(path, weights_only=True)
+    del raw["cwd"]
+    torch.save(raw, path)
+    snap = load_snapshot(path)
+    assert snap.cwd is None and "cwd" not in snap and snap.format_version == 1
+
+
 def test_a_snapshot_from_a_newer_format_is_refused_with_the_upgrade_fix(tmp_path):
     path, _ = _snapshot(tmp_path, format_version=schema.FORMAT_VERSION + 1)
     with pytest.raises(VersionError, match="newer") as e:
