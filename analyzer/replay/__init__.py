@@ -5,7 +5,8 @@ The public surface is ``replay_snapshot`` (run it), ``ReplayResult`` (what it fo
 """
 from __future__ import annotations
 
+from .records import Culprit, OpRecord
 from .replay import replay_snapshot
 from .result import VERDICTS, ReplayResult
 
-__all__ = ["replay_snapshot", "ReplayResult", "VERDICTS"]
+__all__ = ["replay_snapshot", "Culprit", "OpRecord", "ReplayResult", "VERDICTS"]

@@ -24,6 +24,7 @@ from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from ._shadow import shadow
+from .records import Culprit, OpRecord
 from .result import ReplayResult
 
 __all__ = ["replay_snapshot"]
@@ -217,9 +218,7 @@ def _diagnose(ctx, runs, at_one, amp, scale, nonfinite_inputs, on_ops=None) -> d
         run = runs.get(amp) if amp else fp32
         first = next((rec for rec in run.records
                       if any(p is None and run.kind(s) > 0 for s, p in rec.inputs)), None)
-        culprit = _op_dict(run, first.index) if first is not None else None
-        if culprit is not None:
-            culprit["input"] = nonfinite_inputs[0]
+        culprit = Culprit(**_op_fields(run, first.index), input=nonfinite_inputs[0]) if first is not None else None
         return {"verdict": "nonfinite_input", "culprit": culprit, "origins": origins,
                 "trace": run, "context": _context_ops(run, first.index if first else None)}
     if all(r.finite for r in runs.values()):
@@ -267,24 +266,19 @@ def _checked(ctx, origin):
 
 
 def _finish(ctx, verdict, run, o, origins, *, shadow_=None, ref=None, underflow_at=None) -> dict:
-    culprit = _op_dict(run, o.index)
-    if shadow_ is not None:
-        culprit["shadow"] = {
-            "float32": shadow_["float32"], "float64": shadow_["float64"],
-            "dtype_max": float(torch.finfo(getattr(torch, run.precision)).max),
-            "error": shadow_["error"],
-        }
-    else:
-        culprit["shadow"] = None
+    found: dict = {"shadow": None if shadow_ is None else {
+        "float32": shadow_["float32"], "float64": shadow_["float64"],
+        "dtype_max": float(torch.finfo(getattr(torch, run.precision)).max),
+        "error": shadow_["error"],
+    }}
     if ref is not None and ref is not run:
         j = align(run, ref).get(o.index)
-        culprit["fp32_output_absmax"] = None if j is None else _out_absmax(ref, j)
-    literal = _op_dict(run, o.literal_index) if o.literal_index is not None else None
-    hidden = _op_dict(run, o.hidden_index) if o.hidden_index is not None else None
-    culprit["literal_nonfinite"] = literal
-    culprit["hidden"] = hidden
+        found["fp32_output_absmax"] = None if j is None else _out_absmax(ref, j)
+    literal = _op_record(run, o.literal_index) if o.literal_index is not None else None
+    hidden = _op_record(run, o.hidden_index) if o.hidden_index is not None else None
     if underflow_at is not None:
-        culprit["underflow_at"] = underflow_at
+        found["underflow_at"] = underflow_at
+    culprit = Culprit(**_op_fields(run, o.index), literal_nonfinite=literal, hidden=hidden, **found)
     return {"verdict": verdict, "culprit": culprit, "origins": origins, "literal": literal,
             "hidden": hidden, "underflow_at": underflow_at, "trace": run,
             "context": _context_ops(run, o.index)}
@@ -307,7 +301,11 @@ def _nan_max(vals: list[float]) -> float | None:
     return max(vals)
 
 
-def _op_dict(run: RunTrace, i: int) -> dict:
+def _op_record(run: RunTrace, i: int) -> OpRecord:
+    return OpRecord(**_op_fields(run, i))
+
+
+def _op_fields(run: RunTrace, i: int) -> dict:
     rec = run.records[i]
     return {
         "op": rec.name, "overload": rec.overload, "module": rec.module, "phase": rec.phase,
@@ -320,21 +318,19 @@ def _op_dict(run: RunTrace, i: int) -> dict:
     }
 
 
-def _flush_dict(low: RunTrace, ref: RunTrace, i: int) -> dict:
+def _flush_dict(low: RunTrace, ref: RunTrace, i: int) -> OpRecord:
     from ._origin import zero_count
 
-    d = _op_dict(low, i)
     j = align(low, ref).get(i)
-    d["zeros"] = zero_count(low, low.records[i])
-    d["fp32_zeros"] = None if j is None else zero_count(ref, ref.records[j])
-    return d
+    return OpRecord(**_op_fields(low, i), zeros=zero_count(low, low.records[i]),
+                    fp32_zeros=None if j is None else zero_count(ref, ref.records[j]))
 
 
-def _context_ops(run: RunTrace, center: int | None, half: int = 4) -> list[dict]:
+def _context_ops(run: RunTrace, center: int | None, half: int = 4) -> list[OpRecord]:
     if center is None:
         return []
     lo, hi = max(0, center - half), min(len(run.records), center + half + 1)
-    return [_op_dict(run, i) for i in range(lo, hi)]
+    return [_op_record(run, i) for i in range(lo, hi)]
 
 
 def _run_dict(run: RunTrace, at_one: RunTrace | None, origin) -> dict:

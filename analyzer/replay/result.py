@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..report.findings import json_safe
 from ._runs import RunTrace
+from .records import Culprit, OpRecord
 
 __all__ = ["ReplayResult", "VERDICTS"]
 
@@ -41,7 +42,7 @@ class ReplayResult:
 
     verdict: str
     summary: str
-    culprit: dict | None
+    culprit: Culprit | None
     runs: dict[str, dict]
     advice: list[str]
     snapshot: str
@@ -56,10 +57,10 @@ class ReplayResult:
     nonfinite_inputs: list[str] = field(default_factory=list)
     written_only_buffers: list[str] = field(default_factory=list)
     mask_inputs: list[str] = field(default_factory=list)
-    hidden_nonfinite: dict | None = None
-    literal_nonfinite: dict | None = None
-    underflow_at: dict | None = None
-    context_ops: list[dict] = field(default_factory=list)
+    hidden_nonfinite: OpRecord | None = None
+    literal_nonfinite: OpRecord | None = None
+    underflow_at: OpRecord | None = None
+    context_ops: list[OpRecord] = field(default_factory=list)
     traces: dict[str, RunTrace] = field(default_factory=dict, repr=False)
     culprit_trace: RunTrace | None = field(default=None, repr=False)
 

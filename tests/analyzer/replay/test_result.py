@@ -115,3 +115,19 @@ def test_the_loss_scale_run_reports_its_scale_and_the_retry_at_scale_1(results):
     run = results["loss_scale_overflow"].to_dict()["runs"]["float16"]
     assert run["scale"] == 65536.0 and run["finite_at_scale_1"] is True and run["backward_finite"] is False
     assert math.isfinite(run["loss"])
+
+
+def test_the_culprit_and_context_ops_are_frozen_records_whose_json_is_their_set_fields(results):
+    import dataclasses
+
+    from analyzer.replay import Culprit, OpRecord
+
+    res = results["overflow"]
+    culprit, as_json = res.culprit, res.to_dict()["culprit"]
+    assert isinstance(culprit, Culprit) and all(isinstance(op, OpRecord) for op in res.context_ops)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        culprit.op = "aten.add"  # built once by the diagnosis, never patched afterwards
+    # The JSON object is the record's set fields, in order; fields that do not apply are left out.
+    assert list(as_json) == list(culprit) and as_json["op"] == culprit.op and as_json["index"] == culprit.index
+    assert "input" not in culprit and "zeros" not in culprit and culprit.get("input") is None
+    assert [op["index"] for op in res.to_dict()["context_ops"]] == [op.index for op in res.context_ops]

@@ -1,0 +1,87 @@
+"""Typed replay records: ``OpRecord`` (one op as the report shows it) and ``Culprit`` (the op blamed).
+
+They are frozen values built once, never patched afterwards: what a diagnosis adds to an op
+(the shadow recomputation, the hidden or literal origin, the flush) is given when the
+``Culprit`` is made. Each is also a read-only mapping of its JSON fields (``culprit["op"]``),
+in the order the ``--json`` output has always had, with fields that do not apply left out.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["Culprit", "OpRecord"]
+
+
+class _Unset:
+    """Marks a field that does not apply to this record: it is left out of the JSON."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True, eq=False)
+class OpRecord(Mapping):
+    """One op of a replay: what it was, where it ran, and the ranges it saw.
+
+    ``zeros`` / ``fp32_zeros`` are set only on the op where values flushed to zero (``underflow_at``).
+    """
+
+    op: str
+    overload: str
+    module: str | None
+    phase: str
+    precision: str
+    index: int
+    source: str | None
+    node: Any
+    input_dtypes: list
+    output_dtype: str | None
+    input_absmax: float | None
+    output_absmax: float | None
+    output_kind: str
+    custom: bool
+    zeros: Any = UNSET
+    fp32_zeros: Any = UNSET
+
+    def _present(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not UNSET]
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str) or key.startswith("_") or key not in self._present():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._present())
+
+    def __len__(self) -> int:
+        return len(self._present())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v.to_dict() if isinstance(v, OpRecord) else v) for k, v in self.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class Culprit(OpRecord):
+    """The op the verdict blames, with what the diagnosis found about it.
+
+    Attributes (each left out of the JSON where it does not apply):
+        input: the non-finite input it read first (verdict ``nonfinite_input``).
+        shadow: its recomputation from the same inputs in FP32/FP64 (None when not recomputed).
+        fp32_output_absmax: the same op's output abs-max in the FP32 run.
+        literal_nonfinite / hidden: the op that wrote a literal -inf it carried on, or the
+            earlier op whose NaN/Inf was masked before it surfaced (``OpRecord`` or None).
+        underflow_at: the op where values flushed to zero (verdict ``underflow``).
+    """
+
+    input: Any = UNSET
+    shadow: Any = UNSET
+    fp32_output_absmax: Any = UNSET
+    literal_nonfinite: Any = UNSET
+    hidden: Any = UNSET
+    underflow_at: Any = UNSET
