@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from recorders import schema
 
 from .errors import AnalyzerError
-from .load import samples_package
+from .load import samples_package, samples_roots
 
 if TYPE_CHECKING:
     from .replay import ReplayResult
@@ -86,7 +86,8 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     from .replay import replay_snapshot
     from .report import build_report
 
-    module = importlib.import_module(f"{samples_package()}.{scenario}")
+    with schema.import_roots(samples_roots()):  # a checkout's samples/, found even from elsewhere
+        module = importlib.import_module(f"{samples_package()}.{scenario}")
     one_thread = importlib.import_module(f"{module.__package__}._common").one_thread
     out = Path(out_dir)
     run_dir = out / scenario

@@ -118,3 +118,35 @@ def test_the_wheel_installs_samples_under_its_own_name_and_the_demo_and_old_snap
     assert json.loads(replay.stdout)["verdict"] == json.loads(
         subprocess.run(py + ["-m", "analyzer.cli", "replay", "--json", "--dtypes", "fp32,bf16", str(snap)],
                        cwd=away, env=env, capture_output=True, text=True, timeout=600).stdout)["verdict"]
+
+
+# How an editable install imports amp-autopsy: the checkout's packages by path, the checkout
+# itself not on sys.path (what setuptools' editable finder does).
+_EDITABLE = """
+import importlib.util, sys
+for name in ("recorders", "analyzer"):
+    spec = importlib.util.spec_from_file_location(name, f"{ROOT}/{name}/__init__.py",
+                                                  submodule_search_locations=[f"{ROOT}/{name}"])
+    sys.modules[name] = mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+assert importlib.util.find_spec("samples") is None, "the checkout must not be importable here"
+"""
+
+
+@pytest.mark.slow  # trains a small scenario (~15 s)
+def test_an_editable_install_run_from_elsewhere_demos_and_replays_the_checkouts_samples(tmp_path):
+    import os
+    import site
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
+    code = _EDITABLE.replace("{ROOT}", str(ROOT)) + (
+        "from analyzer.load import samples_package\n"
+        "print('package', samples_package())\n"
+        "from analyzer.cli import main\n"
+        "main(['demo', '--scenario', 'bf16_nan', '--out', 'out'])\n")
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "package samples\n" in res.stdout
+    assert "verdict: numerical_bug" in res.stdout  # the replay of its snapshot imported samples.models

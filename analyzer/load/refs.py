@@ -16,7 +16,7 @@ from recorders import schema
 from ..errors import FactoryError
 from .snapshot import Snapshot
 
-__all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package", "snapshot_roots"]
+__all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package", "samples_roots", "snapshot_roots"]
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
 # ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
@@ -107,20 +107,32 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
 def samples_package() -> str:
     """The bundled samples' package name: ``samples`` in a checkout, ``amp_autopsy_samples`` installed.
 
-    A checkout is recognised by the ``samples/`` directory next to this package's own directory,
-    imported as ``samples`` (the repository root is on ``sys.path``); anything else named
-    ``samples`` belongs to another project and is never used.
+    A checkout (the source tree, or an editable install of it) is recognised by its
+    ``pyproject.toml`` and ``samples/`` next to the ``analyzer`` package; its samples are then
+    imported as ``samples`` from the repository root (``samples_roots``), unless another
+    ``samples`` would shadow them. A ``samples`` of another project is never used.
     """
-    checkout = Path(__file__).resolve().parents[2] / "samples"
+    roots = samples_roots()
+    if not roots:
+        return INSTALLED_SAMPLES
+    init = os.path.join(roots[0], "samples", "__init__.py")
     mod = sys.modules.get("samples")
-    if mod is None and (checkout / "__init__.py").is_file():
-        spec = importlib.util.find_spec("samples")
-        origin = spec.origin if spec is not None else None
-    else:
+    if mod is not None:
         origin = getattr(mod, "__file__", None)
-    if origin and Path(origin).resolve() == checkout / "__init__.py":
-        return "samples"
-    return INSTALLED_SAMPLES
+    else:
+        with schema.import_roots(roots):  # appended, then removed: sys.path is left as it was
+            spec = importlib.util.find_spec("samples")
+        origin = spec.origin if spec is not None else None
+    return "samples" if origin and os.path.realpath(origin) == init else INSTALLED_SAMPLES
+
+
+def samples_roots() -> tuple[str, ...]:
+    """``(repository root,)`` when amp-autopsy runs from a checkout, else ``()``: the import root
+    under which ``samples`` is the checkout's own (for ``schema.import_roots``)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "samples" / "__init__.py").is_file():
+        return (os.path.realpath(root),)
+    return ()
 
 
 def _own_name(ref):
