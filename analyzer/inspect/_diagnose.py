@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from ..report.findings import Finding, json_safe, sort_findings
+from ..findings import Finding, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry, load_checkpoint
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..report.findings import json_safe
+from ..findings import json_safe
 from ._runs import RunTrace
 from .records import Culprit, OpRecord
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from .findings import Finding, json_safe, sort_findings
+from ..findings import Finding, json_safe, sort_findings
 from .report import EXIT_CHECK_FAILED, EXIT_FAIL_ON, Report, build_report
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_FAIL_ON", "Finding", "Report", "build_report", "json_safe", "sort_findings"]

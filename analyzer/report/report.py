@@ -33,7 +33,7 @@ from .checks import CHECK_FAILED, CHECKS, Frames, build_frames, run_checks
 from .checks.gradients import stalled_fraction
 from ..errors import BadInputError
 from ..load import load_run
-from .findings import Finding, json_safe, sort_findings
+from ..findings import Finding, json_safe, sort_findings
 
 __all__ = ["Report", "build_report", "EXIT_CHECK_FAILED", "EXIT_FAIL_ON"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ..findings import Finding
+from ...findings import Finding
 from . import _stats as stats
 from .frames import LOG_FLOOR, Frames
 from .scaler import collapse_start

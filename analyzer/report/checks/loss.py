@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..findings import Finding
+from ...findings import Finding
 from .frames import Frames
 
 __all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from ..findings import Finding
+from ...findings import Finding
 from .frames import Frames
 from .loss import snapshot_for
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from ..findings import Finding
+from ...findings import Finding
 from .frames import Frames
 
 __all__ = ["rank_divergence"]

@@ -9,7 +9,7 @@ import torch
 
 from analyzer.render import plot_replay, render_replay_text
 from analyzer.replay import VERDICTS, ReplayResult, replay_snapshot
-from analyzer.report.findings import json_safe
+from analyzer.findings import json_safe
 
 from . import replay_models as rm
 

@@ -11,7 +11,7 @@ import pytest
 
 from analyzer.report.checks import CHECKS, build_frames, run_checks
 from analyzer.report.checks.gradients import stalled_fraction
-from analyzer.report.findings import Finding, sort_findings
+from analyzer.findings import Finding, sort_findings
 from analyzer.load import load_run
 
 from .report_models import Script

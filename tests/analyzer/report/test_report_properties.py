@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from analyzer.report.checks import CHECK_FAILED, CHECKS
 from analyzer.cli import main
-from analyzer.report.findings import SEVERITIES
+from analyzer.findings import SEVERITIES
 
 from .report_traces import every_column, healthy_traces, hostile_traces, write_trace
 

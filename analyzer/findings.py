@@ -1,6 +1,7 @@
 """Finding: one diagnosis (check name, severity, step, message, evidence), a frozen value.
 
-Checks (``analyzer.report.checks``) and ``analyzer inspect`` return lists of findings; the report
+Checks (``analyzer.report.checks``), ``analyzer inspect`` and replay share it (a top-level module: no
+analysis package imports another to get it). They return lists of findings; the report
 sorts and renders them. ``to_dict()`` is strict-JSON safe: NaN and infinities in the evidence
 become the strings ``"nan"``, ``"inf"`` and ``"-inf"``, so ``json.dumps(allow_nan=False)`` works.
 
