@@ -18,6 +18,7 @@ import torch
 from . import schema
 from ._io import atomic_write, claim_write
 from ._meta import current_cwd
+from ._sdpa import sdpa_state
 
 __all__ = ["to_cpu_tree", "build_snapshot", "write_snapshot", "claim_snapshot"]
 
@@ -116,6 +117,7 @@ def build_snapshot(
         "loss_dtype": loss_dtype,
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "cwd": current_cwd() if cwd is None else str(cwd),
+        "sdpa": sdpa_state(),  # the attention-backend switches, read now (nothing per step)
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -141,6 +141,19 @@ def _check_rng(rng: Any, path) -> None:
         check_dense(c, path=path, where=f"rng['cuda'][{i}]")
 
 
+def _check_sdpa(sdpa: Any, path) -> None:
+    """None, or ``{"enabled": {backend: bool}, "math_reduced_precision": bool | None}`` (version 3)."""
+    if sdpa is None:
+        return
+    enabled = sdpa.get("enabled") if isinstance(sdpa, dict) else None
+    if (not isinstance(enabled, dict) or set(enabled) != set(schema.SDPA_BACKENDS)
+            or not all(isinstance(v, bool) for v in enabled.values())
+            or not isinstance(sdpa.get("math_reduced_precision"), (bool, type(None)))):
+        shape = ", ".join(f"'{b}': bool" for b in schema.SDPA_BACKENDS)
+        raise _bad("sdpa", f"should be None or {{'enabled': {{{shape}}}, 'math_reduced_precision': bool | None}}",
+                   path)
+
+
 def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     """Check every key of a loaded snapshot (``schema.SNAPSHOT_KEYS``); raise BadInputError."""
     for key in ("torch_version", "amp_autopsy_version", "host", "reason", "device_type"):
@@ -162,5 +175,6 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_scaler_state(snap.get("scaler_state"), path)
     _check_model_state(snap.get("model_state"), path)
     _check_rng(snap.get("rng"), path)
+    _check_sdpa(snap.get("sdpa"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

@@ -61,6 +61,7 @@ class Snapshot(Mapping):
     loss_dtype: str | None
     grad_norm: float | None
     cwd: str | None
+    sdpa: dict | None  # since version 3: the SDPA backend switches (recorders/_sdpa.py)
     _raw: Mapping = field(repr=False)
 
     def __getitem__(self, key: str) -> Any:
