@@ -23,7 +23,8 @@ into inf or zero (thresholds in ``analyzer.inspect._stats``). With two checkpoin
 follows: relative L2 change per tensor, the tensors that became non-finite, and the stalled ones.
 
 Findings (stable names): ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
-``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``.
+``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``,
+``optimizer_eps_underflow`` and ``lost_updates`` (FP16/BF16 parameters and their optimizer, ``_optimizer``).
 
 Layout: ``analyzer.load.checkpoint`` / ``analyzer.load.safetensors`` open a file and list its tensors
 by role; ``_scan`` (over ``_pieces`` and ``_stats``) is the one torch scan of their values;

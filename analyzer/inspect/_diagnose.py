@@ -14,6 +14,7 @@ import torch
 from ..errors import BadInputError
 from ..findings import Finding, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry, load_checkpoint
+from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
 
@@ -314,10 +315,11 @@ def inspect_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike | N
     device = resolve_device(device)
     cka = load_checkpoint(path_a)
     ckb = load_checkpoint(path_b) if path_b is not None else None
+    later = ckb or cka  # NB: optimizer checks look at the later file, before the scan lets tensors go
+    findings = optimizer_findings(later, f"{Path(later.path).name}: " if ckb is not None else "")
     files, changes = _scan(cka, ckb, progress, device)
     pair = len(files) == 2
     finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
-    findings = []
     for i, fr in enumerate(files):
         prefix = f"{fr.label}: " if pair else ""
         findings += _nonfinite(fr, prefix, finite_a if i == 1 else None)

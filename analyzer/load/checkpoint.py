@@ -59,6 +59,9 @@ class OptimizerInfo:
     mapping: str          # "param_names" (exact), "order" (a guess: i-th id = i-th parameter), "none"
     note: str
     stateless: tuple[str, ...] = ()  # params listed in param_groups that have no state (never stepped)
+    # per param group: its numeric hyperparameters (lr, eps, betas, weight_decay, momentum, ...; only
+    # numbers and pairs of numbers are kept) and "params", the mapped names of its parameters
+    groups: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -227,7 +230,25 @@ def _optimizer(walker: _Walker, path: str, opt: dict) -> OptimizerInfo:
             if isinstance(v, torch.Tensor):
                 walker.add(f"{path or 'optimizer'}[{param}].{slot}", "optimizer", v, param=param, slot=slot)
     stateless = tuple(names.get(pid, str(pid)) for pid in ids if pid not in state) if state else ()
-    return OptimizerInfo(path=path, n_params=len(ids), mapping=mapping, note=note, stateless=stateless)
+    return OptimizerInfo(path=path, n_params=len(ids), mapping=mapping, note=note, stateless=stateless,
+                         groups=tuple(_hyper(g, names) for g in groups))
+
+
+def _hyper(group: dict, names: dict) -> dict[str, Any]:
+    """A param group's numeric hyperparameters (numbers, and pairs such as ``betas``) and its
+    parameters' names: values read from a file, so anything else is dropped, never trusted."""
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if not isinstance(k, str) or k in ("params", "param_names"):
+            continue
+        if isinstance(v, bool):
+            out[k] = v
+        elif (num := _number(v, float)) is not None:
+            out[k] = num
+        elif isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(x, float) is not None for x in v):
+            out[k] = tuple(_number(x, float) for x in v)
+    out["params"] = [names.get(pid, str(pid)) for pid in group.get("params", [])]
+    return out
 
 
 def _find_step(obj: Any, ckpt: Checkpoint) -> None:
