@@ -1,0 +1,101 @@
+"""The autopsy's answer: a few plain lines, root cause first, then where, then what was proven to fix it.
+
+The lines are a value of the analysis (they are the ``answer`` field of ``autopsy --json``), so
+they are built here, once, and the text renderer only prints them. The rule the issue set: a fix
+whose counterfactual replay still went non-finite is never worded as a recommendation; it is
+listed as ``tried, fails:``. Advice nobody could try (``use binary_cross_entropy_with_logits``)
+is printed, marked ``untested``.
+
+Real output (the demo run, ``analyzer autopsy amp-autopsy-demo/fp16_attention_overflow``)::
+
+    root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16) at samples/models.py:98
+      produced inf from finite inputs: ...
+    where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step 24, rank 0
+    verified fix: ...
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .autopsy import AutopsyResult
+
+__all__ = ["answer_lines"]
+
+_FIX_LABEL = {"verified": "verified fix", "fails": "tried, fails", "not_tried": "not tried"}
+
+
+def _where(result: Any, info: dict[str, Any] | None) -> str:
+    c = result.culprit
+    rank = info.get("rank") if info else None
+    bits = [f"{c['op']} in {c['module'] or '(no module)'}" + (f" at {c['source']}" if c["source"] else ""),
+            c["phase"], c["precision"], f"step {result.step}"]
+    if rank is not None:
+        bits.append(f"rank {rank}")
+    return "where: " + ", ".join(str(b) for b in bits) + f" ({Path(result.snapshot).name})"
+
+
+def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
+    fixes = [f for s, f in autopsy.fixes if s == snapshot]
+    order = {"verified": 0, "fails": 1, "not_tried": 2}
+    lines = []
+    for f in sorted(fixes, key=lambda f: order.get(f.status, 3)):
+        label = _FIX_LABEL.get(f.status, f.status)
+        lines.append(f"{label}: {f.title}" + (f": {f.detail}" if f.detail else ""))
+    failing = {f.name for f in fixes if f.status == "fails"}
+    for s, a in autopsy.advice:
+        if s != snapshot or (a.fix is not None and a.fix in failing):
+            continue  # never word a failing fix as a recommendation
+        if a.status == "verified":
+            lines.append(f"do (verified above): {a.text}")
+        else:
+            lines.append(f"untested advice: {a.text}")
+    return lines
+
+
+def _report_only(autopsy: AutopsyResult) -> list[str]:
+    rep = autopsy.report
+    manual = [s for s in rep.frames.snapshots if s.get("reason") == "manual"]
+    if autopsy.verdict == "healthy":
+        lines = [f"root cause: none found: the report says {rep.verdict}, and the run wrote no failure "
+                 "snapshot, so there is no failing step to replay"]
+    else:
+        lines = [f"root cause: not replayed: the run wrote no failure snapshot to replay; the report says "
+                 f"{rep.verdict}",
+                 "to find the op: record the run with amp-autopsy's Recorder (snapshots on), then run "
+                 "analyzer autopsy on it again"]
+    if manual:
+        lines.append(f"manual snapshots are not failures and are not replayed; to replay one: analyzer replay "
+                     f"{manual[0]['file']}")
+    return lines
+
+
+def answer_lines(autopsy: AutopsyResult) -> list[str]:
+    """Root cause, where, the fixes with their status, then the other picked snapshots in one line each."""
+    infos = {str(p["file"]): p for p in autopsy.picked}
+    primary = autopsy.primary
+    if primary is None:
+        lines = _report_only(autopsy) if not autopsy.failures else [
+            f"root cause: unknown: no picked snapshot could be replayed; the report says {autopsy.report.verdict}"]
+    elif primary.culprit is None:
+        lines = [f"root cause: {primary.verdict}: {primary.summary}"]
+        lines += _fix_lines(autopsy, primary.snapshot)
+    else:
+        lines = [f"root cause: {primary.verdict}: {primary.summary}",
+                 _where(primary, infos.get(primary.snapshot))]
+        lines += _fix_lines(autopsy, primary.snapshot)
+    shared = dict(autopsy.shared)
+    for r in (r for r in autopsy.replays if r is not primary):
+        info = infos.get(r.snapshot, {})
+        head = f"also step {r.step}, rank {info.get('rank')} ({info.get('reason')}): {r.verdict}"
+        if r.culprit is not None:
+            head += f" at {r.culprit['op']} in {r.culprit['module'] or '(no module)'} ({r.culprit['phase']})"
+        if r.snapshot in shared:
+            lines.append(head + f"; same culprit as {Path(shared[r.snapshot]).name}, whose fixes apply")
+        else:
+            lines.append(head)
+            lines += ["  " + line for line in _fix_lines(autopsy, r.snapshot)]
+    for f in autopsy.failures:
+        lines.append(f"could not {'replay' if f.stage == 'replay' else 'try fixes on'} {f.snapshot}: {f.error}")
+    return lines

@@ -1,0 +1,198 @@
+"""``analyzer autopsy RUN``: report, pick the snapshots, replay them, try the fixes; one answer.
+
+Before this command a user ran ``analyzer report``, read which snapshot to pick, ran ``analyzer
+replay`` on it and then had to trust advice nobody had tried. ``run_autopsy`` chains the four
+stages and returns one frozen ``AutopsyResult``:
+
+1. the report, exactly as ``analyzer report`` builds it (``build_report``);
+2. the snapshots worth replaying (``pick_snapshots``: the earliest failure of each rank, and
+   the earliest of each trigger kind), usually one;
+3. the replay of each (``replay_snapshot``, the precisions ``analyzer replay`` uses by default);
+4. the counterfactual fixes tried on each replay's culprit (``analyzer.replay.fixes``). Two
+   snapshots that blame the same op in the same module and phase share one set of fixes: trying
+   them again costs one replay per fix and cannot say anything new.
+
+A snapshot that cannot be replayed (its model code is not importable, the file is damaged) is
+kept as a ``SnapshotFailure`` next to the report instead of losing the report; the CLI prints
+both and exits 1.
+
+Example:
+    >>> a = run_autopsy("amp-autopsy-demo/fp16_attention_overflow")  # doctest: +SKIP
+    >>> a.verdict, a.culprit["op"], a.culprit["module"]              # doctest: +SKIP
+    ('overflow', 'aten.bmm', 'blocks.0.attn')
+    >>> [f.status for _, f in a.fixes]                                # doctest: +SKIP
+    ['verified', 'verified', 'verified', ...]
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import AnalyzerError
+from ..findings import json_safe
+from .answer import answer_lines
+from .pick import pick_snapshots
+
+if TYPE_CHECKING:
+    from ..replay import ReplayResult
+    from ..replay.fixes import Advice, Fix
+    from ..report import Report
+
+__all__ = ["AUTOPSY_VERSION", "AutopsyResult", "SnapshotFailure", "run_autopsy"]
+
+AUTOPSY_VERSION = 1  # the --json object's "autopsy_version"; bump only when a field changes meaning
+NO_SNAPSHOT = "no_snapshot"  # the verdict when the report has errors but there is no replay
+
+
+@dataclass(frozen=True)
+class SnapshotFailure:
+    """A picked snapshot whose replay (or fixes) could not run: its file and the one-line error."""
+
+    snapshot: str
+    stage: str  # "replay" or "fixes"
+    error: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"snapshot": self.snapshot, "stage": self.stage, "error": self.error}
+
+
+@dataclass(frozen=True)
+class AutopsyResult:
+    """What ``run_autopsy`` found.
+
+    Attributes:
+        run: the run as given.
+        report: the ``Report`` (``analyzer report``'s object).
+        picked: the snapshot descriptions picked, earliest first, each with ``why``.
+        replays: the ``ReplayResult`` of each picked snapshot that replayed, in ``picked`` order.
+        fixes: ``(snapshot, Fix)`` for every fix tried or considered, per distinct culprit.
+        advice: ``(snapshot, Advice)``: advice lines with their status (``verified``/``untested``).
+        shared: ``(snapshot, other)``: this snapshot's culprit is ``other``'s, whose fixes apply.
+        failures: picked snapshots that could not be replayed or fixed.
+    """
+
+    run: str
+    report: Report
+    picked: tuple[dict[str, Any], ...] = ()
+    replays: tuple[ReplayResult, ...] = ()
+    fixes: tuple[tuple[str, Fix], ...] = ()
+    advice: tuple[tuple[str, Advice], ...] = ()
+    shared: tuple[tuple[str, str], ...] = ()
+    failures: tuple[SnapshotFailure, ...] = ()
+
+    @property
+    def primary(self) -> ReplayResult | None:
+        """The replay the answer is about: the earliest step (lowest rank on a tie) that is not healthy.
+
+        NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy;
+        the rank that holds the fault is the answer, even when the healthy one has the lower rank.
+        When every replay is healthy, the earliest; None without a replay.
+        """
+        return next((r for r in self.replays if r.verdict != "healthy"), self.replays[0] if self.replays else None)
+
+    @property
+    def verdict(self) -> str:
+        """The primary replay's verdict; without one, ``healthy`` (no error finding) or ``no_snapshot``."""
+        if self.primary is not None:
+            return self.primary.verdict
+        return NO_SNAPSHOT if self.report.errors else "healthy"
+
+    @property
+    def culprit(self) -> Any:
+        """The primary replay's ``Culprit`` (a read-only mapping), or None."""
+        return self.primary.culprit if self.primary is not None else None
+
+    def answer(self) -> list[str]:
+        """The answer, a few plain lines: root cause, where, verified fixes, untested advice."""
+        return answer_lines(self)
+
+    def exit_status(self, fail_on: str | None = None) -> int:
+        """1 when a picked snapshot failed to replay, else the report's status (3 check_failed, 4 --fail-on)."""
+        return 1 if self.failures else self.report.exit_status(fail_on)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object: ``report`` and each of ``replays`` exactly as their own commands print them."""
+        culprit = self.culprit
+        return json_safe({
+            "autopsy_version": AUTOPSY_VERSION,
+            "run": self.run,
+            "verdict": self.verdict,
+            "culprit": culprit.to_dict() if culprit is not None else None,
+            "answer": self.answer(),
+            "report": self.report.to_dict(),
+            "replays": [r.to_dict() for r in self.replays],
+            "fixes": [{"snapshot": s, **f.to_dict()} for s, f in self.fixes],
+            "advice": [{"snapshot": s, **a.to_dict()} for s, a in self.advice],
+            "picked": [dict(p) for p in self.picked],
+            "shared_fixes": [{"snapshot": s, "same_culprit_as": o} for s, o in self.shared],
+            "errors": [f.to_dict() for f in self.failures],
+        })
+
+
+def _culprit_key(result: ReplayResult) -> tuple | None:
+    c = result.culprit
+    if c is None:
+        return None
+    return (result.verdict, c.op, c.module, c.phase, c.precision)
+
+
+def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
+                loss_fn: str | None = None, paths: tuple[str, ...] = (), progress: bool = False,
+                on_stage: Callable[[str], object] | None = None) -> AutopsyResult:
+    """Report, pick, replay and try fixes on `run`.
+
+    Args:
+        run: a run directory (or its ``meta.json``); a foreign log gives a report-only answer.
+        rank: only this rank (the report's ``--rank``, and the snapshots picked).
+        device: where to replay: ``auto``, ``cpu`` or ``cuda``.
+        factory, loss_fn: override the snapshots' model factory / loss references.
+        paths: extra import roots for the snapshots' factory and loss (``--path``).
+        progress: progress bars on stderr.
+        on_stage: called with one line per stage started (the demo prints them).
+
+    Raises:
+        BadInputError, VersionError: the run itself cannot be read (a snapshot that cannot be
+        replayed is a ``SnapshotFailure`` instead).
+    """
+    from ..replay import replay_snapshot
+    from ..replay.fixes import advice_with_status, try_fixes
+    from ..report import build_report
+
+    say = on_stage or (lambda _line: None)
+    report = build_report(run, rank=rank, progress=progress)
+    picked = pick_snapshots(report.frames.snapshots, rank=rank)
+    replays: list = []
+    fixes: list = []
+    advice: list = []
+    shared: list = []
+    failures: list = []
+    fixed: dict[tuple, str] = {}
+    for info in picked:
+        snap = str(info["file"])
+        say(f"replaying {snap} ({info['why']})")
+        try:
+            result = replay_snapshot(snap, device=device, factory=factory, loss_fn=loss_fn,
+                                     progress=progress, paths=paths)
+        except (AnalyzerError, OSError, MemoryError) as e:
+            failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))
+            continue
+        replays.append(result)
+        key = _culprit_key(result)
+        if key is not None and key in fixed:
+            shared.append((snap, fixed[key]))
+            continue
+        if key is not None:
+            say(f"trying fixes on {result.culprit.op} in {result.culprit.module}")
+        try:
+            tried = try_fixes(snap, result, device=device, factory=factory, loss_fn=loss_fn, paths=paths)
+        except (AnalyzerError, OSError, MemoryError) as e:
+            failures.append(SnapshotFailure(snap, "fixes", " ".join(str(e).split())))
+            continue
+        if key is not None:
+            fixed[key] = snap
+        fixes += [(snap, f) for f in tried]
+        advice += [(snap, a) for a in advice_with_status(result, tried)]
+    return AutopsyResult(run=str(run), report=report, picked=tuple(picked), replays=tuple(replays),
+                         fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
+                         failures=tuple(failures))
