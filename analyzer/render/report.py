@@ -5,13 +5,15 @@ import base64
 import html
 import io
 import math
+import os
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from ..report import Finding, Report
 from .outputs import atomic_write_bytes, atomic_write_text
 
-__all__ = ["render_report_text", "write_html", "write_plots"]
+__all__ = ["FIGURE_CAPTIONS", "relative_href", "render_report_text", "write_html", "write_plots"]
 
 _MAX_LISTED = 16  # ranks and snapshots listed in the text report
 
@@ -81,6 +83,35 @@ def render_report_text(rep: Report) -> str:
     return "\n".join(lines)
 
 
+# One line per figure on how to read it (the HTML pages print it under the figure).
+FIGURE_CAPTIONS = {
+    "loss_scale": "Loss per step (top; the line breaks where the loss is NaN/Inf, red crosses mark those steps, "
+                  "orange ticks skipped steps) and the loss scale (bottom, log2): a scale sliding towards 1 "
+                  "means the scaler keeps finding overflows.",
+    "grad_heatmap": "log10 gradient norm per parameter (rows, input at top) over steps: white cells are "
+                    "non-finite (overflow), black ones exactly zero; a dark band is a layer whose gradient vanished.",
+    "stalled_fraction": "Share of the parameters (by element count) whose gradient is stalled, per step: a curve "
+                        "that rises and stays up means parts of the model stopped learning.",
+    "grad_vs_depth": "Gradient norm against depth at a few steps: a slope falling towards the input is vanishing "
+                     "gradients; a gap is a non-finite or missing norm, triangles exact zeros.",
+}
+
+
+def relative_href(target, page) -> str:
+    """The URL of file `target` relative to the directory of the HTML file `page`.
+
+    A relative link keeps working when the page and the run directory are moved or shared
+    together; the absolute ``file:///`` links it replaces broke as soon as they were. Falls
+    back to an absolute file URL only where no relative path exists (another drive on Windows).
+    """
+    t = Path(target).resolve()
+    try:
+        rel = os.path.relpath(t, Path(page).resolve().parent)
+    except ValueError:
+        return t.as_uri()
+    return urllib.parse.quote(Path(rel).as_posix())
+
+
 def _figures(rep: Report):
     from . import plots
 
@@ -126,7 +157,11 @@ code{font-size:12px;color:#333;word-break:break-all}img{max-width:100%;margin:1e
 
 
 def write_html(rep: Report, path) -> Path:
-    """Write one self-contained HTML page (plots embedded as base64 PNG) and return its path."""
+    """Write one self-contained HTML page (plots embedded as base64 PNG) and return its path.
+
+    Snapshot links are relative to the page (``relative_href``): moved together with the run
+    directory, or attached next to it, the page still opens its snapshots.
+    """
     import matplotlib.pyplot as plt
 
     e = html.escape
@@ -140,11 +175,11 @@ def write_html(rep: Report, path) -> Path:
     for stem, make in _figures(rep):
         fig = make()
         try:
-            imgs.append(f"<h3>{e(stem.replace('_', ' '))}</h3><img alt='{stem}' src='data:image/png;base64,"
-                        f"{_png_b64(fig)}'>")
+            imgs.append(f"<h3>{e(stem.replace('_', ' '))}</h3><p>{e(FIGURE_CAPTIONS[stem])}</p>"
+                        f"<img alt='{stem}' src='data:image/png;base64,{_png_b64(fig)}'>")
         finally:
             plt.close(fig)
-    snaps = "".join(f"<li><a href='{e(Path(sn['file']).resolve().as_uri())}'>{e(Path(sn['file']).name)}</a> "
+    snaps = "".join(f"<li><a href='{e(relative_href(sn['file'], path))}'>{e(Path(sn['file']).name)}</a> "
                     f"(step {sn['step']}, rank {sn['rank']}, {e(str(sn['reason']))}): "
                     f"<code>analyzer replay {e(sn['file'])}</code></li>" for sn in rep.frames.snapshots)
     notes = "".join(f"<li>{e(n)}</li>" for n in rep.notes)

@@ -37,3 +37,25 @@ def test_imported_log_reports_without_layer_plots(tmp_path):
     rep = build_report(path)
     assert rep.source_format == "jsonl" and [p.name for p in write_plots(rep, tmp_path / "p")] == ["loss_scale.png"]
     assert any("no per-layer gradient norms" in n for n in rep.notes)
+
+
+def test_html_snapshot_links_are_relative_and_still_resolve_after_moving_page_and_run(tmp_path):
+    import re
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from ..replay import replay_models as rm
+
+    # a real recorded failure: an FP16 attention step whose logits overflow (test_replay.py)
+    g = torch.Generator().manual_seed(0)
+    snap = rm.record_step(tmp_path / "work" / "run", factory="build_attention", loss_fn="attention_mse",
+                          factory_kwargs={"d": 8, "gain": 8.0}, amp_dtype=torch.float16,
+                          batch={"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)})
+    rep = build_report(tmp_path / "work" / "run")
+    page = write_html(rep, tmp_path / "work" / "pages" / "r.html").read_text()
+    hrefs = re.findall(r"<a href='([^']*)'", page)
+    assert hrefs == [f"../run/snapshots/{snap.name}"] and "file:" not in page
+    shutil.move(tmp_path / "work", tmp_path / "moved")  # the page and the run, moved together
+    assert (tmp_path / "moved" / "pages" / Path(hrefs[0])).resolve().is_file()
