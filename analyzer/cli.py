@@ -37,7 +37,8 @@ EXIT_BAD_INPUT = 1
 EXIT_INTERNAL = 3
 
 # what each command was doing, for the internal-error line; the first argument names the file
-_STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo"}
+_STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo",
+           "autopsy": "running the autopsy"}
 _FILE_ARGS = ("snapshot", "run", "checkpoint", "out_dir")
 
 
@@ -242,6 +243,56 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
         if html_path:
             _echo(f"html: {html_path}")
     status = rep.exit_status(fail_on)  # 3: a check raised (check_failed); 4: --fail-on matched
+    if status:
+        raise click.exceptions.Exit(status)
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Write the report's plots and each replay's figure into this directory.")
+@click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to replay: cuda when present (auto), else cpu.")
+@click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
+              help="Ops to show around each culprit.")
+@click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
+@click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
+@click.option("--path", "paths", multiple=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
+              help="Also import the snapshots' factory and loss function from under DIR (repeatable).")
+@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
+              help="Exit with status 4 when the report has a finding of this severity or worse (to gate a "
+                   "pipeline); the autopsy is printed as usual.")
+@_one_line_errors
+def autopsy(run, as_json, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
+    """One answer: report the run, replay its first failing snapshots, try each fix on them."""
+    from pathlib import Path
+
+    from .autopsy import run_autopsy
+    from .render import check_output_path, plot_replay, render_autopsy_text, write_plots
+
+    if out_dir:
+        check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
+    progress = sys.stderr.isatty() and not as_json
+    result = run_autopsy(run, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
+                         progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
+    written = []
+    if out_dir:
+        written = write_plots(result.report, out_dir)
+        written += [plot_replay(r, Path(out_dir) / f"{Path(r.snapshot).stem}-replay.png") for r in result.replays]
+    if as_json:
+        _print_json(result.to_dict())
+    else:
+        _echo(render_autopsy_text(result, ops=ops))
+        for p in written:
+            _echo(f"plot: {p}")
+    if result.failures:  # the report and the other replays are printed; the failure is the one Error line
+        first = result.failures[0]
+        more = f" (and {len(result.failures) - 1} more snapshot(s); see the answer)" if len(result.failures) > 1 else ""
+        raise click.ClickException(_one_line(first.error + more))
+    status = result.exit_status(fail_on)  # 3: a report check raised; 4: --fail-on matched
     if status:
         raise click.exceptions.Exit(status)
 

@@ -1,0 +1,54 @@
+"""Render an ``AutopsyResult`` as text: the answer first, in a few lines; the evidence after.
+
+The evidence is the report and each replay exactly as ``analyzer report`` and ``analyzer replay``
+print them, except the replay's own "what to try" list: its suggestions are untried, and the
+answer above already lists each of them with the status its counterfactual replay gave (a fix
+that fails must never read as a recommendation).
+
+Real output (the demo run; the evidence is cut here)::
+
+    amp-autopsy autopsy: amp-autopsy-demo/fp16_attention_overflow
+    answer:
+      root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16) at samples/models.py:98 ...
+      where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step 24, rank 0 ...
+      verified fix: ...
+
+    evidence 1/2: analyzer report amp-autopsy-demo/fp16_attention_overflow
+    ...
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .replay import render_replay_text
+from .report import render_report_text
+
+if TYPE_CHECKING:
+    from ..autopsy import AutopsyResult
+
+__all__ = ["render_autopsy_text"]
+
+_RULE = "-" * 72
+
+
+def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
+    """The answer, then ``evidence N/M`` sections: the report, then each replay (``ops`` around its culprit)."""
+    lines = [f"amp-autopsy autopsy: {autopsy.run}", f"verdict: {autopsy.verdict}", "answer:"]
+    lines += [f"  {line}" for line in autopsy.answer()]
+    if autopsy.replays:
+        lines.append("  (replays run the failing step's forward and backward only, not the optimizer step)")
+    # A replay that blames the same op as an earlier one is the answer's one "also" line; in full in --json.
+    shared = dict(autopsy.shared)
+    shown = [r for r in autopsy.replays if r.snapshot not in shared]
+    total = 1 + len(shown)
+    lines += ["", _RULE, f"evidence 1/{total}: analyzer report {autopsy.run}", _RULE,
+              render_report_text(autopsy.report)]
+    for i, result in enumerate(shown, start=2):
+        bare = dataclasses.replace(result, advice=[])  # its untried advice is in the answer, with a status
+        lines += ["", _RULE, f"evidence {i}/{total}: analyzer replay {result.snapshot}", _RULE,
+                  render_replay_text(bare, ops=ops)]
+    if shared:
+        lines += ["", f"({len(shared)} more replay(s) blame the same op as one above: the answer's \"also\" "
+                      "lines; --json holds them in full)"]
+    return "\n".join(lines)
