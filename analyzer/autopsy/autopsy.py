@@ -65,7 +65,8 @@ class AutopsyResult:
         run: the run as given.
         report: the ``Report`` (``analyzer report``'s object).
         picked: the snapshot descriptions picked, earliest first, each with ``why``.
-        replays: the ``ReplayResult`` of each picked snapshot that replayed, in ``picked`` order.
+        replays: the ``ReplayResult`` of each picked snapshot that replayed: the primary first,
+            then the others in ``picked`` order.
         fixes: ``(snapshot, Fix)`` for every fix tried or considered, per distinct culprit.
         advice: ``(snapshot, Advice)``: advice lines with their status (``verified``/``untested``).
         shared: ``(snapshot, other)``: this snapshot's culprit is ``other``'s, whose fixes apply.
@@ -83,13 +84,8 @@ class AutopsyResult:
 
     @property
     def primary(self) -> ReplayResult | None:
-        """The replay the answer is about: the earliest step (lowest rank on a tie) that is not healthy.
-
-        NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy;
-        the rank that holds the fault is the answer, even when the healthy one has the lower rank.
-        When every replay is healthy, the earliest; None without a replay.
-        """
-        return next((r for r in self.replays if r.verdict != "healthy"), self.replays[0] if self.replays else None)
+        """The replay the answer is about (``replays[0]``, see ``run_autopsy``), or None."""
+        return self.replays[0] if self.replays else None
 
     @property
     def verdict(self) -> str:
@@ -135,6 +131,17 @@ def _culprit_key(result: ReplayResult) -> tuple | None:
     if c is None:
         return None
     return (result.verdict, c.op, c.module, c.phase, c.precision)
+
+
+def _primary_first(replays: list) -> tuple:
+    """The earliest replay (lowest rank on a tie) that is not healthy first, the others after in order.
+
+    NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy; the
+    rank that holds the fault is the answer even when the healthy one has the lower rank. When
+    every replay is healthy, the earliest comes first.
+    """
+    first = next((r for r in replays if r.verdict != "healthy"), replays[0] if replays else None)
+    return tuple([first] + [r for r in replays if r is not first]) if first is not None else ()
 
 
 def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
@@ -193,6 +200,6 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
             fixed[key] = snap
         fixes += [(snap, f) for f in tried]
         advice += [(snap, a) for a in advice_with_status(result, tried)]
-    return AutopsyResult(run=str(run), report=report, picked=tuple(picked), replays=tuple(replays),
+    return AutopsyResult(run=str(run), report=report, picked=tuple(picked), replays=_primary_first(replays),
                          fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
                          failures=tuple(failures))
