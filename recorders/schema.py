@@ -29,11 +29,6 @@ and ``SNAPSHOT_RE`` (never glob patterns: a ``[`` in a path is a glob character)
 Versions: 1 is the original layout. 2 adds writer names (``-wN``) and the ``cwd`` key to
 meta.json and snapshots (``KEYS_ADDED``: keys that files of older versions may lack).
 3 adds snapshot keys, among them ``sdpa`` (the attention-backend switches).
-3 also adds ``fsdp`` to meta.json (``META_KEYS_ADDED``) and to snapshots: FSDP2 (``fully_shard``)
-runs record their mixed-precision policy, mesh and, per parameter, this rank's shard
-(``sharded``, ``local_shape``, ``local_numel``, ``local_offset`` in ``params`` entries); their
-snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite_loss.dcp``
-(``dcp_dir_name``) shared by every rank, or this rank's local shards (see ``SNAPSHOT_KEYS``).
 """
 from __future__ import annotations
 
@@ -63,9 +58,6 @@ __all__ = [
     "SNAPSHOT_RE",
     "KEYS_ADDED",
     "SDPA_BACKENDS",
-    "META_KEYS_ADDED",
-    "DCP_RE",
-    "dcp_dir_name",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -114,10 +106,7 @@ META_KEYS = (
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
     "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
     "cwd",  # since version 2: the training process's os.getcwd(), where replay looks for user code
-    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int} (FSDP2 runs)
 )
-# meta.json keys added after version 1, with the version that added them (older runs lack them).
-META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -153,9 +142,6 @@ SNAPSHOT_KEYS = (
 # readers treat them as optional (and use None).
 KEYS_ADDED: dict[str, int] = {"cwd": 2}
 KEYS_ADDED["sdpa"] = 3  # the SDPA backend switches (recorders/_sdpa.py)
-KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_fsdp.py)
-# The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).
-DCP_RE = re.compile(r"^step(\d+)-([A-Za-z0-9_]+)\.dcp$")
 # The snapshot's names of the SDPA backends: the keys of snapshot["sdpa"]["enabled"].
 SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 

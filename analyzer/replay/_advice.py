@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from .backends import kernel_advice, kernel_summary
+
 __all__: list[str] = []
 
 _MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
@@ -25,7 +27,9 @@ def _finite(v) -> bool:
 
 def summary(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
             recorded_loss: float | None = None, written_only: list[str] | None = None,
-            masks: list[str] | None = None) -> str:
+            masks: list[str] | None = None, sdpa: dict | None = None) -> str:
+    if verdict == "kernel_specific":  # `sdpa`: the backend that ran and what the others did (backends.py)
+        return kernel_summary(c, sdpa)
     text = _summary(verdict, c, inputs=inputs, scale=scale, recorded_loss=recorded_loss, masks=masks)
     if written_only:
         more = f" (and {len(written_only) - 1} more)" if len(written_only) > 1 else ""
@@ -79,7 +83,9 @@ def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: f
 
 
 def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
-           masks: list[str] | None = None) -> list[str]:
+           masks: list[str] | None = None, sdpa: dict | None = None) -> list[str]:
+    if verdict == "kernel_specific":
+        return kernel_advice(c, sdpa)
     if verdict == "healthy":
         return [
             "Nothing to fix in this step as replayed. If training did fail here, compare the "

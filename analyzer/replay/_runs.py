@@ -18,6 +18,7 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._mode import _OpRecord, _OpStatsMode
 from ._writes import BufferReads
+from .backends import record_calls, sdpa_switches
 
 __all__: list[str] = []
 
@@ -45,6 +46,7 @@ class RunTrace:
     # Per op, where its non-finite output came from (``_origin.op_roots``): worked out once, by the
     # origin analysis, and read again by the plot, which must not redo the analysis.
     roots: list | None = field(default=None, repr=False, compare=False)
+    sdpa_calls: list = field(default_factory=list, repr=False)  # backends.SdpaCall per SDPA call
 
     @property
     def forward_finite(self) -> bool:
@@ -76,6 +78,7 @@ class ReplayContext:
     train_mode: bool
     device: torch.device
     emulate_cuda: bool
+    sdpa: dict | None = None  # the snapshot's SDPA switches (recorders/_sdpa.py); None: the process's
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     def build_model(self) -> torch.nn.Module:
@@ -153,10 +156,13 @@ def _to_device(obj, device):
 
 
 def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = False,
-             capture: int | None = None, on_ops=None, watch: list[str] | None = None) -> RunTrace:
+             capture: int | None = None, on_ops=None, watch: list[str] | None = None,
+             sdpa_backend: str | None = None) -> RunTrace:
     """Replay the step once in `precision` with backward from ``loss * scale``.
 
     `watch` names buffers whose values are followed through the run (``RunTrace.buffers_read``).
+    The snapshot's SDPA switches apply (``ctx.sdpa``), or only backend `sdpa_backend`
+    (``"math"``, ``"flash"``...) when given (``backends.try_backends``).
     """
     model = ctx.build_model()
     batch = _to_device(ctx.batch, ctx.device)
@@ -166,6 +172,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         named = dict(model.named_buffers())
         reads = BufferReads({n: named[n] for n in watch if n in named})
     mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads)
+    sdpa_ctx, sdpa_calls = sdpa_switches(ctx.sdpa, sdpa_backend), record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
     handles = attach_module_hooks(model, mode.module_stack)
     low = precision in LOW_PRECISION
@@ -174,7 +181,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with tag_mode, mode:
+        with sdpa_ctx, sdpa_calls, tag_mode, mode:
             with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low):
                 try:
                     loss = ctx.loss_fn(model, batch)
@@ -216,7 +223,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         grads_finite=all(math.isfinite(v) for v in grad_vals),
         grad_absmax=_nan_max(grad_vals) / scale if grad_vals else None, backward_ran=backward_ran,
         emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
-        buffers_read=None if reads is None else set(reads.read),
+        buffers_read=None if reads is None else set(reads.read), sdpa_calls=sdpa_calls.calls,
     )
 
 

@@ -24,6 +24,7 @@ from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from ._shadow import shadow
+from .backends import backend_of, kernel_check
 from .records import Culprit, OpRecord
 from .result import ReplayResult
 
@@ -83,10 +84,11 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         verdict=diag["verdict"],
         summary=_advice.summary(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
                                 recorded_loss=_float_or_none(snap.loss), written_only=written_only,
-                                masks=masks),
+                                masks=masks, sdpa=diag.get("sdpa")),
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
-        advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks),
+        advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks,
+                              sdpa=diag.get("sdpa")),
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
@@ -95,8 +97,16 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         hidden_nonfinite=diag.get("hidden"), literal_nonfinite=diag.get("literal"),
         underflow_at=diag.get("underflow_at"),
         context_ops=diag.get("context", []),
+        sdpa_backend=_sdpa_backend(diag, runs), backends=(diag.get("sdpa") or {}).get("backends"),
         traces=runs, culprit_trace=diag.get("trace"),
     )
+
+
+def _sdpa_backend(diag: dict, runs: dict[str, RunTrace]) -> str | None:
+    """The SDPA backend the culprit's call ran, else the one the trained precision's run ran."""
+    ran = (diag.get("sdpa") or {}).get("backend")
+    trace = diag.get("trace") or list(runs.values())[min(1, len(runs) - 1)]
+    return ran or backend_of(trace.sdpa_calls)
 
 
 def _float_or_none(v) -> float | None:
@@ -128,7 +138,7 @@ def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_f
     return ReplayContext(
         path=path, factory=factory_fn, factory_ref=factory_ref, factory_kwargs=snap.factory_kwargs or {},
         loss_fn=loss_callable, loss_ref=loss_ref, model_state=snap.model_state, batch=snap.batch,
-        rng=snap.rng, train_mode=snap.train_mode, device=dev,
+        rng=snap.rng, train_mode=snap.train_mode, device=dev, sdpa=snap.sdpa,
         emulate_cuda=(recorded == "cuda" and dev.type == "cpu"),
     )
 
@@ -255,7 +265,9 @@ def _diagnose(ctx, runs, at_one, amp, scale, nonfinite_inputs, on_ops=None) -> d
             verdict, extra = "underflow", {"underflow_at": _flush_dict(low, ref, flush)}
         else:
             verdict, extra = "numerical_bug", {}
-    return _finish(ctx, verdict, low, o, origins, shadow_=sh, ref=fp32, **extra)
+    # An SDPA culprit: the same step under each other attention backend (kernel_specific).
+    verdict, sdpa = kernel_check(ctx, verdict, low, rec, p, eff.scale, on_ops=on_ops)
+    return {**_finish(ctx, verdict, low, o, origins, shadow_=sh, ref=fp32, **extra), "sdpa": sdpa}
 
 
 def _checked(ctx, origin):

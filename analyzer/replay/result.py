@@ -15,7 +15,7 @@ __all__ = ["ReplayResult", "VERDICTS"]
 
 VERDICTS = (
     "healthy", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-    "loss_scale_overflow",
+    "loss_scale_overflow", "kernel_specific",
 )
 
 
@@ -38,6 +38,12 @@ class ReplayResult:
             is written on purpose (like an in-step ``masked_fill(-inf)``), so not a cause.
         advice: concrete things to try, most specific first.
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
+        sdpa_backend: the scaled-dot-product-attention backend that ran (``math``, ``flash``,
+            ``mem_efficient``, ``cudnn``; ``flash+math`` when calls differ), that of the culprit's
+            call when it is one; None when the step has no SDPA call.
+        backends: for an SDPA culprit, the step re-run in the same precision under each other
+            backend: ``{backend: "finite" | "nonfinite at OP in `MODULE`" | "unavailable: why"}``;
+            None otherwise. ``kernel_specific`` means one of them is finite.
     """
 
     verdict: str
@@ -63,6 +69,8 @@ class ReplayResult:
     context_ops: list[OpRecord] = field(default_factory=list)
     traces: dict[str, RunTrace] = field(default_factory=dict, repr=False)
     culprit_trace: RunTrace | None = field(default=None, repr=False)
+    sdpa_backend: str | None = None
+    backends: dict[str, str] | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -94,4 +102,6 @@ class ReplayResult:
             "literal_nonfinite": self.literal_nonfinite,
             "underflow_at": self.underflow_at,
             "context_ops": self.context_ops,
+            "sdpa_backend": self.sdpa_backend,
+            "backends": None if self.backends is None else dict(self.backends),
         })

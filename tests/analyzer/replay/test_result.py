@@ -17,6 +17,7 @@ TOP_KEYS = {"verdict", "summary", "culprit", "runs", "advice", "snapshot", "step
             "recorded_device", "device_note", "amp_dtype", "scale", "recorded_loss", "nonfinite_inputs",
             "written_only_buffers", "mask_inputs",
             "hidden_nonfinite", "literal_nonfinite", "underflow_at", "context_ops", "format", "format_version"}
+TOP_KEYS |= {"sdpa_backend", "backends"}  # the attention backend that ran, and the others tried
 CULPRIT_KEYS = {"op", "overload", "module", "phase", "precision", "index", "source", "node", "input_dtypes",
                 "output_dtype", "input_absmax", "output_absmax", "output_kind", "custom", "shadow"}
 RUN_KEYS = {"finite", "loss", "loss_dtype", "forward_finite", "backward_finite", "grad_absmax", "scale", "ops",
