@@ -4,13 +4,9 @@ from __future__ import annotations
 import math
 import os
 
-from ..replay._origin import op_roots
 from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay"]
-
-_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
-
 
 def _num(v) -> str:
     if v is None:
@@ -108,51 +104,21 @@ def _mx(vals):
 
 
 def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
-    """Write a PNG: per-op output abs-max along execution order, one line per precision.
+    """Write a PNG of ``plots.plot_replay_ops``: per-op output abs-max along execution order, one
+    line per precision, the forward/backward boundary, the culprit, and a zoom on the ops around it.
 
-    FP16 and BF16 range limits are drawn as horizontal lines; NaN/Inf outputs are drawn at the
-    top edge as crosses (except mask values such as ``masked_fill(-inf)`` and the ops that only
-    carry them on); the culprit is marked with a vertical line.
+    Written atomically (a crash leaves the old file or the new one).
     """
-    from .plots import plt  # the Agg backend is chosen there, once
+    import io
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    top = 1.0
-    series = []
-    for p, trace in result.traces.items():
-        xs, ys, bad = [], [], []
-        roots = op_roots(trace)  # kept on the trace by the replay's origin analysis
-        for rec in trace.records:
-            v = _mx([trace.absmax[s] for s in rec.outputs])
-            if v is None:
-                continue
-            if math.isfinite(v):
-                xs.append(rec.index)
-                ys.append(max(v, 1e-30))
-                top = max(top, v)
-            else:
-                root = roots[rec.index]
-                if not (root.literal and root.index is not None):  # skip -inf masks written on purpose
-                    bad.append(rec.index)
-        series.append((p, xs, ys, bad))
-    for p, xs, ys, bad in series:
-        line, = ax.plot(xs, ys, lw=0.8, label=p)
-        if bad:
-            ax.scatter(bad, [top * 10] * len(bad), marker="x", s=14, color=line.get_color())
-    for name, limit in _LIMITS.items():
-        if limit <= top * 100:
-            ax.axhline(limit, ls="--", lw=0.8, color="grey")
-            ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")
-    if result.culprit:
-        ax.axvline(result.culprit["index"], color="red", lw=1)
-        ax.text(result.culprit["index"], top * 10, f" {result.culprit['op']} ({result.culprit['module']})",
-                color="red", fontsize=8, va="bottom")
-    ax.set_yscale("log")
-    ax.set_xlabel("op index (execution order: forward, then backward)")
-    ax.set_ylabel("output abs-max")
-    ax.set_title(f"replay: {result.verdict}  (x at top: NaN/Inf output; -inf mask values not shown)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from .outputs import atomic_write_bytes
+    from .plots import plot_replay_ops, plt  # the Agg backend is chosen there, once
+
+    fig = plot_replay_ops(result)
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
     return os.fspath(path)
