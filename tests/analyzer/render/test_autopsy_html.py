@@ -90,6 +90,7 @@ def rendered(moved):
     return browser.render_text(moved["page"])
 
 
+@pytest.mark.slow  # trains the FP16 attention sample once per session (tests/sample_runs.py)
 def test_chromium_renders_verdict_then_culprit_then_fix_statuses_in_that_order(moved, rendered):
     text, _ = rendered
     a = moved["autopsy"]
@@ -104,6 +105,7 @@ def test_chromium_renders_verdict_then_culprit_then_fix_statuses_in_that_order(m
     assert c["module"] in text[culprit:verified] and c["source"] in text[culprit:verified]
 
 
+@pytest.mark.slow  # trains the FP16 attention sample once per session (tests/sample_runs.py)
 def test_chromium_shows_no_advice_that_names_a_failing_fix_and_folds_the_evidence_away(moved, rendered):
     text, _ = rendered
     assert "untested: Divide the attention logits by sqrt(d)." in text
@@ -116,6 +118,7 @@ def test_chromium_shows_no_advice_that_names_a_failing_fix_and_folds_the_evidenc
     assert html.escape(key) in moved["source"] and key not in text
 
 
+@pytest.mark.slow  # trains the FP16 attention sample once per session (tests/sample_runs.py)
 def test_the_snapshot_link_chromium_resolves_points_at_the_moved_snapshot(moved, rendered):
     _, links = rendered
     files = [Path(unquote(urlparse(u).path)) for u in links if u.startswith("file:")]
@@ -123,6 +126,7 @@ def test_the_snapshot_link_chromium_resolves_points_at_the_moved_snapshot(moved,
     assert all(f.exists() for f in files)  # no link points where the run used to be
 
 
+@pytest.mark.slow  # trains the FP16 attention sample once per session (tests/sample_runs.py)
 def test_a_chromium_screenshot_of_the_page_is_a_real_picture(moved, tmp_path):
     import matplotlib.image as mpimg
     import numpy as np
@@ -135,6 +139,7 @@ def test_a_chromium_screenshot_of_the_page_is_a_real_picture(moved, tmp_path):
     assert img[..., :3].std() > 0.05 and len(np.unique(img[..., :3].reshape(-1, 3), axis=0)) > 50
 
 
+@pytest.mark.slow  # trains the FP16 attention sample once per session (tests/sample_runs.py)
 def test_the_page_is_one_file_with_its_sections_in_reading_order_and_relative_links(moved):
     src = moved["source"]
     order = [src.index(f"id='{s}'") for s in ("verdict", "culprit", "fixes", "replay", "findings", "plots",
