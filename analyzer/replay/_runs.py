@@ -172,7 +172,8 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         named = dict(model.named_buffers())
         reads = BufferReads({n: named[n] for n in watch if n in named})
     mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads)
-    sdpa_ctx, sdpa_calls = sdpa_switches(ctx.sdpa, sdpa_backend), record_calls(mode)
+    sdpa_ctx = sdpa_switches(ctx.sdpa, only=sdpa_backend, device=ctx.device.type)
+    sdpa_calls = record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
     handles = attach_module_hooks(model, mode.module_stack)
     low = precision in LOW_PRECISION

@@ -126,15 +126,17 @@ def _new_nodes(out, inputs) -> frozenset:
 
 
 @contextlib.contextmanager
-def sdpa_switches(recorded: dict | None, only: str | None = None):
+def sdpa_switches(recorded: dict | None, only: str | None = None, device: str = "cpu"):
     """Within: the SDPA switches as `recorded` (a snapshot's ``sdpa``), or only backend `only`.
 
     Also sets the math backend's reduced-precision switch as recorded, and restores everything
     on exit. With nothing recorded (a version-2 snapshot) and no `only`, the process's own
-    switches apply.
+    switches apply; so they do when no recorded backend exists on `device` (a CUDA run that
+    allowed only the memory-efficient kernel, replayed on CPU).
     """
     enabled = (recorded or {}).get("enabled") or {}
-    wanted = [only] if only else [b for b in schema.SDPA_BACKENDS if enabled.get(b)]
+    wanted = [only] if only else [b for b in schema.SDPA_BACKENDS if enabled.get(b)
+                                  and (device == "cuda" or b not in _CUDA_ONLY)]
     reduced = (recorded or {}).get("math_reduced_precision")
     cuda = torch.backends.cuda
     before = cuda.fp16_bf16_reduction_math_sdp_allowed() if reduced is not None else None

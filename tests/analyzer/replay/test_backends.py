@@ -217,3 +217,11 @@ def test_the_verdict_is_the_same_on_the_portable_cpu_kernels(tmp_path):
     assert obj["capability"] == "DEFAULT"
     assert (obj["verdict"], obj["sdpa_backend"], obj["backends"]["flash"]) == ("kernel_specific", "math", "finite")
     assert (obj["culprit"]["op"], obj["culprit"]["module"]) == ("aten.bmm", "attn")
+
+
+def test_a_cuda_only_recorded_backend_replays_on_cpu_under_the_process_switches(raw_snapshot, tmp_path):
+    path = tmp_path / "mem_efficient_only.pt"
+    only = {"flash": False, "mem_efficient": True, "math": False, "cudnn": False}
+    torch.save({**raw_snapshot, "sdpa": {"enabled": only, "math_reduced_precision": True}}, path)
+    r = replay_snapshot(path, device="cpu")  # CPU has no memory-efficient kernel: no "No viable backend"
+    assert r.verdict == "healthy" and r.sdpa_backend == "flash"
