@@ -16,6 +16,7 @@ from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .nonfinite import nonfinite_grads
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse
+from .updates import nonfinite_weights, stalled_updates
 
 __all__ = ["CHECKS", "CHECK_FAILED", "Frames", "build_frames", "run_checks"]
 
@@ -33,6 +34,8 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "grad_underflow": grad_underflow,
     "low_precision_loss": low_precision_loss,
     "rank_divergence": rank_divergence,
+    "nonfinite_weights": nonfinite_weights,
+    "stalled_updates": stalled_updates,
 }
 
 

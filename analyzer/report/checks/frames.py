@@ -49,6 +49,7 @@ class Frames:
     layer_window: Callable[[int, int], pl.DataFrame] | None = None
     notes: list[str] = field(default_factory=list)
     layer_rows: Callable[[int, int], pl.DataFrame] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # rank 0's meta.json (optimizer, params' dtypes)
 
     @property
     def n_ranks(self) -> int:
@@ -107,10 +108,19 @@ def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int) -> pl.DataFrame:
     fin = gn.is_finite()
     key = (((pl.col("step") - s0) // width) * (1 << 24) + pl.col("layer")).alias("key")
     zf, pn = pl.col("grad_zero_frac"), pl.col("param_norm")  # NaN/Inf there is no value: left out too
+    # the weights' own columns (checks/updates.py): non-finite param_norm rows, its min/max (bitwise-
+    # equal norms: weights that did not move), and since format 3 the change columns when present
+    upd = [c for c in ("update_rms", "unchanged_frac") if c in lf.collect_schema().names()]
+    extra = {f"_{c}": pl.when(pl.col(c).is_finite()).then(pl.col(c)) for c in upd}
+    aggs = {"urms": pl.col("_update_rms").mean(), "unch": pl.col("_unchanged_frac").mean(),
+            "n_upd": pl.col("_unchanged_frac").count()} if len(upd) == 2 else {}
     out = (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
-                     zf=pl.when(fin & zf.is_finite()).then(zf), pn=pl.when(pn.is_finite()).then(pn))
+                     zf=pl.when(fin & zf.is_finite()).then(zf), pn=pl.when(pn.is_finite()).then(pn),
+                     pbad=(pn.is_not_null() & ~pn.is_finite()), **extra)
            .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
-                                zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean())
+                                zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean(),
+                                pn_lo=pl.col("pn").min(), pn_hi=pl.col("pn").max(), pbad=pl.col("pbad").sum(),
+                                **aggs)
            .collect(**_STREAM))
     bin_ = (pl.col("key") // (1 << 24)).cast(pl.Int32)
     return (out.with_columns(bin=bin_, layer=(pl.col("key") % (1 << 24)).cast(pl.Int32))
@@ -160,7 +170,7 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
 
         def rows(lo: int, hi: int, _llf=llf) -> pl.DataFrame:
             return (_llf.filter(pl.col("step").is_between(lo, hi))
-                    .select("step", "rank", "layer", "grad_norm", "grad_nonfinite")
+                    .select("step", "rank", "layer", "grad_norm", "grad_nonfinite", "param_norm")
                     .sort("step", "rank", "layer").collect(**_STREAM))
 
     snaps = [snapshot_info(p) for p in run.snapshots]
@@ -169,4 +179,4 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
     return Frames(steps=merged, layer_bins=layer_bins, params=list(run.params), numels=list(run.numels),
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
-                  layer_window=window, notes=notes, layer_rows=rows)
+                  layer_window=window, notes=notes, layer_rows=rows, meta=dict(run.meta or {}))
