@@ -113,7 +113,9 @@ def _generate_rank(run: Path, n_steps: int, n_layers: int, chunk: int, rank: int
             "grad_norm": (10.0 ** lg).ravel().astype(np.float32),
             "param_norm": np.tile(rng.uniform(1, 5, n_layers).astype(np.float32), n),
             "grad_nonfinite": np.zeros(m, np.int64),
-            "grad_zero_frac": np.full(m, 0.001, np.float32)}, schema=schema.LAYER_COLUMNS)
+            "grad_zero_frac": np.full(m, 0.001, np.float32),
+            "update_rms": np.full(m, 1e-4, np.float32), "unchanged_frac": np.full(m, 0.01, np.float32)},
+            schema=schema.LAYER_COLUMNS)
         layers.write_parquet(run / schema.TRACE_DIR / schema.part_name("layers", rank, p))
         print(f"\r  rank {rank}: wrote part {p} (steps {s0}..{s0 + n - 1})", end="", file=sys.stderr, flush=True)
 

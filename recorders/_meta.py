@@ -80,8 +80,13 @@ def current_cwd() -> str | None:
 
 def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_type: str,
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
-               factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig) -> dict:
-    """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order."""
+               factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig,
+               fsdp: dict | None = None, optimizer: dict | None = None) -> dict:
+    """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order.
+
+    `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
+    `optimizer`: ``recorders._update.optimizer_meta`` (class, hyperparameters per group) or None.
+    """
     from . import __version__
 
     meta = {
@@ -105,6 +110,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "layer_every": config.layer_every,
         "flush_every": config.flush_every,
         "cwd": current_cwd(),
+        "fsdp": fsdp,
+        "optimizer": optimizer,
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -144,9 +144,11 @@ class StepStats:
         where = None if sel is None else self._index(sel)
         numel = self._numel if where is None else self._numel.index_select(0, where)
         zero_frac = (1.0 - nnz.to(self._acc) / numel).float()
+        # the change since the previous recorded row, on a fixed sample: device-side, no host sync
+        update = self._update_sample.measure() if self._update_sample is not None else None
         if self._layers.full:
             self.flush()
-        self._layers.put(step, sel, where, gnorm, pnorm, zero_frac, counts)
+        self._layers.put(step, sel, where, gnorm, pnorm, zero_frac, counts, update)
 
     def _index(self, sel: list[int]) -> torch.Tensor:
         """Device index tensor of `sel`, cached: building it is a host-to-device copy."""

@@ -25,6 +25,7 @@ from ._claim import claim_writer, release_writer
 from ._meta import RecorderConfig, amp_dtype_of, build_meta, current_cwd, dist_info
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
+from ._update import UpdateCheck, UpdateSample, optimizer_entry, optimizer_meta, update_entry
 from .snapshot import build_snapshot, claim_snapshot, write_snapshot
 from .trace import LayerBuffer, TraceWriter
 
@@ -66,6 +67,11 @@ class Recorder(StepStats):
             every rank snapshots the step any rank failed at (one extra tiny collective per step).
             NB: a collective: every rank must record (no ``enabled=(rank == 0)``) and call
             ``end_step`` on every step, or the others wait forever.
+        check_update: with `optimizer`, check right after every optimizer step (its step post
+            hook) whether a parameter became non-finite; the first step that made one so is
+            snapshotted at once (reason ``"update"``, before ``zero_grad``: its gradients, the
+            optimizer state and the post-update weights). Costs one fused norm over the weights
+            and one more small host sync per optimizer step.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -103,6 +109,7 @@ class Recorder(StepStats):
         strict: bool = False,
         enabled: bool = True,
         sync_failures: bool = False,
+        check_update: bool = False,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -136,6 +143,10 @@ class Recorder(StepStats):
         self.amp_dtype = amp_dtype_of(amp_dtype)
         self.strict = bool(strict)
         self.sync_failures = bool(sync_failures)
+        if check_update and optimizer is None:
+            raise ValueError("check_update=True needs the optimizer: Recorder(..., optimizer=opt, check_update=True)")
+        self.check_update = bool(check_update)
+        self._hook = None  # the optimizer step post hook's handle (check_update)
 
         self._warned = False
         self._stop_warned = False
@@ -321,6 +332,10 @@ class Recorder(StepStats):
             pass
         self._batch = self._rng = None
         self._buffers = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._update_sample = None
         if self._layers is not None:
             self._layers.release()
         if self._writer is not None:
@@ -345,13 +360,20 @@ class Recorder(StepStats):
         self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
                                             self.config.max_snapshots)
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
+        self._update_sample = UpdateSample(self._params, self._device)
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        if self.check_update:
+            self._update_check = UpdateCheck(self._params, self._device, self._single_device)
+            self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup
+            self._hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
 
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         meta = build_meta(model=self.model, rank=self.rank, world_size=self.world_size,
                           device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
-                          config=self.config)
+                          config=self.config,
+                          optimizer=optimizer_meta(self.optimizer, self._params))
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
         # a Recorder dropped without close() gives its slot back too (a notebook cell run again)
@@ -370,14 +392,35 @@ class Recorder(StepStats):
     def _write_trace(self, rows, layers) -> None:
         self._writer.write(rows, layers)
 
-    def _snapshot(self, reason: str) -> Path | None:
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """check_update: the optimizer's step post hook. Snapshot the step that broke the weights."""
+        if not self.enabled or self.closed or self.stopped:
+            return
+        try:
+            with torch.no_grad():
+                bad = self._update_check.nonfinite()
+            broke = bool(bad) and self._weights_finite  # edge: the weights were finite before this step
+            self._weights_finite = not bad
+            if not broke or self._step is None or self._triggers.exhausted:
+                return
+            self._triggers.fired += 1
+            names = [self._param_names.get(id(self._params[i]), f"param{i}") for i in bad]
+            self._snapshot(_triggers.UPDATE, update=update_entry(self.model, names))
+            self._flush()  # the process may die at the next forward: the trace reaches the disk now
+        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
+            self._stop("the optimizer step post hook (check_update)", e)
+
+    def _snapshot(self, reason: str, update: dict | None = None) -> Path | None:
+        """Snapshot the current step. With `update` (reason "update"): the weights after the step."""
         last = self._last or {}
         scale = last.get("scale")
         if not last and self.scaler is not None and self.scaler._scale is not None:
             scale = self.scaler.get_scale()  # manual snapshot before end_step
         path = self.run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(self._step, self.rank, reason,
                                                                          self.writer)
-        pre, missed = self._buffers.pre_step()
+        pre, missed = self._buffers.pre_step() if update is None else ({}, [])
+        # NB: captured here, not in write(): a state_dict() that raises is an internal error (_stop)
+        optim = optimizer_entry(self.optimizer, self._param_names)
         if missed and not self._warned:
             self._warned = True
             warnings.warn(
@@ -393,6 +436,7 @@ class Recorder(StepStats):
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd,
+                optimizer=optim, update=update,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace
@@ -403,6 +447,8 @@ class Recorder(StepStats):
         if written is not None and written not in self.snapshots:
             self.snapshots.append(written)
         return written
+        entry["local_state"], entry["layout"] = local_state(self.model, pre)
+        return entry
 
     def _guard(self, what: str, fn, *args):
         """Run the recorder's own I/O: on error warn once and carry on (strict: raise)."""

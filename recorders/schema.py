@@ -29,6 +29,14 @@ and ``SNAPSHOT_RE`` (never glob patterns: a ``[`` in a path is a glob character)
 Versions: 1 is the original layout. 2 adds writer names (``-wN``) and the ``cwd`` key to
 meta.json and snapshots (``KEYS_ADDED``: keys that files of older versions may lack).
 3 adds snapshot keys, among them ``sdpa`` (the attention-backend switches).
+3 also adds ``fsdp`` to meta.json (``META_KEYS_ADDED``) and to snapshots: FSDP2 (``fully_shard``)
+runs record their mixed-precision policy, mesh and, per parameter, this rank's shard
+(``sharded``, ``local_shape``, ``local_numel``, ``local_offset`` in ``params`` entries); their
+snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite_loss.dcp``
+(``dcp_dir_name``) shared by every rank, or this rank's local shards (see ``SNAPSHOT_KEYS``).
+3 also records the optimizer (meta.json and snapshot key ``optimizer``), ``update`` snapshots
+(``check_update=True``: the step whose update made weights non-finite) and the layer columns
+``update_rms`` and ``unchanged_frac`` (``COLUMNS_ADDED``: trace columns older parts lack, read as null).
 """
 from __future__ import annotations
 
@@ -58,6 +66,10 @@ __all__ = [
     "SNAPSHOT_RE",
     "KEYS_ADDED",
     "SDPA_BACKENDS",
+    "META_KEYS_ADDED",
+    "COLUMNS_ADDED",
+    "DCP_RE",
+    "dcp_dir_name",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -99,14 +111,28 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
     "param_norm": pl.Float32,      # L2 norm of the parameter
     "grad_nonfinite": pl.Int64,    # count of NaN/Inf gradient elements
     "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero
+    # Since version 3, over a fixed sample of the parameter (at most 4096 evenly strided elements),
+    # against the previous recorded row of that parameter; null on its first recorded row:
+    "update_rms": pl.Float32,      # RMS of (w_now - w_at_previous_recorded_row); NaN once w is NaN
+    "unchanged_frac": pl.Float32,  # fraction of sampled elements bitwise unchanged since then
 }
+# Trace columns (steps and layers) added after version 1, with the version that added them: parts
+# of older versions lack them and readers give null.
+COLUMNS_ADDED: dict[str, int] = {"update_rms": 3, "unchanged_frac": 3}
 
 META_KEYS = (
     "format", "format_version", "torch_version", "amp_autopsy_version", "created", "host",
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
     "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
     "cwd",  # since version 2: the training process's os.getcwd(), where replay looks for user code
+    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int} (FSDP2 runs)
+    "optimizer",  # since version 3: None | {"class": "torch.optim.adam.Adam", "param_groups": [{"lr", "eps",
+                  #   "betas", "weight_decay", ... every JSON-able hyperparameter, "params": [index into
+                  #   params, None for a tensor not in the model]}]}, recorded at setup
 )
+# meta.json keys added after version 1, with the version that added them (older runs lack them).
+META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
+META_KEYS_ADDED["optimizer"] = 3  # the optimizer's class and hyperparameters (recorders/_update.py)
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -129,6 +155,7 @@ SNAPSHOT_KEYS = (
     "loss_fn",           # "pkg.mod:qualname"
     "train_mode",        # model.training at the step
     "model_state",       # {name: tensor on CPU}: parameters and buffers before the optimizer step
+                         #   (reason "update": the parameters AFTER the step, buffers as they are then)
     "batch",             # the batch (tensors on CPU) in its nested dict/list/tuple structure
     "rng",               # {"cpu": uint8 tensor, "cuda": [uint8 tensor per device] | None}
     "loss",              # float: the recorded (unscaled) loss, NaN/Inf as is; None if unknown
@@ -137,11 +164,22 @@ SNAPSHOT_KEYS = (
     "cwd",               # str: the training process's os.getcwd() (since version 2)
     "sdpa",              # since version 3: {"enabled": {"flash", "mem_efficient", "math", "cudnn": bool},
                          #   "math_reduced_precision": bool | None} as the process had them | None
+    "optimizer",         # since version 3: None (no optimizer= given) | {"class": "torch.optim.adam.Adam",
+                         #   "state_dict": optimizer.state_dict() (tensors on CPU; reason "update": post-step),
+                         #   "param_names": [model parameter name | None, for each param id in param_groups order]}
+    "update",            # since version 3: None | on reason "update" (check_update=True) only:
+                         #   {"grads": {name: tensor} (the gradients the step used), "post_params": {name:
+                         #    tensor} (every parameter after it), "nonfinite_params": [names it made NaN/Inf]}
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
 KEYS_ADDED: dict[str, int] = {"cwd": 2}
 KEYS_ADDED["sdpa"] = 3  # the SDPA backend switches (recorders/_sdpa.py)
+KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_fsdp.py)
+KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter names (recorders/_update.py)
+KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
+# The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).
+DCP_RE = re.compile(r"^step(\d+)-([A-Za-z0-9_]+)\.dcp$")
 # The snapshot's names of the SDPA backends: the keys of snapshot["sdpa"]["enabled"].
 SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 

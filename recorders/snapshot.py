@@ -75,6 +75,8 @@ def build_snapshot(
     world_size: int = 1,
     pre_step_buffers: dict[str, torch.Tensor] | None = None,
     cwd: str | None = None,
+    optimizer: dict[str, Any] | None = None,
+    update: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -83,6 +85,9 @@ def build_snapshot(
     so that replay starts from the state the failing forward saw. Sharded (DTensor) entries are
     saved as this rank's local shard. `cwd`: the training process's working directory
     (default: the current one).
+    `optimizer`: ``recorders._update.optimizer_entry`` (class, CPU state_dict, parameter names) or
+    None. `update`: ``recorders._update.update_entry`` on an ``update`` snapshot, whose
+    ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
     """
     from . import __version__
 
@@ -118,6 +123,8 @@ def build_snapshot(
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "cwd": current_cwd() if cwd is None else str(cwd),
         "sdpa": sdpa_state(),  # the attention-backend switches, read now (nothing per step)
+        "optimizer": optimizer,
+        "update": update,
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

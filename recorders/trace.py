@@ -17,11 +17,12 @@ from ._io import claim_write
 __all__ = ["TraceWriter", "LayerBuffer"]
 
 # Columns of the device buffer, in order.
-_GRAD_NORM, _PARAM_NORM, _ZERO_FRAC = 0, 1, 2
+_GRAD_NORM, _PARAM_NORM, _ZERO_FRAC, _UPDATE_RMS, _UNCHANGED = 0, 1, 2, 3, 4
+_WIDTH = 5
 
 
 class LayerBuffer:
-    """Preallocated device buffer of per-parameter statistics, ``rows x params x 3`` float32.
+    """Preallocated device buffer of per-parameter statistics, ``rows x params x 5`` float32.
 
     Filling it launches no host sync; ``drain`` copies the filled rows to the host in one copy.
     """
@@ -31,14 +32,15 @@ class LayerBuffer:
         self.n_params = n_params
         self.device = device
         # NB: preallocate and touch once: first-touch page faults make fresh buffers ~3x slower.
-        self.buf = torch.zeros(rows, n_params, 3, dtype=torch.float32, device=device)
+        self.buf = torch.zeros(rows, n_params, _WIDTH, dtype=torch.float32, device=device)
         self.steps: list[int] = []
         self.has_grad: list[list[bool]] = []
+        self.has_update: list[list[bool]] = []  # update_rms / unchanged_frac are meaningful
         self.nonfinite: list[list[int] | None] = []
 
     def release(self) -> None:
         """Free the device memory; the buffer holds nothing afterwards."""
-        self.buf = torch.empty(0, self.n_params, 3, dtype=torch.float32, device=self.device)  # not a view
+        self.buf = torch.empty(0, self.n_params, _WIDTH, dtype=torch.float32, device=self.device)  # not a view
         self.rows = 0
 
     def __len__(self) -> int:
@@ -50,15 +52,19 @@ class LayerBuffer:
 
     def put(self, step: int, idx: list[int] | None, where: torch.Tensor | None, grad_norms: torch.Tensor,
             param_norms: torch.Tensor, zero_frac: torch.Tensor,
-            nonfinite: list[int] | None) -> None:
+            nonfinite: list[int] | None, update: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None) -> None:
         """Store one step. `idx`: the parameter indices the grad statistics belong to (None: all);
         `where`: the same indices as a device tensor.
 
         `nonfinite` is the exact per-parameter count when the cold path computed it, else None
-        (meaning 0 for every parameter that has a gradient).
+        (meaning 0 for every parameter that has a gradient). `update` is ``UpdateSample.measure()``:
+        (update_rms, unchanged_frac, which entries are meaningful), or None (all null).
         """
         row = self.buf[len(self.steps)]
         row[:, _PARAM_NORM].copy_(param_norms)
+        if update is not None:
+            row[:, _UPDATE_RMS].copy_(update[0])
+            row[:, _UNCHANGED].copy_(update[1])
         if idx is None:
             row[:, _GRAD_NORM].copy_(grad_norms)
             row[:, _ZERO_FRAC].copy_(zero_frac)
@@ -74,14 +80,16 @@ class LayerBuffer:
                 has[i] = True
         self.steps.append(step)
         self.has_grad.append(has)
+        self.has_update.append(list(update[2]) if update is not None else [False] * self.n_params)
         self.nonfinite.append(nonfinite)
 
     def drain(self, rank: int) -> pl.DataFrame:
         """Move the filled rows to the host as a long-format frame and empty the buffer."""
         n, p = len(self.steps), self.n_params
         # NB: host sync: one device->host copy of the whole buffer per flush.
-        host = self.buf[:n].to("cpu").reshape(n * p, 3).tolist() if n else []
+        host = self.buf[:n].to("cpu").reshape(n * p, _WIDTH).tolist() if n else []
         has = [h for row in self.has_grad for h in row]
+        upd = [h for row in self.has_update for h in row]
         nonfinite: list[int | None] = []
         for row_has, counts in zip(self.has_grad, self.nonfinite):
             if counts is None:
@@ -97,10 +105,12 @@ class LayerBuffer:
                 "param_norm": [r[_PARAM_NORM] for r in host],
                 "grad_nonfinite": nonfinite,
                 "grad_zero_frac": [r[_ZERO_FRAC] if h else None for r, h in zip(host, has)],
+                "update_rms": [r[_UPDATE_RMS] if u else None for r, u in zip(host, upd)],
+                "unchanged_frac": [r[_UNCHANGED] if u else None for r, u in zip(host, upd)],
             },
             schema=schema.LAYER_COLUMNS,
         )
-        self.steps, self.has_grad, self.nonfinite = [], [], []
+        self.steps, self.has_grad, self.nonfinite, self.has_update = [], [], [], []
         return frame
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "OVERFLOW_STREAK",
     "MANUAL",
     "PEER_FAILURE",
+    "UPDATE",
     "REASONS",
     "StepHealth",
     "Triggers",
@@ -26,6 +27,7 @@ SCALE_COLLAPSE = "scale_collapse"
 OVERFLOW_STREAK = "overflow_streak"
 MANUAL = "manual"
 PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=True)
+UPDATE = "update"  # the optimizer step made weights non-finite (check_update=True)
 
 # Automatic reasons, most telling first: when several fire on one step, the first names the snapshot.
 REASONS = (NONFINITE_LOSS, NONFINITE_GRADS, SCALE_COLLAPSE, OVERFLOW_STREAK)

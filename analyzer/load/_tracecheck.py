@@ -140,12 +140,22 @@ def quiet_native_stderr():
         os.close(saved)
 
 
-def _decode(files: list[Path], columns: dict[str, pl.DataType]) -> list[str]:
-    """Decode and cast every column; return the key columns that hold nulls."""
-    lf = pl.scan_parquet([str(f) for f in files], glob=False)
-    with quiet_native_stderr():
-        counts = lf.select([pl.col(c).cast(t).null_count() for c, t in columns.items()]).collect(engine="streaming")
-    return [c for c in _REQUIRED if c in counts.columns and counts[c][0]]
+def _decode(files: list[Path], columns: dict[str, pl.DataType], present=None) -> list[str]:
+    """Decode and cast every column; return the key columns that hold nulls.
+
+    `present` maps a part to its column names: parts of older versions lack the columns added
+    since (``schema.COLUMNS_ADDED``), so parts are decoded in groups of the same columns.
+    """
+    groups: dict[tuple[str, ...], list[Path]] = {}
+    for f in files:
+        groups.setdefault(tuple(c for c in columns if present is None or c in present.get(f, columns)), []).append(f)
+    nulls: set[str] = set()
+    for have, group in groups.items():
+        lf = pl.scan_parquet([str(f) for f in group], glob=False)
+        with quiet_native_stderr():
+            counts = lf.select([pl.col(c).cast(columns[c]).null_count() for c in have]).collect(engine="streaming")
+        nulls.update(c for c in _REQUIRED if c in counts.columns and counts[c][0])
+    return [c for c in _REQUIRED if c in nulls]
 
 
 def _detail(e: BaseException) -> str:
@@ -154,7 +164,7 @@ def _detail(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> None:
+def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType], present=None) -> None:
     """Decode every part once (streaming, bounded memory) so a corrupt data page is found here.
 
     One pass over all parts; only when it fails is each part decoded alone, to name the bad one.
@@ -163,14 +173,14 @@ def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType]) -> No
     if not files:
         return
     try:
-        if not _decode(files, columns):
+        if not _decode(files, columns, present):
             return
         first_error: Exception | None = None
     except READ_ERRORS as e:  # polars raises ComputeError, InvalidOperationError, OSError, panics...
         first_error = e
     for f in files:
         try:
-            nulls = _decode([f], columns)
+            nulls = _decode([f], columns, present)
         except READ_ERRORS as e:  # as above
             detail = _detail(e)
             raise BadInputError(f"Parquet part's data is corrupt or out of range ({detail[:160]})", path=f,

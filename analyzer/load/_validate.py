@@ -154,6 +154,52 @@ def _check_sdpa(sdpa: Any, path) -> None:
                    path)
 
 
+
+def _check_named_tensors(d: Any, key: str, field: str, path) -> None:
+    if not isinstance(d, dict):
+        raise _bad(key, f"{field} should be a dict of name -> tensor", path)
+    for name, t in d.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise _bad(key, f"{field} entry {name!r} is not a named tensor"[:200], path)
+        check_dense(t, path=path, where=f"{key}[{field!r}][{name!r}]")
+
+
+def _check_optimizer(opt: Any, path) -> None:
+    """None, or {"class": str, "state_dict": {"state": dict, "param_groups": [dict]}, "param_names": [...]}."""
+    if opt is None:
+        return
+    if not isinstance(opt, dict) or set(opt) != {"class", "state_dict", "param_names"}:
+        raise _bad("optimizer", "should be None or a dict with keys 'class', 'state_dict', 'param_names'", path)
+    if not isinstance(opt["class"], str) or len(opt["class"]) > _MAX_TEXT:
+        raise _bad("optimizer", "class should be a string like 'torch.optim.adam.Adam'", path)
+    sd = opt["state_dict"]
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
+            or not isinstance(sd.get("param_groups"), list) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                       and all(_is_int(i) for i in g["params"]) for g in sd["param_groups"]):
+        raise _bad("optimizer", "state_dict should be an optimizer.state_dict(): 'state' (a dict) and "
+                                "'param_groups' (dicts whose 'params' are integer ids)", path)
+    names = opt["param_names"]
+    if not isinstance(names, list) or not all(n is None or (isinstance(n, str) and len(n) <= _MAX_TEXT)
+                                              for n in names):
+        raise _bad("optimizer", "param_names should be a list of parameter names (or None)", path)
+    for where, t in _walk_tensors(sd, "optimizer['state_dict']"):
+        check_dense(t, path=path, where=where)
+
+
+def _check_update(update: Any, path) -> None:
+    """None, or {"grads": {name: tensor}, "post_params": {name: tensor}, "nonfinite_params": [name]}."""
+    if update is None:
+        return
+    if not isinstance(update, dict) or set(update) != {"grads", "post_params", "nonfinite_params"}:
+        raise _bad("update", "should be None or a dict with keys 'grads', 'post_params', 'nonfinite_params'", path)
+    _check_named_tensors(update["grads"], "update", "grads", path)
+    _check_named_tensors(update["post_params"], "update", "post_params", path)
+    bad = update["nonfinite_params"]
+    if not isinstance(bad, list) or not all(isinstance(n, str) and len(n) <= _MAX_TEXT for n in bad):
+        raise _bad("update", "nonfinite_params should be a list of parameter names", path)
+
+
 def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     """Check every key of a loaded snapshot (``schema.SNAPSHOT_KEYS``); raise BadInputError."""
     for key in ("torch_version", "amp_autopsy_version", "host", "reason", "device_type"):
@@ -176,5 +222,7 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_model_state(snap.get("model_state"), path)
     _check_rng(snap.get("rng"), path)
     _check_sdpa(snap.get("sdpa"), path)
+    _check_optimizer(snap.get("optimizer"), path)
+    _check_update(snap.get("update"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

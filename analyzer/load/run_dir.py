@@ -84,8 +84,12 @@ def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
     return names, numels
 
 
-def _check_part(path: Path, kind: str) -> None:
-    """Read only the footer: a truncated, foreign or newer part fails here, naming the file."""
+def _check_part(path: Path, kind: str) -> frozenset[str]:
+    """Read only the footer: a truncated, foreign or newer part fails here, naming the file.
+
+    Returns the part's column names. Columns added after version 1 (``schema.COLUMNS_ADDED``) may
+    be missing: parts of older runs lack them, and readers give null.
+    """
     expected = schema.STEP_COLUMNS if kind == "steps" else schema.LAYER_COLUMNS
     if path.stat().st_size == 0:
         raise BadInputError("empty Parquet part (0 bytes)", path=path,
@@ -99,7 +103,7 @@ def _check_part(path: Path, kind: str) -> None:
         raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run") from e
     check_part_types(path, cols, expected)
-    missing = [c for c in expected if c not in cols]
+    missing = [c for c in expected if c not in cols and c not in schema.COLUMNS_ADDED]
     unknown = [c for c in cols if c not in expected]
     if missing and len(missing) >= len(expected) // 2:
         raise BadInputError(f"foreign Parquet part: none of the {kind} trace columns {sorted(missing)[:4]}...",
@@ -111,11 +115,20 @@ def _check_part(path: Path, kind: str) -> None:
         raise VersionError(
             f"Parquet part has columns unknown to format version {schema.FORMAT_VERSION}: {unknown}",
             path=path, fix="it was written by a newer amp-autopsy: pip install -U amp-autopsy")
+    return frozenset(cols)
 
 
-def _scan(files: list[Path], columns: dict[str, pl.DataType]) -> pl.LazyFrame:
-    lf = pl.scan_parquet([str(f) for f in files], glob=False)
-    return lf.select([pl.col(c).cast(t) for c, t in columns.items()])
+def _scan(files: list[Path], columns: dict[str, pl.DataType],
+          present: dict[Path, frozenset[str]] | None = None) -> pl.LazyFrame:
+    """One lazy frame over `files` with exactly `columns`; a column a part lacks (`present`) is null."""
+    groups: dict[tuple[str, ...], list[Path]] = {}
+    for f in files:
+        have = tuple(c for c in columns if present is None or c in present.get(f, columns))
+        groups.setdefault(have, []).append(f)
+    frames = [pl.scan_parquet([str(f) for f in fs], glob=False).select(
+        [pl.col(c).cast(t) if c in have else pl.lit(None, dtype=t).alias(c) for c, t in columns.items()])
+        for have, fs in groups.items()]
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 
 
 def _listing(directory: Path) -> list[str]:
@@ -193,12 +206,10 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     total = sum(f.stat().st_size for f in step_files + layer_files)
     progress_line(progress, f"checking {len(step_files) + len(layer_files)} trace parts "
                         f"({total / 2**20:.1f} MiB) in {trace}")
-    for f in step_files:
-        _check_part(f, "steps")
-    for f in layer_files:
-        _check_part(f, "layers")
-    check_parts_decode(step_files, schema.STEP_COLUMNS)  # a corrupt data page is named here, not at a query
-    check_parts_decode(layer_files, schema.LAYER_COLUMNS)
+    present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
+    present.update({f: _check_part(f, "layers") for f in layer_files})
+    check_parts_decode(step_files, schema.STEP_COLUMNS, present)  # a corrupt data page is named here, not at a query
+    check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
 
     metas = {int(meta.get("rank", 0) or 0): meta}
     for (r, w), m in by_writer.items():
@@ -214,9 +225,9 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
             notes.append(f"rank {shown[key]} has a meta file but no trace parts (it died before its first flush)")
     params, numels = _param_names(meta)
     layers = None
-    steps_lf = _scan_streams(parts["steps"], shown, schema.STEP_COLUMNS)
+    steps_lf = _scan_streams(parts["steps"], shown, schema.STEP_COLUMNS, present)
     if layer_files:
-        layers = _scan_streams(parts["layers"], shown, schema.LAYER_COLUMNS)
+        layers = _scan_streams(parts["layers"], shown, schema.LAYER_COLUMNS, present)
         for key, sp in parts["steps"].items():
             lp = parts["layers"].get(key, [])
             if lp and max(i for i, _ in lp) < max(i for i, _ in sp):
@@ -233,12 +244,12 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
 
 
 def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],
-                  columns: dict[str, pl.DataType]) -> pl.LazyFrame:
+                  columns: dict[str, pl.DataType], present: dict[Path, frozenset[str]] | None = None) -> pl.LazyFrame:
     """One scan over every writer-0 part; one per extra writer, its rows relabelled to its own rank."""
     first = [f for k in sorted(parts) if k[1] == 0 for _, f in sorted(parts[k])]
-    frames = [_scan(first, columns)] if first else []
+    frames = [_scan(first, columns, present)] if first else []
     for key in sorted(k for k in parts if k[1]):
-        frames.append(_scan([f for _, f in sorted(parts[key])], columns)
+        frames.append(_scan([f for _, f in sorted(parts[key])], columns, present)
                       .with_columns(rank=pl.lit(shown[key], dtype=columns["rank"])))
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 

@@ -62,6 +62,8 @@ class Snapshot(Mapping):
     grad_norm: float | None
     cwd: str | None
     sdpa: dict | None  # since version 3: the SDPA backend switches (recorders/_sdpa.py)
+    optimizer: dict | None = field(repr=False)  # since version 3: class, state_dict, param_names
+    update: dict | None = field(repr=False)  # since version 3, reason "update": grads, post_params, nonfinite_params
     _raw: Mapping = field(repr=False)
 
     def __getitem__(self, key: str) -> Any:

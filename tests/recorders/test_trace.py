@@ -36,7 +36,10 @@ def test_layer_rows_cross_from_the_device_buffer_to_a_part_unchanged(tmp_path):
     grad = torch.tensor([0.5, INF, 2.0])
     buf.put(7, None, None, grad, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.25, 1.0]), [0, 5, 0])
     # step 8: parameter 1 has no gradient (frozen or unused): its gradient columns are null
-    buf.put(8, [0, 2], torch.tensor([0, 2]), torch.tensor([0.75, NAN]), torch.tensor([1.5, 2.5, 3.5]), torch.tensor([0.5, 0.125]), None)
+    # step 8: update columns for parameters 0 and 1 (parameter 2 has none: null), NaN kept as NaN
+    update = (torch.tensor([0.25, NAN, 9.0]), torch.tensor([0.5, 1.0, 9.0]), [True, True, False])
+    buf.put(8, [0, 2], torch.tensor([0, 2]), torch.tensor([0.75, NAN]), torch.tensor([1.5, 2.5, 3.5]),
+            torch.tensor([0.5, 0.125]), None, update)
     frame = buf.drain(rank=1)
     assert len(buf) == 0
     [path] = TraceWriter(tmp_path, rank=1).write([], frame)
@@ -44,10 +47,12 @@ def test_layer_rows_cross_from_the_device_buffer_to_a_part_unchanged(tmp_path):
     assert dict(back.schema) == schema.LAYER_COLUMNS
     assert back.equals(frame)
     rows = back.rows()
-    assert rows[:3] == [(7, 1, 0, 0.5, 1.0, 0, 0.0), (7, 1, 1, INF, 2.0, 5, 0.25), (7, 1, 2, 2.0, 3.0, 0, 1.0)]
-    assert rows[3] == (8, 1, 0, 0.75, 1.5, 0, 0.5)
-    assert rows[4] == (8, 1, 1, None, 2.5, None, None)
-    assert rows[5][:3] == (8, 1, 2) and math.isnan(rows[5][3]) and rows[5][4:] == (3.5, 0, 0.125)
+    # step 7 passed no update statistics: update_rms and unchanged_frac are null
+    assert rows[:3] == [(7, 1, 0, 0.5, 1.0, 0, 0.0, None, None), (7, 1, 1, INF, 2.0, 5, 0.25, None, None),
+                        (7, 1, 2, 2.0, 3.0, 0, 1.0, None, None)]
+    assert rows[3] == (8, 1, 0, 0.75, 1.5, 0, 0.5, 0.25, 0.5)
+    assert rows[4][:7] == (8, 1, 1, None, 2.5, None, None) and math.isnan(rows[4][7]) and rows[4][8] == 1.0
+    assert rows[5][:3] == (8, 1, 2) and math.isnan(rows[5][3]) and rows[5][4:] == (3.5, 0, 0.125, None, None)
 
 
 def test_part_numbers_continue_after_this_ranks_parts_and_ignore_other_ranks(tmp_path):

@@ -96,6 +96,7 @@ class Script:
             "param_norm": self.pnorm.ravel().astype(np.float32),
             "grad_nonfinite": self.layer_nonfinite.ravel(),
             "grad_zero_frac": self.zero_frac.ravel().astype(np.float32),
+            "update_rms": [None] * (n * L), "unchanged_frac": [None] * (n * L),  # version 3: not modelled
         }, schema=schema.LAYER_COLUMNS, strict=False)
 
     def meta(self, world_size: int = 1) -> dict:

@@ -105,6 +105,8 @@ def _layer_frame(spec: TraceSpec, rank: int, steps: list[int], rng: np.random.Ge
         "param_norm": [float(2 + j) for _ in kept for j in range(L)],
         "grad_nonfinite": [0] * (len(kept) * L),
         "grad_zero_frac": [0.001] * (len(kept) * L),
+        "update_rms": [1e-4] * (len(kept) * L),   # version 3 columns: fuzzed like the others
+        "unchanged_frac": [0.01] * (len(kept) * L),
     }
     for c in cols:
         choices = (5, None) if c == "grad_nonfinite" else _BAD
@@ -147,7 +149,8 @@ def write_trace(spec: TraceSpec, run_dir: Path) -> Path:
 
 
 _COLUMNS = ("loss", "scale", "skipped", "grad_norm", "lr", "wall_time", "nonfinite_grads", "loss_dtype",
-            "layer_grad_norm", "layer_param_norm", "layer_grad_nonfinite", "layer_grad_zero_frac")
+            "layer_grad_norm", "layer_param_norm", "layer_grad_nonfinite", "layer_grad_zero_frac",
+            "layer_update_rms", "layer_unchanged_frac")
 
 
 @st.composite
