@@ -110,8 +110,9 @@ def _verdict_box(a: dict, primary: dict | None) -> str:
     step = (primary or {}).get("step")
     rank = _rank_of((primary or {}).get("snapshot"), a.get("report") or {})
     facts = [f"step {_e(step)}", f"rank {_e(rank)}", f"precision {_e(c.get('precision'))}"]
-    errors = "".join(f"<p class='fails'>could not {_e(x.get('stage', 'replay'))} {_e(Path(str(x.get('snapshot'))).name)}: "
-                     f"{_e(x.get('message') or x.get('error'))}</p>" for x in a.get("errors") or [])
+    errors = "".join(f"<p class='fails'>{_e(Path(str(x.get('snapshot'))).name)}: the {_e(x.get('stage') or 'replay')} "
+                     f"stage failed: {_e(x.get('error') or x.get('message'))}</p>"
+                     for x in a.get("errors") or [] if isinstance(x, dict))
     cls = "box healthy" if a.get("verdict") == "healthy" else "box"
     return (f"<section id='verdict' class='{cls}'><div class='v'>Verdict: {_e(a.get('verdict'))}</div>"
             f"<p>{_e(summary)}</p><p>{' &middot; '.join(facts)}</p>{errors}</section>")

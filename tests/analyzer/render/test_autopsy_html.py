@@ -188,7 +188,7 @@ def test_strings_from_files_are_escaped_wherever_they_appear(small_report, tmp_p
                "fixes": [{"snapshot": s, "name": s, "title": s, "status": status, "detail": s, "precision": s,
                           "failing_op": s, "max_safe_scale": None}],
                "advice": [{"snapshot": s, "text": s, "status": "untested", "fix": None}],
-               "errors": [{"snapshot": s, "stage": s, "message": s}]}
+               "errors": [{"snapshot": s, "stage": s, "error": s}]}
     page = write_autopsy_html(tmp_path / "p.html", autopsy, report=small_report, replays=[], run_dir=tmp_path)
     parsed = _Tags()
     parsed.feed(page.read_text())
