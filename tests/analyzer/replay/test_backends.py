@@ -225,3 +225,14 @@ def test_a_cuda_only_recorded_backend_replays_on_cpu_under_the_process_switches(
     torch.save({**raw_snapshot, "sdpa": {"enabled": only, "math_reduced_precision": True}}, path)
     r = replay_snapshot(path, device="cpu")  # CPU has no memory-efficient kernel: no "No viable backend"
     assert r.verdict == "healthy" and r.sdpa_backend == "flash"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_math_overflow_is_kernel_specific_against_the_cuda_kernels(math_run):
+    r = replay_snapshot(_snapshots(math_run)[0], device="cuda")
+    assert r.verdict == "kernel_specific" and r.sdpa_backend == "math"
+    assert set(r.backends) == {"flash", "mem_efficient", "cudnn"}
+    assert "unavailable: CUDA only" not in r.backends.values()
+    # the fused CUDA kernels keep the logits in FP32; at least one takes head_dim 8 in FP16
+    assert any(v == "finite" for v in r.backends.values()), r.backends
