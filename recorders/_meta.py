@@ -54,11 +54,25 @@ def amp_dtype_of(amp_dtype) -> torch.dtype | None:
     return amp_dtype
 
 
-def _tensor_info(named) -> list[dict]:
-    return [
-        {"name": n, "shape": list(t.shape), "numel": t.numel(), "dtype": schema.dtype_name(t.dtype), "depth": i}
-        for i, (n, t) in enumerate(named)
-    ]
+def _tensor_info(named, sharded: bool = False) -> list[dict]:
+    """One entry per tensor; under FSDP2 (`sharded`) also where this rank's shard sits.
+
+    ``shape``/``numel`` are the whole tensor's (a DTensor's global shape); ``sharded``,
+    ``local_shape``, ``local_numel``, ``local_offset`` (version 3) let the analyzer weight and
+    merge the ranks' shard statistics.
+    """
+    from ._fsdp import shard_layout
+
+    out = []
+    for i, (n, t) in enumerate(named):
+        entry = {"name": n, "shape": list(t.shape), "numel": t.numel(), "dtype": schema.dtype_name(t.dtype),
+                 "depth": i}
+        if sharded:
+            layout = shard_layout(t)
+            entry["sharded"] = layout is not None
+            entry.update(layout or {"local_shape": list(t.shape), "local_numel": t.numel(), "local_offset": None})
+        out.append(entry)
+    return out
 
 
 def _scaler_config(scaler: torch.amp.GradScaler | None) -> dict | None:
@@ -102,7 +116,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "device_type": device_type,
         "amp_dtype": schema.dtype_name(amp_dtype),
         "scaler": _scaler_config(scaler),
-        "params": _tensor_info(model.named_parameters()),
+        "params": _tensor_info(model.named_parameters(), sharded=fsdp is not None),
         "buffers": _tensor_info(model.named_buffers()),
         "factory": factory,
         "factory_kwargs": factory_kwargs,

@@ -22,6 +22,7 @@ from . import schema
 from . import triggers as _triggers
 from ._buffers import BufferTracker
 from ._claim import claim_writer, release_writer
+from ._fsdp import fsdp_meta, local_state, save_dcp
 from ._meta import RecorderConfig, amp_dtype_of, build_meta, current_cwd, dist_info
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
@@ -34,6 +35,13 @@ __all__ = ["Recorder", "RecorderWarning"]
 
 class RecorderWarning(RuntimeWarning):
     """The recorder could not write something; training goes on, the record is incomplete."""
+
+
+def _listing(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
 
 
 def _atexit_close(ref: weakref.ref) -> None:
@@ -353,6 +361,9 @@ class Recorder(StepStats):
         self._acc = torch.float32 if self._device.type == "mps" else torch.float64
         # NB: a sharded (FSDP2 DTensor) parameter's statistics are those of this rank's shard
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self._params)
+        self._fsdp = fsdp_meta(model, self._params, self.world_size) if self._sharded else None
+        self._dcp_ok = False  # this step's snapshot may be collective (every rank agreed to take it)
+        self._dcp_reason: str | None = None  # the reason every rank names the DCP directory after
         self._numel = torch.tensor([local_tensor(p).numel() for p in self._params], dtype=self._acc,
                                    device=self._device)
         self._buffers = BufferTracker(model)
@@ -372,7 +383,7 @@ class Recorder(StepStats):
         meta = build_meta(model=self.model, rank=self.rank, world_size=self.world_size,
                           device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
-                          config=self.config,
+                          config=self.config, fsdp=self._fsdp,
                           optimizer=optimizer_meta(self.optimizer, self._params))
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
@@ -428,6 +439,10 @@ class Recorder(StepStats):
                 f"wrote ({', '.join(missed[:4])}); snapshot {path.name} holds their post-forward values",
                 RecorderWarning, stacklevel=4)
 
+        fsdp = None
+        if self._fsdp is not None:
+            fsdp = self._fsdp_snapshot(reason, pre)  # before write(): collective, so never skipped by an error
+
         def write():
             snap = build_snapshot(
                 step=self._step, reason=reason, model=self.model, batch=self._batch, rng=self._rng,
@@ -435,7 +450,7 @@ class Recorder(StepStats):
                 amp_dtype=self.amp_dtype, device_type=self.device_type, scale=scale,
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
-                rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd,
+                rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
                 optimizer=optim, update=update,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -447,6 +462,49 @@ class Recorder(StepStats):
         if written is not None and written not in self.snapshots:
             self.snapshots.append(written)
         return written
+
+    def _sync_failure(self, failure, snap_reason):
+        """``StepStats._sync_failure``, then, for a sharded model on a failing step, one more tiny
+        all-reduce: do all ranks snapshot this step (then the snapshot is one collective DCP
+        save), and under which reason is its directory named (the first in ``triggers.REASONS``
+        any rank hit)? Every rank enters it: ``_peer_failing`` came from the collective above.
+        """
+        failure, snap_reason = super()._sync_failure(failure, snap_reason)
+        self._dcp_ok, self._dcp_reason = False, None
+        if self._fsdp is None or not self._peer_failing:
+            return failure, snap_reason
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        reasons = _triggers.REASONS
+        code = len(reasons) - reasons.index(failure) if failure in reasons else 0
+        # a DCP directory of this step left by an earlier process (a resumed run) is never written over
+        taken = any(schema.DCP_RE.match(n) and int(schema.DCP_RE.match(n)[1]) == self._step
+                    for n in _listing(self.run_dir / schema.SNAPSHOT_DIR))
+        flags = torch.tensor([0.0 if snap_reason is not None else 1.0, float(code), float(taken)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        some_missing, best, some_taken = flags.tolist()  # NB: host sync: failing steps only, after the collective
+        self._dcp_ok = some_missing == 0.0 and some_taken == 0.0 and snap_reason is not None
+        self._dcp_reason = reasons[len(reasons) - int(best)] if best > 0 else _triggers.PEER_FAILURE
+        return failure, snap_reason
+
+    def _fsdp_snapshot(self, reason: str, pre: dict) -> dict:
+        """A sharded model's ``fsdp`` snapshot entry: its weights in a DCP directory, or local shards.
+
+        Collective (one DCP directory for every rank) only when ``_sync_failure`` found that every
+        rank snapshots this step; otherwise (no sync_failures, a manual snapshot, a rank out of
+        snapshots) this rank's own shards go into its file, with no collective: one failing rank
+        never waits for the others.
+        """
+        entry = dict(self._fsdp, dcp_dir=None, local_state=None, layout=None)
+        if self._dcp_ok and self._dcp_reason is not None:
+            self._dcp_ok = False
+            name = schema.dcp_dir_name(self._step, self._dcp_reason)
+            done = self._guard(f"write the DCP snapshot {name}", save_dcp,
+                               self.run_dir / schema.SNAPSHOT_DIR / name, self.model, self.optimizer, pre)
+            if done is not None:
+                entry["dcp_dir"] = name
+                return entry
         entry["local_state"], entry["layout"] = local_state(self.model, pre)
         return entry
 

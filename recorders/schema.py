@@ -164,6 +164,14 @@ SNAPSHOT_KEYS = (
     "cwd",               # str: the training process's os.getcwd() (since version 2)
     "sdpa",              # since version 3: {"enabled": {"flash", "mem_efficient", "math", "cudnn": bool},
                          #   "math_reduced_precision": bool | None} as the process had them | None
+    "fsdp",              # since version 3: None, or for a sharded (FSDP2) model, whose model_state is {}:
+                         #   {"dcp_dir": "step00000042-nonfinite_loss.dcp" (under snapshots/, every rank's
+                         #      shards: {"model": pre-step weights and buffers, "optim": optimizer state}) | None,
+                         #    "mp_policy": {"param_dtype", "reduce_dtype", "output_dtype": str | None},
+                         #    "mesh": {"device_type": str, "shape": [int], "dim_names": [str] | None} | None,
+                         #    "world_size": int,
+                         #    "local_state": {name: tensor} | None (no dcp_dir: this rank's shards, buffers whole),
+                         #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None}
     "optimizer",         # since version 3: None (no optimizer= given) | {"class": "torch.optim.adam.Adam",
                          #   "state_dict": optimizer.state_dict() (tensors on CPU; reason "update": post-step),
                          #   "param_names": [model parameter name | None, for each param id in param_groups order]}
@@ -200,6 +208,12 @@ def part_name(kind: str, rank: int, index: int, writer: int = 0) -> str:
     if kind not in ("steps", "layers"):
         raise ValueError(f"kind must be 'steps' or 'layers', got {kind!r}")
     return f"{kind}-r{rank:05d}{_writer(writer)}-p{index:06d}.parquet"
+
+
+def dcp_dir_name(step: int, reason: str) -> str:
+    """step00000042-nonfinite_loss.dcp: a sharded snapshot's DCP directory, one for all ranks."""
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or "manual"
+    return f"step{step:08d}-{safe}.dcp"
 
 
 def snapshot_name(step: int, rank: int, reason: str, writer: int = 0) -> str:

@@ -75,6 +75,7 @@ def build_snapshot(
     world_size: int = 1,
     pre_step_buffers: dict[str, torch.Tensor] | None = None,
     cwd: str | None = None,
+    fsdp: dict[str, Any] | None = None,
     optimizer: dict[str, Any] | None = None,
     update: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -84,17 +85,20 @@ def build_snapshot(
     place (BatchNorm running statistics, counters): they replace the live, post-forward values
     so that replay starts from the state the failing forward saw. Sharded (DTensor) entries are
     saved as this rank's local shard. `cwd`: the training process's working directory
-    (default: the current one).
+    (default: the current one). `fsdp`: a sharded model's ``fsdp`` entry (``recorders._fsdp``):
+    its weights are in the DCP directory or ``fsdp["local_state"]``, so ``model_state`` is {}.
     `optimizer`: ``recorders._update.optimizer_entry`` (class, CPU state_dict, parameter names) or
     None. `update`: ``recorders._update.update_entry`` on an ``update`` snapshot, whose
     ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
     """
     from . import __version__
 
-    state = {k: _local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    for name, value in (pre_step_buffers or {}).items():
-        if name in state:
-            state[name] = _local(value).detach().to("cpu", copy=True)
+    state = {}
+    if fsdp is None:
+        state = {k: _local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        for name, value in (pre_step_buffers or {}).items():
+            if name in state:
+                state[name] = _local(value).detach().to("cpu", copy=True)
 
     snap = {
         "format": schema.SNAPSHOT_FORMAT,
@@ -123,6 +127,7 @@ def build_snapshot(
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "cwd": current_cwd() if cwd is None else str(cwd),
         "sdpa": sdpa_state(),  # the attention-backend switches, read now (nothing per step)
+        "fsdp": fsdp,
         "optimizer": optimizer,
         "update": update,
     }

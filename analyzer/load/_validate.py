@@ -154,6 +154,42 @@ def _check_sdpa(sdpa: Any, path) -> None:
                    path)
 
 
+_FSDP_KEYS = ("dcp_dir", "mp_policy", "mesh", "world_size", "local_state", "layout")
+
+
+def _check_fsdp(fsdp: Any, path) -> None:
+    """None, or a sharded model's entry (version 3, ``schema.SNAPSHOT_KEYS``): the DCP directory
+    is one plain name under snapshots/ (never a path: a file must not point replay elsewhere)."""
+    if fsdp is None:
+        return
+    if not isinstance(fsdp, dict) or not set(fsdp) <= set(_FSDP_KEYS) or "world_size" not in fsdp:
+        raise _bad("fsdp", f"should be None or a dict with keys {list(_FSDP_KEYS)}", path)
+    dcp_dir = fsdp.get("dcp_dir")
+    if dcp_dir is not None and not (isinstance(dcp_dir, str) and schema.DCP_RE.match(dcp_dir)):
+        raise _bad("fsdp", f"dcp_dir should be a name like 'step00000042-nonfinite_loss.dcp', got {dcp_dir!r}"[:200],
+                   path)
+    ws = fsdp.get("world_size")
+    if not _is_int(ws) or not 1 <= ws < 2**31:
+        raise _bad("fsdp", f"world_size should be an integer >= 1, got {ws!r}"[:200], path)
+    policy = fsdp.get("mp_policy")
+    if policy is not None and (not isinstance(policy, dict) or not all(
+            isinstance(v, (str, type(None))) and (v is None or len(v) < 64) for v in policy.values())):
+        raise _bad("fsdp", "mp_policy should be None or a dict of dtype names (or None)", path)
+    if fsdp.get("mesh") is not None and not isinstance(fsdp["mesh"], dict):
+        raise _bad("fsdp", "mesh should be None or a dict", path)
+    local = fsdp.get("local_state")
+    if local is not None:
+        if not isinstance(local, dict):
+            raise _bad("fsdp", "local_state should be None or a dict of name -> tensor", path)
+        for name, t in local.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise _bad("fsdp", f"local_state entry {name!r} is not a named tensor"[:200], path)
+            check_dense(t, path=path, where=f"fsdp['local_state'][{name!r}]")
+    layout = fsdp.get("layout")
+    if layout is not None and not (isinstance(layout, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("shape"), list) for v in layout.values())):
+        raise _bad("fsdp", "layout should be None or a dict of name -> {'shape': [...], 'offset': [...]}", path)
+
 
 def _check_named_tensors(d: Any, key: str, field: str, path) -> None:
     if not isinstance(d, dict):
@@ -222,6 +258,7 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_model_state(snap.get("model_state"), path)
     _check_rng(snap.get("rng"), path)
     _check_sdpa(snap.get("sdpa"), path)
+    _check_fsdp(snap.get("fsdp"), path)
     _check_optimizer(snap.get("optimizer"), path)
     _check_update(snap.get("update"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):

@@ -39,6 +39,9 @@ class Run:
         writers: for each rank in the frames that is not a real rank: ``(rank, writer)``, the
             rank an extra process also claimed and its writer number. Its steps keep their own
             stream (this rank number in the frames), so they never mix with the first writer's.
+        shards: for an FSDP2 run (version 3), ``(rank, layer, local_numel)`` of every sharded
+            parameter: ``layers`` rows are then pieces of parameters, merged by
+            ``analyzer.load.shards.merge_shards``; None for every other run.
     """
 
     path: Path
@@ -53,6 +56,13 @@ class Run:
     notes: list[str] = field(default_factory=list)
     partial: bool = False
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    shards: pl.DataFrame | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The recorded world size (1 when unknown)."""
+        ws = self.meta.get("world_size")
+        return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else 1
 
     @property
     def amp_dtype(self) -> str | None:

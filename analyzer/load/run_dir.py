@@ -30,6 +30,7 @@ from ..errors import BadInputError, VersionError
 from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
 from .logs import import_dir, import_file
 from .run import Run, progress_line
+from .shards import shard_table
 from .versions import check_format_version
 
 __all__ = ["load_run", "read_meta", "snapshot_info"]
@@ -238,9 +239,14 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     sdir = path / schema.SNAPSHOT_DIR
     snapshots = [sdir / n for n in _listing(sdir) if not n.startswith(".") and _SNAP_RE.match(n)]
     writers = {shown[k]: k for k in shown if k[1]}
+    shards = shard_table(metas, meta, path)  # FSDP2: the layer rows are shards, merged by the report
+    if shards is not None:
+        notes.append(f"sharded (FSDP2) run: per-parameter statistics merge the shards of "
+                     f"{meta.get('world_size')} ranks into whole parameters (steps some rank did not record "
+                     "are left out of them)")
     return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
                layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
-               partial=partial, writers=writers)
+               partial=partial, writers=writers, shards=shards)
 
 
 def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],

@@ -62,6 +62,7 @@ class Snapshot(Mapping):
     grad_norm: float | None
     cwd: str | None
     sdpa: dict | None  # since version 3: the SDPA backend switches (recorders/_sdpa.py)
+    fsdp: dict | None  # since version 3: a sharded (FSDP2) model's DCP directory or local shards
     optimizer: dict | None = field(repr=False)  # since version 3: class, state_dict, param_names
     update: dict | None = field(repr=False)  # since version 3, reason "update": grads, post_params, nonfinite_params
     _raw: Mapping = field(repr=False)

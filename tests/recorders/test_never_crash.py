@@ -3,74 +3,48 @@ training goes on with exactly the numerics it has without a recorder (FSDP2 incl
 from __future__ import annotations
 
 import json
-import sys
-import time
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from analyzer.load import load_snapshot
 from analyzer.load import load_run
 from recorders import Recorder
 from recorders.recorder import RecorderWarning
-from tests.recorders import fsdp_worker
-
-STEPS, NAN_STEP = 4, 2
-
-
-def _fsdp_available() -> bool:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return dist.is_available() and sys.platform != "win32"
+from tests.fsdp_runs import FAULT_RANK, FAULT_STEP, STEPS, fsdp_available, shared_fsdp_runs
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    if not _fsdp_available():
-        pytest.skip("needs torch.distributed.fsdp.fully_shard with gloo")
-    tmp = tmp_path_factory.mktemp("fsdp")
-    run_dir = tmp / "run"
-    # NB: spawn, not fork: forked children hung in gloo after other tests had run in the parent.
-    ctx = mp.spawn(fsdp_worker.train_rank,
-                   args=(2, f"file://{tmp}/rendezvous", str(run_dir), str(tmp), STEPS, NAN_STEP),
-                   nprocs=2, join=False)
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the two FSDP2 ranks did not finish in 180 s")
-    results = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)}
-    return run_dir, results
+def fsdp_runs(tmp_path_factory):
+    if not fsdp_available():
+        pytest.skip("needs torch.distributed.fsdp.fully_shard and DCP with gloo")
+    return shared_fsdp_runs(tmp_path_factory)  # one spawn, shared with tests/test_distributed.py
 
 
-def test_an_fsdp2_run_trains_every_step_with_the_recorder_attached_and_its_numerics_unchanged(fsdp_run):
-    _, results = fsdp_run
-    for res in results.values():
-        assert len(res["losses"]) == STEPS
-        # identical to the same ranks training without a recorder (NaN compares by position)
-        assert json.dumps(res["losses"]) == json.dumps(res["plain"]["losses"])
-        assert json.dumps(res["weights"]) == json.dumps(res["plain"]["weights"])
+def test_an_fsdp2_run_trains_every_step_with_the_recorder_attached_and_its_numerics_unchanged(fsdp_runs):
+    for res in fsdp_runs.results.values():
+        for name in ("synced", "local"):  # with and without the collective snapshot
+            assert len(res[name]["losses"]) == STEPS
+            # identical to the same rank training without a recorder (NaN compares by position)
+            assert json.dumps(res[name]["losses"]) == json.dumps(res["plain"]["losses"])
+            assert json.dumps(res[name]["weights"]) == json.dumps(res["plain"]["weights"])
 
 
-def test_an_fsdp2_run_is_recorded_on_local_shards_without_stopping(fsdp_run):
-    run_dir, results = fsdp_run
-    assert [results[r]["stopped"] for r in (0, 1)] == [False, False]
-    assert results[0]["warnings"] == [] and results[1]["warnings"] == []
-    # rank 1's NaN input makes its loss NaN at NAN_STEP: failure reported, snapshot written
-    assert results[1]["failures"][NAN_STEP] == "nonfinite_loss"
-    assert len(results[1]["snapshots"]) == 1
-    snap = load_snapshot(results[1]["snapshots"][0])
-    assert snap["step"] == NAN_STEP and snap["rank"] == 1
-    # the snapshot holds this rank's shard of each parameter (plain tensors, not DTensors)
-    assert all(type(t) is torch.Tensor for t in snap["model_state"].values())
-    steps = load_run(run_dir).steps.collect().sort("rank", "step")
+def test_an_fsdp2_run_is_recorded_on_local_shards_without_stopping(fsdp_runs):
+    for rank, res in fsdp_runs.results.items():
+        assert res["warnings"] == []
+        for name in ("synced", "local"):
+            assert (res[name]["stopped"], res[name]["write_errors"]) == (False, 0)
+            # the fault rank's inf weight is all-gathered: every rank's loss fails at FAULT_STEP
+            assert res[name]["failures"][FAULT_STEP] == "nonfinite_loss"
+            assert len(res[name]["snapshots"]) == 1
+    snap = load_snapshot(fsdp_runs.results[FAULT_RANK]["local"]["snapshots"][0])
+    assert (snap.step, snap.rank, snap.model_state) == (FAULT_STEP, FAULT_RANK, {})
+    # without sync_failures: this rank's shards, plain tensors, in its own file
+    assert all(type(t) is torch.Tensor for t in snap.fsdp["local_state"].values())
+    steps = load_run(fsdp_runs.dirs["synced"]).steps.collect()
     assert steps.group_by("rank").len().sort("rank")["len"].to_list() == [STEPS, STEPS]
 
 

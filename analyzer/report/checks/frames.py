@@ -9,6 +9,11 @@ collects the per-layer table itself:
   most ~2000 bins, so the size is bounded whatever the run length (100M rows -> 200k);
 - ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
 
+In an FSDP2 run each rank's layer rows describe its shard of each parameter: they are merged
+into whole-parameter rows first (``analyzer.load.shards``), for every rank selection, so the
+checks always see whole parameters; ``shard_faults`` keeps the per-rank view of the first steps
+whose shards went non-finite, to name the rank that holds the fault.
+
 Checks are pure functions of a ``Frames``; ``layer_window`` fetches the few layer rows around
 one step (e.g. a loss spike) with a filtered scan, ``layer_rows`` the raw rows of a few steps
 (which parameters' gradients were non-finite).
@@ -23,6 +28,7 @@ from typing import Any
 import polars as pl
 
 from ...load import Run, progress_line, snapshot_info
+from ...load.shards import merge_shards
 
 __all__ = ["Frames", "build_frames", "LOG_FLOOR", "MAX_BINS"]
 
@@ -49,6 +55,9 @@ class Frames:
     layer_window: Callable[[int, int], pl.DataFrame] | None = None
     notes: list[str] = field(default_factory=list)
     layer_rows: Callable[[int, int], pl.DataFrame] | None = None
+    # FSDP2 runs: (step, rank, layer, weights_bad, grads_bad) of every shard at the first step whose
+    # shards held non-finite weights and at the first with non-finite gradients; None otherwise
+    shard_faults: pl.DataFrame | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # rank 0's meta.json (optimizer, params' dtypes)
 
     @property
@@ -129,6 +138,21 @@ def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int) -> pl.DataFrame:
             .drop("key").sort("bin", "layer"))
 
 
+def _shard_faults(llf: pl.LazyFrame) -> pl.DataFrame | None:
+    """Every shard's row at the first step with a non-finite weight shard and at the first with a
+    non-finite gradient shard (two small filtered scans); None when every shard stayed finite."""
+    pn, gn = pl.col("param_norm"), pl.col("grad_norm")
+    bad_w = pn.is_not_null() & ~pn.is_finite()
+    bad_g = (pl.col("grad_nonfinite").fill_null(0) > 0) | (gn.is_not_null() & ~gn.is_finite())
+    firsts = llf.select(w=pl.col("step").filter(bad_w).min(), g=pl.col("step").filter(bad_g).min()).collect()
+    at = [int(v) for v in firsts.row(0) if v is not None]
+    if not at:
+        return None
+    return (llf.filter(pl.col("step").is_in(at))
+            .select("step", "rank", "layer", weights_bad=bad_w, grads_bad=bad_g.fill_null(False))
+            .sort("step", "layer", "rank").collect(**_STREAM))
+
+
 def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: bool = False) -> Frames:
     """Aggregate `run` (optionally one rank, optionally steps A <= step < B) into Frames."""
     sel = _step_filter(steps)
@@ -148,14 +172,17 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
         notes.append(f"{rows - int(merged['n_ranks'].sum())} step rows repeat a step number: the run "
                      "directory was reused or the run resumed; the latest row of each step is used, "
                      "per-layer statistics mix both")
-    layer_bins, width, window, rows = None, 1, None, None
+    layer_bins, width, window, rows, shard_faults = None, 1, None, None, None
     if run.layers is not None and merged.height:
         s0, s1 = int(merged["step"].min()), int(merged["step"].max())
         n_layers = max(1, len(run.params))
         max_bins = max(50, min(MAX_BINS, 4_000_000 // n_layers))
         width = max(1, math.ceil((s1 - s0 + 1) / max_bins))
         llf = run.layers.filter(sel & pl.col("step").is_between(s0, s1))  # no layer rows without a step row
-        if rank is not None:
+        if run.shards is not None:  # FSDP2: a rank's rows are pieces; whole parameters for any --rank
+            shard_faults = _shard_faults(llf)
+            llf = merge_shards(llf, run.shards, run.world_size)
+        elif rank is not None:
             llf = llf.filter(pl.col("rank") == rank)
         progress_line(progress, f"aggregating per-layer gradient norms ({width} step(s) per bin)")
         layer_bins = _layer_bins(llf, s0, s1, width)
@@ -179,4 +206,5 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
     return Frames(steps=merged, layer_bins=layer_bins, params=list(run.params), numels=list(run.numels),
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
-                  layer_window=window, notes=notes, layer_rows=rows, meta=dict(run.meta or {}))
+                  layer_window=window, notes=notes, layer_rows=rows, shard_faults=shard_faults,
+                  meta=dict(run.meta or {}))

@@ -10,7 +10,12 @@ Findings (all with check ``rank_divergence``):
 - error: one rank's loss went non-finite before the others (names the rank and step);
 - info: all ranks went non-finite at the same step (a shared cause: weights, learning rate);
 - error: the loss scale differs across ranks at some step;
-- warning: a rank's trace ends earlier than the others' (it died or was killed first).
+- warning: a rank's trace ends earlier than the others' (it died or was killed first);
+- error (FSDP2 runs): a parameter's weights went non-finite in some ranks' shards only. Under
+  ``fully_shard`` each rank owns one piece of the weights and every forward all-gathers them,
+  so every rank's loss goes bad at the same step: only the shard statistics say whose piece
+  broke (its optimizer step on its shard, or a write into it), and that rank's snapshot is the
+  one to replay.
 """
 from __future__ import annotations
 
@@ -82,8 +87,42 @@ def _ends(frames: Frames) -> list[Finding]:
                     rank=int(row["rank"]))]
 
 
+def _shards(frames: Frames) -> list[Finding]:
+    """FSDP2: the first step whose weight shards went non-finite on some ranks but not all."""
+    sf = frames.shard_faults
+    if sf is None:
+        return []
+    bad = sf.filter(pl.col("weights_bad"))
+    if bad.height == 0:
+        return []
+    step = int(bad["step"].min())
+    at = sf.filter(pl.col("step") == step)
+    per = at.group_by("layer").agg(bad=pl.col("rank").filter(pl.col("weights_bad")).sort(),
+                                   all=pl.col("rank").sort()).sort("layer")
+    partial = per.filter((pl.col("bad").list.len() > 0) & (pl.col("bad").list.len() < pl.col("all").list.len()))
+    if partial.height == 0:
+        return []
+    rows = partial.rows(named=True)
+    ranks = sorted({r for row in rows for r in row["bad"]})
+    params = [frames.param_name(int(row["layer"])) for row in rows]
+    ev = {"step": step, "params": params[:20], "ranks": ranks,
+          "shards": {frames.param_name(int(row["layer"])): {"nonfinite_ranks": row["bad"], "ranks": row["all"]}
+                     for row in rows[:20]}}
+    who = ", ".join(map(str, ranks))
+    shown = ", ".join(params[:4]) + (f" and {len(params) - 4} more" if len(params) > 4 else "")
+    others = sorted(set(rows[0]["all"]) - set(rows[0]["bad"]))
+    return [Finding("rank_divergence", "error", step,
+                    f"the weights of {shown} went non-finite at step {step} in rank {who}'s shard only (rank(s) "
+                    f"{', '.join(map(str, others))} held finite pieces): under FSDP each rank owns its piece and "
+                    "every forward all-gathers it, so every rank's loss fails together, but the fault is in rank "
+                    f"{who}'s copy of the weights (its optimizer step on its shard, or a write into it), not in a "
+                    f"batch: replay rank {ranks[0]}'s snapshot of step {step}", ev,
+                    rank=ranks[0] if len(ranks) == 1 else None)]
+
+
 def rank_divergence(frames: Frames) -> list[Finding]:
-    """Which rank went non-finite first; loss-scale divergence; ranks whose trace ends early."""
+    """Which rank went non-finite first; loss-scale divergence; ranks whose trace ends early;
+    under FSDP2, whose weight shard went non-finite."""
     if frames.rank is not None or frames.n_ranks < 2:
         return []
-    return _nonfinite(frames) + _scale(frames) + _ends(frames)
+    return _shards(frames) + _nonfinite(frames) + _scale(frames) + _ends(frames)

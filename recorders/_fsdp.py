@@ -1,0 +1,144 @@
+"""FSDP2 (``fully_shard``) support of the Recorder: policy and mesh, shard layout, sharded snapshots.
+
+Under ``fully_shard`` every parameter is a ``DTensor`` whose local tensor is this rank's shard.
+The Recorder measures the local shards only (no collective on the step) and writes, per rank,
+where each shard sits (``shard_layout``), so the analyzer can merge shard statistics into
+whole-parameter values offline: the global norm is the square root of the sum of the squared
+shard norms, non-finite counts add up, zero fractions are weighted by the shard sizes.
+
+Snapshots of a sharded model cannot hold the weights in one rank's file. Two ways, chosen so
+that no rank ever waits for another that will not come:
+
+- collective (``save_dcp``): every rank writes its shards of the pre-step weights, buffers
+  and optimizer state into one ``torch.distributed.checkpoint`` (DCP) directory. Only where
+  every rank is known to arrive: with ``sync_failures=True``, after the ranks agreed on the
+  failure and on snapshotting it (``Recorder._sync_failure``).
+- local (``local_state``): otherwise, a failing rank saves its own shards (``to_local()``)
+  and their offsets in its snapshot file. No collective, so one failing rank never deadlocks;
+  the whole model is only known if every rank wrote such a snapshot of that step.
+
+Everything here reads FSDP's state defensively: private attributes that move between torch
+versions give None, never an exception in the training loop.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import schema
+
+__all__ = ["is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (an FSDP2 parameter or gradient); plain tensors are not."""
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
+
+
+def _policy(model: torch.nn.Module) -> dict[str, str | None] | None:
+    """``param_dtype``/``reduce_dtype``/``output_dtype`` of the outermost FSDP module, or None.
+
+    NB: torch 2.13 keeps it on ``FSDPModule._get_fsdp_state()._mp_policy`` (a
+    ``MixedPrecisionPolicy``) and on each ``FSDPParamGroup.mp_policy``; both are private.
+    """
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if not callable(get_state):
+            continue
+        try:
+            state = get_state()
+            policy = getattr(state, "_mp_policy", None)
+            if policy is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                policy = getattr(group, "mp_policy", None)
+        except Exception:  # noqa: BLE001 - a private API that moved: the policy is unknown
+            return None
+        if policy is None:
+            return None
+        return {k: schema.dtype_name(getattr(policy, k, None))
+                for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+    return None
+
+
+def _mesh(params: list[torch.Tensor]) -> dict[str, Any] | None:
+    """The device mesh of the first sharded parameter: device type, shape, dimension names."""
+    for p in params:
+        mesh = getattr(p, "device_mesh", None) if is_sharded(p) else None
+        if mesh is None:
+            continue
+        try:
+            names = mesh.mesh_dim_names
+            return {"device_type": str(mesh.device_type), "shape": [int(d) for d in mesh.shape],
+                    "dim_names": None if names is None else [str(n) for n in names]}
+        except Exception:  # noqa: BLE001 - an unfamiliar mesh object: unknown
+            return None
+    return None
+
+
+def fsdp_meta(model: torch.nn.Module, params: list[torch.Tensor], world_size: int) -> dict[str, Any] | None:
+    """meta.json's and the snapshots' ``fsdp`` entry: None unless some parameter is sharded."""
+    if not any(is_sharded(p) for p in params):
+        return None
+    return {"mp_policy": _policy(model), "mesh": _mesh(params), "world_size": int(world_size)}
+
+
+def shard_layout(t: torch.Tensor) -> dict[str, Any] | None:
+    """This rank's shard of a DTensor: ``local_shape``, ``local_numel``, ``local_offset``; None if plain.
+
+    The offset is where the shard starts in the whole tensor (FSDP2 shards dim 0 in chunks; an
+    uneven split leaves the last ranks short or empty). No collective.
+    """
+    if not is_sharded(t):
+        return None
+    local = t.to_local()
+    offset = None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, off = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        offset = [int(o) for o in off]
+    except Exception:  # noqa: BLE001 - a private helper that moved: the offset is unknown
+        pass
+    return {"local_shape": list(local.shape), "local_numel": local.numel(), "local_offset": offset}
+
+
+def local_state(model: torch.nn.Module, pre_step_buffers: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(``{name: CPU tensor}``, ``{name: {"shape", "offset"}}``): this rank's shards, no collective.
+
+    Parameters are the local shards (``to_local()``); buffers are whole (FSDP2 does not shard
+    them), with their pre-step values where the forward wrote them in place.
+    """
+    state, layout = {}, {}
+    for name, value in model.state_dict().items():
+        value = pre_step_buffers.get(name, value)
+        info = shard_layout(value)
+        if info is not None:
+            layout[name] = {"shape": list(value.shape), "offset": info["local_offset"]}
+            value = value.to_local()
+        state[name] = value.detach().to("cpu", copy=True)
+    return state, layout
+
+
+def save_dcp(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             pre_step_buffers: dict[str, torch.Tensor]) -> Path:
+    """Write ``{"model": ..., "optim": ...}`` as one DCP checkpoint in `directory`. COLLECTIVE.
+
+    NB: every rank must call this for the same directory, or the others wait forever: callers
+    reach it only after the ranks agreed (``Recorder._sync_failure``). ``optim`` is left out when
+    the Recorder has no optimizer. The weights are those the failing forward used (end_step runs
+    before the optimizer step); buffers the forward wrote in place get their pre-step values.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_sd = get_model_state_dict(model)
+    for name, value in pre_step_buffers.items():
+        if name in model_sd:
+            model_sd[name] = value.detach().clone()
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=str(directory))
+    return directory
