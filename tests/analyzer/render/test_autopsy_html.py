@@ -177,16 +177,17 @@ def small_report(tmp_path_factory):
     return build_report(path)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(s=_hostile, status=st.sampled_from(["verified", "fails", "not_tried", "<b>x</b>"]))
-def test_strings_from_files_are_escaped_wherever_they_appear(small_report, tmp_path, s, status):
+@given(s=_hostile, status=st.sampled_from(["verified", "fails", "not_tried", "<b>x</b>"]),
+       scale=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)))
+def test_strings_from_files_are_escaped_wherever_they_appear(small_report, tmp_path, s, status, scale):
     culprit = {"op": s, "overload": s, "module": s, "source": s, "phase": s, "precision": s, "index": 3}
     autopsy = {"autopsy_version": 1, "run": s, "verdict": s, "culprit": culprit, "answer": [s],
                "report": {"snapshots": [{"file": s, "step": s, "rank": s, "reason": s}]},
                "replays": [{"snapshot": s, "step": s, "summary": s, "verdict": s, "culprit": culprit}],
                "fixes": [{"snapshot": s, "name": s, "title": s, "status": status, "detail": s, "precision": s,
-                          "failing_op": s, "max_safe_scale": None}],
+                          "failing_op": s, "max_safe_scale": scale}],
                "advice": [{"snapshot": s, "text": s, "status": "untested", "fix": None}],
                "errors": [{"snapshot": s, "stage": s, "error": s}]}
     page = write_autopsy_html(tmp_path / "p.html", autopsy, report=small_report, replays=[], run_dir=tmp_path)
@@ -196,3 +197,18 @@ def test_strings_from_files_are_escaped_wherever_they_appear(small_report, tmp_p
     text = "".join(parsed.text)
     assert s.encode("utf-8", "backslashreplace").decode() in text
     assert "<script" not in page.read_text().lower()
+    if status != "verified":  # a fix that is not verified is never under the recommended heading
+        assert "(recommended)" not in text
+
+
+def test_a_run_without_a_snapshot_says_there_is_no_culprit_and_no_fix(small_report, tmp_path):
+    autopsy = {"autopsy_version": 1, "run": "log.jsonl", "verdict": "no_snapshot", "culprit": None,
+               "answer": ["no snapshot to replay"], "report": small_report.to_dict(), "replays": [], "fixes": [],
+               "advice": []}
+    page = write_autopsy_html(tmp_path / "p.html", autopsy, report=small_report, replays=[], run_dir=tmp_path)
+    parsed = _Tags()
+    parsed.feed(page.read_text())
+    text = " ".join(" ".join(parsed.text).split())
+    assert "Verdict: no_snapshot" in text and "No culprit: no snapshot was replayed." in text
+    assert "No fix was tried." in text and "No snapshots." in text
+    assert small_report.findings and all(" ".join(f.message.split()) in text for f in small_report.findings)
