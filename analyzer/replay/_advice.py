@@ -83,7 +83,16 @@ def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: f
 
 
 def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
-           masks: list[str] | None = None, sdpa: dict | None = None) -> list[str]:
+           masks: list[str] | None = None, sdpa: dict | None = None,
+           tried: dict[str, bool] | None = None) -> list[str]:
+    """The verdict's advice lines. `tried` (precision -> whether its replay was finite) keeps a
+    line that recommends a precision only when that precision's replay was finite: it is dropped
+    when that replay failed, and marked "(untested)" when there was none."""
+    return respect_runs(_advice(verdict, c, inputs=inputs, scale=scale, masks=masks, sdpa=sdpa), tried)
+
+
+def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
+            masks: list[str] | None = None, sdpa: dict | None = None) -> list[str]:
     if verdict == "kernel_specific":
         return kernel_advice(c, sdpa)
     if verdict == "healthy":
@@ -189,3 +198,187 @@ def _looks_like_attention(c: dict) -> bool:
         "bmm", "mm", "matmul", "baddbmm", "addmm", "einsum")
     batched_forward = op in ("bmm", "baddbmm") and c["phase"] == "forward"
     return in_attention or batched_forward
+
+
+# -- advice and the fixes tried on the snapshot (replay.fixes) -------------------------------------
+# The fixes each advice line recommends, by the line's opening words (the lines are written above).
+_TAGS = (
+    ("Switch to BF16", ("bf16",)),
+    ("BF16 needs no loss scaling", ("bf16",)),
+    ("Keep `", ("module_fp32",)),
+    ("Add an eps that", ("guard_eps", "guard_clamp")),
+    ("Clamp the argument of log", ("guard_clamp",)),
+    ("Add eps inside the sqrt", ("guard_eps",)),
+    ("Add eps to the denominator", ("guard_eps", "guard_clamp")),
+    ("Add eps or clamp at this op", ("guard_clamp", "guard_eps")),
+    ("If it keeps happening, start lower", ("lower_scale",)),
+    ("Register the op with autocast", ("op_fp32",)),
+    ("Or cast its inputs to FP32", ("op_fp32",)),
+)
+_PRECISION_OF = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def fix_tags(line: str) -> tuple[str, ...]:
+    """The fix names an advice line recommends (empty: advice no replay can try)."""
+    return next((tags for prefix, tags in _TAGS if line.startswith(prefix)), ())
+
+
+def respect_runs(lines: list[str], tried: dict[str, bool] | None) -> list[str]:
+    """Drop a line recommending a precision whose replay failed; mark it untested without one."""
+    if tried is None:
+        return lines
+    out = []
+    for line in lines:
+        precs = [_PRECISION_OF[t] for t in fix_tags(line) if t in _PRECISION_OF]
+        if not precs:
+            out.append(line)
+        elif all(tried.get(p) for p in precs):
+            out.append(line)
+        elif not any(p in tried for p in precs):
+            out.append(f"{line} (untested)")
+    return out
+
+
+def guard_expr(base: str | None, kind: str) -> str:
+    """The edit a guard fix stands for, as the user would write it."""
+    if base == "acos":
+        return "x.clamp(-1 + eps, 1 - eps) with eps = torch.finfo(x.dtype).eps"
+    if base in ("div", "pow"):
+        what = "the denominator" if base == "div" else "the base"
+        if kind == "clamp":
+            return f"{what} moved away from 0 to +-torch.finfo(x.dtype).tiny, its sign kept"
+        return f"{what} + torch.finfo(x.dtype).eps, with its sign"
+    return "x.clamp_min(torch.finfo(x.dtype).tiny)" if kind == "clamp" else "x + torch.finfo(x.dtype).eps"
+
+
+def _fix_line(fix, c) -> str:
+    """The advice a verified fix stands for."""
+    name = fix.name
+    if name == "module_fp32":
+        return (f"Keep `{c['module']}` in FP32: run it under torch.autocast(device_type, enabled=False) "
+                "with its inputs cast by .float().")
+    if name == "op_fp32":
+        return (f"Compute {c['op']} (at {c.get('source') or c['module']}) in FP32 and cast the result back: "
+                "wrap the call in torch.autocast(device_type, enabled=False) with .float() inputs.")
+    if name == "bf16":
+        return "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler."
+    if name == "fp32":
+        return "Train this model in FP32 (no autocast)."
+    if name == "lower_scale":
+        s = fix.max_safe_scale
+        return (f"Start the GradScaler at or below {s:g}: GradScaler(init_scale={s:g}) "
+                "(the largest power of two whose backward of this step is finite).")
+    if name in ("guard_clamp", "guard_eps"):  # "guard log at loss.py:12: x.clamp_min(...)"
+        return f"{fix.title[0].upper()}{fix.title[1:]}."
+    return fix.title
+
+
+def with_status(result, fixes: list) -> list[tuple[str, str, str | None]]:
+    """(text, status, fix) per advice item: verified fixes, recognised patterns, the rest untested.
+
+    A line resting only on fixes that were tried and failed is dropped; a line whose fix was
+    verified is replaced by that fix's own line.
+    """
+    by_name = {f.name: f for f in fixes}
+    c = result.culprit
+    out = [(_fix_line(f, c), "verified", f.name) for f in fixes if f.status == "verified" and c is not None]
+    out += [(text, "untested", None) for text in patterns(result)]
+    tried = {p: bool(r.get("finite")) for p, r in (result.runs or {}).items()}
+    for line in respect_runs(list(result.advice), tried):
+        tags = fix_tags(line)
+        mine = [by_name[t] for t in tags if t in by_name]
+        if any(f.status == "verified" for f in mine):
+            continue  # its fix's own line is already first
+        if mine and all(f.status == "fails" for f in mine):
+            continue
+        out.append((line, "untested", mine[0].name if mine else None))
+    return out
+
+
+# -- hand-written patterns around the culprit ------------------------------------------------------
+_THROUGH = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t",
+                      "aten.transpose", "aten.expand", "aten.clone", "aten.contiguous", "aten.gather",
+                      "aten.index", "aten.select", "aten.slice", "aten.squeeze", "aten.unsqueeze",
+                      "aten.reshape", "aten.permute", "aten.neg", "aten.clamp", "aten.clamp_min"})
+_NODE_OPS = {"Log": "aten.log", "Sqrt": "aten.sqrt", "Rsqrt": "aten.rsqrt", "Div": "aten.div", "Pow": "aten.pow"}
+
+
+def _producer(run, i: int | None) -> int | None:
+    """The op that computed op `i`'s first floating input, looking through casts, views, gathers."""
+    while i is not None:
+        rec = run.records[i]
+        p = next((p for _, p in rec.inputs if p is not None), None)
+        if p is None or run.records[p].name not in _THROUGH:
+            return p
+        i = p
+    return None
+
+
+def _forward_op(run, c) -> int | None:
+    """The culprit's own op in forward, or the forward op whose backward node failed."""
+    if c["phase"] == "forward":
+        return c["index"]
+    node = c.get("node") or ""
+    op = next((v for k, v in _NODE_OPS.items() if node.startswith(k + "Backward")), None)
+    if op is None:
+        return None
+    return next((r.index for r in run.records if r.phase == "forward" and r.name == op
+                 and r.source == c.get("source") and r.module == c["module"]), None)
+
+
+def patterns(result) -> list[str]:
+    """Advice for a hand-written pattern recognised in the ops that fed the culprit (untested)."""
+    c, run = result.culprit, result.culprit_trace
+    if c is None or run is None or result.verdict in ("healthy", "nonfinite_input"):
+        return []
+    out = []
+    node = c.get("node") or ""
+    i = _forward_op(run, c)
+    name = run.records[i].name if i is not None else None
+    p = _producer(run, i) if i is not None else None
+    src = run.records[p].name if p is not None else None
+    before = _producer(run, p) if src == "aten.rsub" else None
+    if name == "aten.log" and before is not None and run.records[before].name == "aten.sigmoid":
+        out.append("log(1 - sigmoid(x)) rounds to log(0) once sigmoid(x) rounds to 1: use "
+                   "torch.nn.functional.logsigmoid(-x) for log(1 - sigmoid(x)), or compute the whole loss with "
+                   "torch.nn.functional.binary_cross_entropy_with_logits(x, y) on the logits.")
+    elif name == "aten.log" and src == "aten.sigmoid":
+        out.append("log(sigmoid(x)) rounds to log(0) once sigmoid(x) rounds to 0: use "
+                   "torch.nn.functional.logsigmoid(x), or binary_cross_entropy_with_logits on the logits.")
+    elif name == "aten.log" and src in ("aten._softmax", "aten.softmax"):
+        out.append("log(softmax(x)) is log(0) once a probability rounds to 0: use "
+                   "torch.nn.functional.log_softmax(x, dim), or cross_entropy on the logits.")
+    if name in ("aten.sqrt", "aten.rsqrt") and src == "aten.sum" and _squares(run, _producer(run, p)):
+        out.append("sqrt(sum(x**2)) has an infinite derivative where x is all zeros: use "
+                   "torch.linalg.vector_norm(x, dim=...) or put an eps inside the sqrt: sqrt(sum(x**2) + eps).")
+    elif "NormBackward" in node:
+        out.append("The gradient of a norm is NaN/Inf where its input is all zeros: add an eps "
+                   "(x.norm(dim=...).clamp_min(eps)) or use torch.linalg.vector_norm with an eps inside a sqrt.")
+    fill = _mask_fill(run, c, result)
+    if fill:
+        out.append(f"A mask filled with {fill} makes a row whose every entry is masked NaN/Inf "
+                   "(-inf - -inf, or finfo.min plus anything overflowing): fill with a finite value the "
+                   "dtype can add to, such as -1e4 in FP16, or drop the rows that have no unmasked entry.")
+    return out
+
+
+def _squares(run, i: int | None) -> bool:
+    if i is None:
+        return False
+    rec = run.records[i]
+    if rec.name == "aten.pow":
+        return True
+    ps = [p for _, p in rec.inputs]
+    return rec.name == "aten.mul" and len(ps) == 2 and ps[0] is not None and ps[0] == ps[1]
+
+
+def _mask_fill(run, c, result) -> str | None:
+    """"-inf" or "finfo.min" when such a fill fed the culprit's failure, else None."""
+    if c.get("literal_nonfinite") or result.mask_inputs:
+        return "-inf"
+    big = {_MAX["float16"], _MAX["bfloat16"], _MAX["float32"]}
+    for rec in run.records[:c["index"]]:
+        if rec.name in ("aten.masked_fill", "aten.masked_fill_", "aten.where", "aten.full", "aten.fill_") \
+                and any(run.absmax[s] in big for s in rec.outputs):
+            return "torch.finfo(dtype).min"
+    return None

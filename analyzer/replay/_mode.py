@@ -77,14 +77,18 @@ class _OpStatsMode(TorchDispatchMode):
         capture: op index whose inputs to clone (before it runs) for the shadow check.
         on_ops: optional callback, called with the number of ops so far every 256 ops.
         reads: follow these buffers' values through the run (which ones the step reads).
+        override: op index -> ``fn(func, args, kwargs)`` computing that op's output instead of
+            ``func`` (a counterfactual fix: the culprit op alone in FP32, ``replay.fixes``). The
+            mode is off inside it, so its own ops are not recorded and later indices do not move.
 
     NB: the running statistics a train-mode batch norm updates in place are not inputs of
     that op here (``_writes.unread_args``): its output never depends on them.
     """
 
     def __init__(self, *, zeros: bool = False, capture: int | None = None, on_ops=None,
-                 reads: BufferReads | None = None):
+                 reads: BufferReads | None = None, override: dict | None = None):
         super().__init__()
+        self.override = override
         self.reads = reads
         self.zeros = zeros
         self.on_ops = on_ops  # called with the op count every 256 ops (a progress bar)
@@ -154,7 +158,8 @@ class _OpStatsMode(TorchDispatchMode):
         if index == self.capture:
             self.captured = (tree_map(_clone_tensor, args), tree_map(_clone_tensor, kwargs))
 
-        out = func(*args, **kwargs)
+        fn = self.override.get(index) if self.override else None
+        out = func(*args, **kwargs) if fn is None else fn(func, args, kwargs)
 
         flat_out = _flat(out) if isinstance(out, (list, tuple)) else [out]
         # NB: autograd bumps the version counter of an in-place op's output after this hook

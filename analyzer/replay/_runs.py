@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,12 +158,18 @@ def _to_device(obj, device):
 
 def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = False,
              capture: int | None = None, on_ops=None, watch: list[str] | None = None,
-             sdpa_backend: str | None = None) -> RunTrace:
+             sdpa_backend: str | None = None,
+             prepare: Callable[[torch.nn.Module], AbstractContextManager] | None = None,
+             op_override: dict[int, Callable] | None = None) -> RunTrace:
     """Replay the step once in `precision` with backward from ``loss * scale``.
 
     `watch` names buffers whose values are followed through the run (``RunTrace.buffers_read``).
     The snapshot's SDPA switches apply (``ctx.sdpa``), or only backend `sdpa_backend`
     (``"math"``, ``"flash"``...) when given (``backends.try_backends``).
+    `prepare` and `op_override` are the hooks of a counterfactual fix (``replay.fixes``):
+    ``prepare(model)`` returns a context manager entered around forward and backward, inside the
+    recording modes (module hooks it registers, a function mode it pushes); `op_override` maps
+    an op index to ``fn(func, args, kwargs)`` run instead of that op (``_OpStatsMode``).
     """
     model = ctx.build_model()
     batch = _to_device(ctx.batch, ctx.device)
@@ -171,7 +178,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     if watch:
         named = dict(model.named_buffers())
         reads = BufferReads({n: named[n] for n in watch if n in named})
-    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads)
+    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads, override=op_override)
     sdpa_ctx = sdpa_switches(ctx.sdpa, only=sdpa_backend, device=ctx.device.type)
     sdpa_calls = record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
@@ -182,7 +189,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with sdpa_ctx, sdpa_calls, tag_mode, mode:
+        with sdpa_ctx, sdpa_calls, tag_mode, mode, (prepare(model) if prepare is not None else nullcontext()):
             with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low):
                 try:
                     loss = ctx.loss_fn(model, batch)

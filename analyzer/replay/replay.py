@@ -88,7 +88,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
         advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks,
-                              sdpa=diag.get("sdpa")),
+                              sdpa=diag.get("sdpa"), tried={p: r.finite for p, r in runs.items()}),
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
@@ -98,7 +98,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         underflow_at=diag.get("underflow_at"),
         context_ops=diag.get("context", []),
         sdpa_backend=_sdpa_backend(diag, runs), backends=(diag.get("sdpa") or {}).get("backends"),
-        traces=runs, culprit_trace=diag.get("trace"),
+        traces=runs, culprit_trace=diag.get("trace"), context=ctx,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..findings import json_safe
-from ._runs import RunTrace
+from ._runs import ReplayContext, RunTrace
 from .records import Culprit, OpRecord
 
 __all__ = ["ReplayResult", "VERDICTS"]
@@ -69,6 +69,9 @@ class ReplayResult:
     context_ops: list[OpRecord] = field(default_factory=list)
     traces: dict[str, RunTrace] = field(default_factory=dict, repr=False)
     culprit_trace: RunTrace | None = field(default=None, repr=False)
+    # The rebuilt model, batch and RNG the runs used (not serialised): ``replay.fixes`` re-runs
+    # the step from it, with the same precision mode and device, without rebuilding the model.
+    context: ReplayContext | None = field(default=None, repr=False, compare=False)
     sdpa_backend: str | None = None
     backends: dict[str, str] | None = None
 

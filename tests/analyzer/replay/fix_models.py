@@ -1,0 +1,62 @@
+"""Tiny models for the fixes tried on a snapshot (``analyzer.replay.fixes``), and their recorded steps.
+
+``build_logit`` with ``bce_loss`` is the hand-written binary cross-entropy of issue 14:
+``-(y*log(p) + (1-y)*log(1-p))`` with ``p = sigmoid(x)``. A logit of 10 gives ``p = 0.9999546``
+in FP32 (``1 - p = 4.5e-5``, finite log), but FP16's spacing below 1 is 4.9e-4 (BF16's 3.9e-3),
+so ``p`` rounds to exactly 1.0 there, ``1 - p`` is 0 and ``log(0) = -inf``: an FP16 underflow
+that BF16 does not fix. Importable as ``tests.analyzer.replay.fix_models:NAME``, which is what the
+recorder stores and replay resolves.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from recorders import Recorder
+
+REF = "tests.analyzer.replay.fix_models"
+
+
+def build_logit(gain: float = 10.0) -> nn.Module:
+    """One linear unit whose logit is `gain` * x[0]: x = (1, 0, 0, 0) gives a logit of `gain`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].weight[0, 0] = gain
+        model[0].bias.zero_()
+    return model
+
+
+def bce_loss(model, batch):
+    """The hand-written BCE a new user writes (sigmoid, then two logs)."""
+    p = torch.sigmoid(model(batch["x"]))
+    y = batch["y"]
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def bce_batch() -> dict:
+    """A confidently wrong sample (logit +10, label 0) and a right one (logit -1, label 0)."""
+    return {"x": torch.tensor([[1.0, 0.0, 0.0, 0.0], [-0.1, 0.0, 0.0, 0.0]]), "y": torch.zeros(2, 1)}
+
+
+def record(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict, amp_dtype: torch.dtype,
+           factory_kwargs: dict | None = None) -> Path:
+    """Train one step with the real Recorder (autocast, SGD) and return the snapshot it wrote."""
+    factory_kwargs = dict(factory_kwargs or {})
+    model = globals()[factory](**factory_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_callable = globals()[loss_fn]
+    with Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=factory_kwargs,
+                  loss_fn=f"{REF}:{loss_fn}", amp_dtype=amp_dtype, optimizer=opt) as rec:
+        rec.begin_step(0, batch)
+        with torch.autocast("cpu", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext():
+            loss = loss_callable(model, batch)
+        loss.backward()
+        assert rec.end_step(loss) is not None, f"{factory}/{loss_fn}: the step did not fail"
+        opt.step()
+    assert rec.snapshots, "the recorder wrote no snapshot"
+    return rec.snapshots[-1]
