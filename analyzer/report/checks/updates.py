@@ -95,6 +95,8 @@ def _eps_zero(eps: float, dtype: str) -> bool:
 
 def _causes(frames: Frames, layers: list[int]) -> list[str]:
     cls, groups = _optimizer(frames)
+    if not layers:  # known from an update snapshot only: every parameter the optimizer steps
+        layers = sorted({i for g in groups for i in g.get("params") or [] if isinstance(i, int)})
     dtypes = sorted({d for i in layers if (d := _param_dtype(frames, i))})
     out: list[str] = []
     adam = cls is not None and "adam" in cls.lower()
