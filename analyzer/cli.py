@@ -250,6 +250,8 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Write one self-contained HTML page, the answer first (links to snapshots are relative).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Write the report's plots and each replay's figure into this directory.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
@@ -266,13 +268,15 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
               help="Exit with status 4 when the report has a finding of this severity or worse (to gate a "
                    "pipeline); the autopsy is printed as usual.")
 @_one_line_errors
-def autopsy(run, as_json, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
+def autopsy(run, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
     """One answer: report the run, replay its first failing snapshots, try each fix on them."""
     from pathlib import Path
 
     from .autopsy import run_autopsy
-    from .render import check_output_path, plot_replay, render_autopsy_text, write_plots
+    from .render import check_output_path, plot_replay, render_autopsy_text, write_autopsy_html, write_plots
 
+    if html_path:
+        check_output_path(html_path, inputs=[run], option="--html")
     if out_dir:
         check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
     progress = sys.stderr.isatty() and not as_json
@@ -282,12 +286,18 @@ def autopsy(run, as_json, out_dir, rank, device, ops, factory, loss_fn, paths, f
     if out_dir:
         written = write_plots(result.report, out_dir)
         written += [plot_replay(r, Path(out_dir) / f"{Path(r.snapshot).stem}-replay.png") for r in result.replays]
+    if html_path:
+        run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log
+        write_autopsy_html(html_path, result.to_dict(), report=result.report, replays=list(result.replays),
+                           run_dir=run_dir)
     if as_json:
         _print_json(result.to_dict())
     else:
         _echo(render_autopsy_text(result, ops=ops))
         for p in written:
             _echo(f"plot: {p}")
+        if html_path:
+            _echo(f"html: {html_path}")
     if result.failures:  # the report and the other replays are printed; the failure is the one Error line
         first = result.failures[0]
         more = f" (and {len(result.failures) - 1} more snapshot(s); see the answer)" if len(result.failures) > 1 else ""
