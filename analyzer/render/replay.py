@@ -33,7 +33,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     c = r.culprit
     if c:
         lines += ["", "culprit:",
-                  f"  op        {c['op']}.{c['overload']}" + (" (custom op)" if c.get("custom") else ""),
+                  f"  op        {c['op']}" + (f".{c['overload']}" if c["phase"] != "optimizer" else "")
+                  + (" (custom op)" if c.get("custom") else ""),
                   f"  module    {c['module']}",
                   f"  phase     {c['phase']}" + (f" ({c['node']})" if c.get("node") else ""),
                   f"  precision {c['precision']}   op #{c['index']}",
@@ -64,7 +65,9 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     if r.written_only_buffers:
         lines.append("  non-finite but only written by the step (not a cause): "
                      + ", ".join(r.written_only_buffers[:8]) + (" ..." if len(r.written_only_buffers) > 8 else ""))
-    lines += ["", "runs:"]
+    if r.update is not None:  # update forensics: no forward/backward runs to list
+        lines += _update_lines(r.update)
+    lines += ["", "runs:"] if r.runs else []
     for p, run in r.runs.items():
         state = "finite" if run["finite"] else ("forward NaN/Inf" if not run["forward_finite"] else "backward NaN/Inf")
         at1 = ""
@@ -79,6 +82,31 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     if r.advice:
         lines += ["", "what to try:"] + [f"  - {a}" for a in r.advice]
     return "\n".join(lines)
+
+
+def _update_lines(u: dict, shown: int = 3) -> list[str]:
+    """The update forensics (``analyzer.replay.update``): per parameter, the factor behind each NaN/Inf."""
+    lines = ["", f"update forensics ({u['optimizer']}; forward and backward not replayed):"]
+    for p in u["params"][:8]:
+        why = ", ".join(f"{k} {n}" for k, n in p["factors"].items())
+        lines.append(f"  {p['name']} ({p['dtype']}, state {p['state_dtype']}): {p['nonfinite']} of {p['numel']} "
+                     f"NaN/Inf; {why}")
+        if p["formula"]:
+            hyper = ", ".join(f"{k}={_num(v) if not isinstance(v, list) else v}" for k, v in p["hyperparameters"].items())
+            lines.append(f"    update = {p['formula']}  ({hyper}; eps in {p['state_dtype']} = "
+                         f"{_num(p['eps_in_dtype'])})")
+        else:
+            lines.append("    no formula is known for this optimizer; state: "
+                         + ", ".join(f"{k} {v['dtype']}" for k, v in p["state"].items()))
+        for ex in p["examples"][:shown]:
+            lines.append("    at " + str(ex["index"]) + ": " + ", ".join(f"{k} {_num(v)}" for k, v in ex.items()
+                                                                        if k != "index"))
+    if len(u["params"]) > 8:
+        lines.append(f"  ... and {len(u['params']) - 8} more parameters")
+    if u.get("clip_signature"):
+        lines.append("  every finite gradient element is exactly 0 beside the NaN ones: clip_grad_norm_ over an "
+                     "infinite total norm (clip coefficient 0, and 0 * inf = NaN)")
+    return lines
 
 
 def _table(trace, center: int, ops: int) -> str:

@@ -27,6 +27,7 @@ from ._shadow import shadow
 from .backends import backend_of, kernel_check
 from .records import Culprit, OpRecord
 from .result import ReplayResult
+from .update import replay_update, update_applies
 
 __all__ = ["replay_snapshot"]
 
@@ -54,6 +55,8 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     """
     path = os.fspath(path)
     snap = load_snapshot(path)
+    if update_applies(snap):  # the NaN was born in the optimizer step: recompute it, import no model code
+        return replay_update(path, snap)
     ctx = _context(path, snap, device, factory, loss_fn, paths)
     amp = _amp_dtype(path, snap)
     precisions = _precisions(amp, dtypes)

@@ -44,6 +44,10 @@ class ReplayResult:
         backends: for an SDPA culprit, the step re-run in the same precision under each other
             backend: ``{backend: "finite" | "nonfinite at OP in `MODULE`" | "unavailable: why"}``;
             None otherwise. ``kernel_specific`` means one of them is finite.
+        update: for an update snapshot (or one whose weights are already NaN/Inf beside its optimizer
+            state), the forensics of the optimizer update (``analyzer.replay.update``): per parameter
+            the factor that went non-finite, examples, the formula and hyperparameters. The forward
+            and backward are not replayed then (``runs`` is empty). None for any other replay.
     """
 
     verdict: str
@@ -74,6 +78,7 @@ class ReplayResult:
     context: ReplayContext | None = field(default=None, repr=False, compare=False)
     sdpa_backend: str | None = None
     backends: dict[str, str] | None = None
+    update: dict | None = None  # update forensics (analyzer.replay.update); None for a forward/backward replay
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -107,4 +112,5 @@ class ReplayResult:
             "context_ops": self.context_ops,
             "sdpa_backend": self.sdpa_backend,
             "backends": None if self.backends is None else dict(self.backends),
+            "update": self.update,
         })
