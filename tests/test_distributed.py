@@ -169,3 +169,136 @@ def test_with_sync_failures_every_unwrapped_rank_snapshots_the_failing_step_and_
     assert names == [schema.snapshot_name(2, 0, "peer_failure"), schema.snapshot_name(2, 1, "nonfinite_loss")]
     snap = load_snapshot(synced / schema.SNAPSHOT_DIR / names[0])
     assert (snap["rank"], snap["world_size"], snap["step"]) == (0, 2, 2)
+
+
+# ---------------------------------------------------------------- FSDP2: fully_shard, BF16 params, DCP
+# One spawn (tests/fsdp_runs.py, shared with tests/recorders/test_never_crash.py) trains a
+# plain, a synced (sync_failures=True), a local (sync_failures=False) and a killed run. Before
+# step FAULT_STEP, rank FAULT_RANK writes inf into its shard of FAULT_PARAM.
+from tests import fsdp_runs as fr  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    if not fr.fsdp_available():
+        pytest.skip("needs torch.distributed.fsdp.fully_shard and DCP with gloo")
+    return fr.shared_fsdp_runs(tmp_path_factory)
+
+
+def _fsdp_snapshot(run_dir, rank: int, reason: str = "nonfinite_loss"):
+    return load_snapshot(run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(fr.FAULT_STEP, rank, reason))
+
+
+def _consolidate(dcp_dir, tmp_path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "full.pt"
+    dcp_to_torch_save(str(dcp_dir), str(out))  # one process, no process group
+    return torch.load(out, weights_only=True)
+
+
+def test_fsdp2_meta_records_the_mixed_precision_policy_the_mesh_and_where_each_rank_s_shard_sits(fsdp):
+    metas = [json.loads((fsdp.dirs["synced"] / schema.meta_name(r)).read_text()) for r in range(fr.WORLD)]
+    for meta in metas:
+        assert meta["fsdp"] == {"mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32",
+                                              "output_dtype": None},
+                                "mesh": {"device_type": "cpu", "shape": [2], "dim_names": None}, "world_size": 2}
+    # the [8, 8] weight: rows 0..3 on rank 0, rows 4..7 on rank 1 (FSDP2 chunks dim 0)
+    w = [m["params"][0] for m in metas]
+    assert [(p["name"], p["shape"], p["sharded"]) for p in w] == [("0.weight", [8, 8], True)] * 2
+    assert [(p["local_shape"], p["local_numel"], p["local_offset"]) for p in w] == [
+        ([4, 8], 32, [0, 0]), ([4, 8], 32, [4, 0])]
+    # the [1, 8] weight of the last layer does not split in two: rank 1's shard is empty
+    assert [m["params"][2]["local_numel"] for m in metas] == [8, 0]
+
+
+def test_the_fsdp2_report_names_the_fault_step_the_rank_and_the_parameter(fsdp):
+    from analyzer.report import build_report
+
+    rep = build_report(str(fsdp.dirs["synced"]))
+    shard = [f for f in rep.findings if f.check == "rank_divergence" and f.severity == "error"]
+    assert len(shard) == 1, [f.to_dict() for f in rep.findings]
+    f = shard[0]
+    assert (f.step, f.rank, f.evidence["params"]) == (fr.FAULT_STEP, fr.FAULT_RANK, [fr.FAULT_PARAM])
+    assert f"rank {fr.FAULT_RANK}'s shard" in f.message and fr.FAULT_PARAM in f.message
+    assert f"step {fr.FAULT_STEP}" in f.message
+    # every rank's loss went non-finite at that step: the all-gather spread the bad shard
+    assert any(f.check == "nonfinite_loss" and f.step == fr.FAULT_STEP for f in rep.findings)
+
+
+@pytest.mark.parametrize("rank", [None, 0, 1])
+def test_the_fsdp2_report_s_whole_parameter_norms_equal_the_unsharded_norms(fsdp, rank):
+    from analyzer.report import build_report
+
+    frames = build_report(str(fsdp.dirs["synced"]), rank=rank).frames
+    rows = frames.layer_rows(0, fr.FAULT_STEP - 1)  # the healthy steps
+    ref = fsdp.results[0]["synced"]  # gathered with full_tensor() in the run: the unsharded truth
+    assert rows.height == fr.FAULT_STEP * 4  # one whole-parameter row per (step, parameter), any --rank
+    for step, layer, gnorm, pnorm in rows.select("step", "layer", "grad_norm", "param_norm").iter_rows():
+        # float32 shard norms combined in float64: equal to float32 rounding
+        assert gnorm == pytest.approx(ref["ref_grad_norms"][step][layer], rel=1e-5)
+        assert pnorm == pytest.approx(ref["ref_param_norms"][step][layer], rel=1e-5)
+
+
+def test_ddp_ranks_each_hold_whole_parameters_so_their_rows_are_never_merged(runs):
+    from analyzer.load import load_run
+
+    plain, _ = runs
+    run = load_run(plain)
+    assert run.shards is None and run.meta["fsdp"] is None
+    assert sorted(run.layers.select("rank").unique().collect()["rank"].to_list()) == [0, 1]
+
+
+def test_with_sync_failures_every_fsdp2_rank_snapshots_into_one_dcp_directory_that_consolidates(fsdp, tmp_path):
+    from tests.dist_worker import batch_for, build_model
+
+    snaps = [_fsdp_snapshot(fsdp.dirs["synced"], r) for r in range(fr.WORLD)]
+    name = schema.dcp_dir_name(fr.FAULT_STEP, "nonfinite_loss")
+    for r, snap in enumerate(snaps):
+        assert (snap.rank, snap.step, snap.model_state) == (r, fr.FAULT_STEP, {})
+        assert (snap.fsdp["dcp_dir"], snap.fsdp["local_state"], snap.fsdp["world_size"]) == (name, None, 2)
+        assert snap.fsdp["mp_policy"]["param_dtype"] == "bfloat16"
+        assert torch.equal(snap.batch["x"], batch_for(r, fr.FAULT_STEP, nan_rank=-1, nan_step=-1)["x"])
+    full = _consolidate(fsdp.dirs["synced"] / schema.SNAPSHOT_DIR / name, tmp_path)
+    model = build_model()
+    assert {k: v.shape for k, v in full["model"].items()} == {k: v.shape for k, v in model.state_dict().items()}
+    # the pre-step weights: the inf rank 1 wrote into its shard sits at the whole tensor's [4, 3]
+    w = full["model"][fr.FAULT_PARAM]
+    assert torch.isinf(w[fr.FAULT_GLOBAL_INDEX]) and torch.isfinite(w).sum() == w.numel() - 1
+    # the optimizer state dict by parameter name (SGD without momentum keeps no per-parameter state)
+    assert full["optim"]["param_groups"][0]["params"] == list(model.state_dict())
+    assert full["optim"]["param_groups"][0]["lr"] == 0.05
+
+
+def test_without_sync_failures_each_failing_rank_saves_its_own_shards_which_tile_the_whole(fsdp, tmp_path):
+    snaps = [_fsdp_snapshot(fsdp.dirs["local"], r) for r in range(fr.WORLD)]
+    assert not any(p.suffix == ".dcp" for p in (fsdp.dirs["local"] / schema.SNAPSHOT_DIR).iterdir())
+    for snap in snaps:
+        assert snap.model_state == {} and snap.fsdp["dcp_dir"] is None
+        assert snap.fsdp["layout"][fr.FAULT_PARAM] == {"shape": [8, 8], "offset": [4 * snap.rank, 0]}
+    # same seed, same numerics: the two shards, stacked by offset, are the synced run's whole weight
+    whole = torch.cat([s.fsdp["local_state"][fr.FAULT_PARAM] for s in snaps])
+    synced = _consolidate(fsdp.dirs["synced"] / schema.SNAPSHOT_DIR / schema.dcp_dir_name(fr.FAULT_STEP,
+                                                                                          "nonfinite_loss"), tmp_path)
+    assert torch.equal(whole, synced["model"][fr.FAULT_PARAM])
+
+
+def test_killing_one_fsdp2_rank_mid_run_leaves_every_completed_part_and_snapshot_readable(fsdp, tmp_path):
+    from analyzer.load import load_run
+    from analyzer.report import build_report
+
+    run_dir = fsdp.dirs["killed"]
+    assert "peer_error" in fsdp.results[0]["killed"]  # rank 0 lost its peer at step KILL_STEP
+    for part in sorted((run_dir / schema.TRACE_DIR).iterdir()):
+        assert not part.name.startswith("."), part  # nothing was being written when rank 1 died
+        assert pl.read_parquet(part).height > 0
+    steps = load_run(run_dir).steps.collect()
+    assert steps.group_by("rank").agg(pl.col("step").max()).sort("rank").rows() == [(0, fr.KILL_STEP - 1),
+                                                                                   (1, fr.KILL_STEP - 1)]
+    for r in range(fr.WORLD):
+        assert _fsdp_snapshot(run_dir, r).fsdp["dcp_dir"] is not None
+    full = _consolidate(run_dir / schema.SNAPSHOT_DIR / schema.dcp_dir_name(fr.FAULT_STEP, "nonfinite_loss"),
+                        tmp_path)
+    assert fr.FAULT_PARAM in full["model"]
+    rep = build_report(str(run_dir))
+    assert any(f.check == "rank_divergence" and f.rank == fr.FAULT_RANK for f in rep.findings)
