@@ -13,6 +13,7 @@ Two rules every figure keeps, because breaking them once misled a reader:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import matplotlib
@@ -48,6 +49,17 @@ def _downsample(steps: pl.DataFrame) -> pl.DataFrame:
             .drop("i"))
 
 
+def _plain_text(fn):
+    """Draw every string as written. Run directories, parameter and module names come from files,
+    and matplotlib parses ``$...$`` in a label as math: ``run$\\x$`` failed the whole figure
+    with "Unknown symbol". Text objects fix this when they are made, so the figure is built here."""
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        with plt.rc_context({"text.parse_math": False}):
+            return fn(*args, **kwargs)
+    return plain
+
+
 def _draws(artist) -> bool:
     """Whether `artist` puts anything on the canvas: a line with a finite point, markers."""
     if hasattr(artist, "get_xydata"):
@@ -73,6 +85,7 @@ def _title(frames: Frames, what: str, run: str) -> str:
     return f"{what}: {run}{who}"
 
 
+@_plain_text
 def plot_loss_scale(frames: Frames, run: str = "") -> Figure:
     """Loss and loss scale over steps; skipped steps and non-finite losses marked."""
     df = _downsample(frames.steps)
@@ -138,6 +151,7 @@ def _layer_ticks(ax, frames: Frames, n: int, axis: str = "y") -> None:
         ax.set_xticks(ticks, labels, fontsize=7, rotation=60, ha="right")
 
 
+@_plain_text
 def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     """log10 unscaled gradient norm per parameter (rows, model order) over steps (columns)."""
     m, layers, step_lo = _matrix(frames)
@@ -160,6 +174,7 @@ def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     return fig
 
 
+@_plain_text
 def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:
     """Fraction of parameters (by element count) whose gradient is stalled, over steps.
 
@@ -177,6 +192,7 @@ def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Fi
     return fig
 
 
+@_plain_text
 def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figure:
     """Gradient norm against depth (model order) at a few steps spread over the run."""
     m, layers, step_lo = _matrix(frames)
@@ -314,6 +330,7 @@ def _draw_zeros(ax, trace, lo: float = -math.inf, hi: float = math.inf):
     return twin
 
 
+@_plain_text
 def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
     """Per-op output abs-max along execution order, one line per precision, then a zoom on the culprit.
 

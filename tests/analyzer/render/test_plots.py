@@ -212,3 +212,18 @@ def test_a_healthy_replay_has_one_panel_and_no_culprit_mark(replays, figure):
     fig = figure("identical")
     assert len(fig.axes) == 1
     assert not [a for a in fig.axes[0].lines if a.get_gid() == "culprit"]
+
+
+def test_names_from_files_with_dollar_signs_are_drawn_as_written_not_parsed_as_math(tmp_path):
+    from analyzer.render import write_html, write_plots
+
+    s = Script(n=N, n_layers=4, names=[r"w$\foo$", "b$1", r"$\x$.weight", "head"])
+    rep = build_report(s.write(tmp_path / r"run$\bar$"))
+    assert len(write_plots(rep, tmp_path / "plots")) == 4  # an unknown \foo used to fail the figure
+    write_html(rep, tmp_path / "r.html")
+    fig = plots.plot_grad_heatmap(rep.frames, r"run$\bar$")
+    try:
+        assert r"run$\bar$" in fig.axes[0].get_title()
+        assert r"w$\foo$" in [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    finally:
+        plt.close(fig)
