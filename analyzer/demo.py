@@ -1,12 +1,13 @@
-"""``analyzer demo``: train a bundled failing run, then report and replay it, end to end, in under a minute.
+"""``analyzer demo``: train a bundled failing run, then autopsy it, end to end, in under a minute.
 
 The demo is the product in one command: a sample scenario from ``samples/`` trains with the
-recorder on (progress shown), ``analyzer report`` diagnoses its trace, ``analyzer replay``
-re-runs its first failing step in FP32, FP16 and BF16, and everything lands in one folder::
+recorder on (progress shown), then ``analyzer autopsy`` answers why it failed: it reports the
+trace, replays the failing snapshots in FP32 and the run's precision, and tries each fix on the
+failing step. Everything lands in one folder::
 
     OUT/SCENARIO/               the run directory (meta.json, trace/, snapshots/)
     OUT/SCENARIO-plots/*.png    the report's plots
-    OUT/SCENARIO.html           the self-contained HTML report
+    OUT/SCENARIO.html           the self-contained HTML page
     OUT/SCENARIO-replay.png     per-op abs-max of the replayed step, per precision
 
 Example:
@@ -32,6 +33,7 @@ from .errors import AnalyzerError
 from .load import samples_package, samples_roots
 
 if TYPE_CHECKING:
+    from .autopsy import AutopsyResult
     from .replay import ReplayResult
     from .report import Report
 
@@ -48,8 +50,6 @@ SCENARIOS = (
     "bf16_nan",
     "healthy",
 )
-# FP32 shows whether the maths itself breaks, BF16 whether range alone would have saved it.
-_REPLAY_DTYPES = ["fp32", "fp16", "bf16"]
 
 
 @dataclass
@@ -59,16 +59,17 @@ class DemoOutput:
     out_dir: Path
     run_dir: Path
     report: Report
-    replay: ReplayResult | None  # None when the run wrote no snapshot
+    replay: ReplayResult | None  # the autopsy's primary replay; None when the run wrote no failure snapshot
     snapshot: Path | None
     plots: list[Path] = field(default_factory=list)
     html: Path | None = None
     replay_plot: Path | None = None
+    autopsy: AutopsyResult | None = None
 
 
 def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
              echo: Callable[[str], object] = print) -> DemoOutput:
-    """Run `scenario`, print its report and the replay of its first snapshot, write plots and HTML.
+    """Run `scenario`, print its autopsy (answer, report, replay), write plots and HTML.
 
     Args:
         out_dir: folder for the run, plots and report (created; a previous demo run of the
@@ -82,9 +83,8 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     if scenario not in SCENARIOS:
         raise AnalyzerError(f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)}",
                             fix="pass --scenario NAME")
-    from .render import plot_replay, render_replay_text, render_report_text, write_html, write_plots
-    from .replay import replay_snapshot
-    from .report import build_report
+    from .autopsy import run_autopsy
+    from .render import plot_replay, render_autopsy_text, write_plots
 
     with schema.import_roots(samples_roots()):  # a checkout's samples/, found even from elsewhere
         module = importlib.import_module(f"{samples_package()}.{scenario}")
@@ -96,26 +96,20 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
 
     echo(f"amp-autopsy demo: {scenario}")
     echo(f"  {summary}")
-    echo(f"\n[1/3] training with the recorder on, into {run_dir}")
+    echo(f"\n[1/2] training with the recorder on, into {run_dir}")
     module.run(run_dir, progress=echo)
 
     with one_thread():
-        echo("\n[2/3] analyzer report " + str(run_dir))
-        rep = build_report(run_dir, progress=sys.stderr.isatty())
-        echo(render_report_text(rep))
-        plots = write_plots(rep, out / f"{scenario}-plots")
-        html = write_html(rep, out / f"{scenario}.html")
-
-        snaps = sorted((run_dir / schema.SNAPSHOT_DIR).glob(schema.SNAPSHOT_GLOB))
-        result = snapshot = replay_png = None
-        if snaps:
-            snapshot = snaps[0]  # the first failure; later ones may already carry its damage
-            echo(f"\n[3/3] analyzer replay {snapshot} --dtypes {','.join(_REPLAY_DTYPES)}")
-            result = replay_snapshot(snapshot, device="cpu", dtypes=_REPLAY_DTYPES, progress=sys.stderr.isatty())
-            echo(render_replay_text(result))
-            replay_png = Path(plot_replay(result, out / f"{scenario}-replay.png"))
-        else:
-            echo("\n[3/3] no snapshot: the run never failed, so there is no step to replay")
+        echo(f"\n[2/2] analyzer autopsy {run_dir} --device cpu")
+        autopsy = run_autopsy(run_dir, device="cpu", progress=sys.stderr.isatty())
+        echo(render_autopsy_text(autopsy))
+        plots = write_plots(autopsy.report, out / f"{scenario}-plots")
+        html = _write_page(autopsy, out / f"{scenario}.html", run_dir)
+        result = autopsy.primary
+        snapshot = Path(result.snapshot) if result is not None else None
+        replay_png = Path(plot_replay(result, out / f"{scenario}-replay.png")) if result is not None else None
+        if result is None:
+            echo("\nno snapshot: the run never failed, so there is no step to replay")
 
     echo("\nwhere everything is:")
     echo(f"  run directory  {run_dir}")
@@ -125,11 +119,19 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
         echo(f"  plot           {p}")
     if replay_png is not None:
         echo(f"  replay plot    {replay_png}")
-    echo(f"  html report    {html}")
-    echo(f"next: analyzer report {run_dir} --html {scenario}.html"
+    echo(f"  html page      {html}")
+    echo(f"next: analyzer autopsy {run_dir} --json"
          + (f"   |   analyzer replay {snapshot} --ops 12" if snapshot is not None else ""))
-    return DemoOutput(out_dir=out, run_dir=run_dir, report=rep, replay=result, snapshot=snapshot,
-                      plots=[Path(p) for p in plots], html=Path(html), replay_plot=replay_png)
+    return DemoOutput(out_dir=out, run_dir=run_dir, report=autopsy.report, replay=result, snapshot=snapshot,
+                      plots=[Path(p) for p in plots], html=Path(html), replay_plot=replay_png, autopsy=autopsy)
+
+
+def _write_page(autopsy: AutopsyResult, path: Path, run_dir: Path) -> Path:
+    """The autopsy's HTML page: the answer first, then the replay figure, the findings and the plots."""
+    from .render import write_autopsy_html
+
+    return Path(write_autopsy_html(path, autopsy.to_dict(), report=autopsy.report, replays=list(autopsy.replays),
+                                   run_dir=run_dir))
 
 
 def _clear_previous_run(run_dir: Path) -> None:

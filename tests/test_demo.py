@@ -1,4 +1,5 @@
-"""``analyzer demo``: one command trains a failing run, reports and replays it, and says where everything is."""
+"""``analyzer demo``: one command trains a failing run, autopsies it (report, replay, fixes tried) and says where
+everything is."""
 from __future__ import annotations
 
 import os
@@ -57,12 +58,25 @@ def test_the_demo_names_the_culprit_and_writes_the_run_plots_and_html(tmp_path_f
     printed = set(text.replace(str(out), "amp-autopsy-demo").replace(f"{REPO}{os.sep}", "").splitlines())
     stale = [line for line in _readme_excerpts() if line not in printed]
     assert not stale, f"the demo no longer prints: {stale}; {REGENERATE}"
-    # Progress while training, then the report, then the replay of the first snapshot. The run
-    # fails at the temperature jump, the same step on every CPU (the scenario explains why).
+    # Progress while training, then one autopsy: its answer first, then the report and the replay
+    # of the first snapshot as evidence. The run fails at the temperature jump, the same step on
+    # every CPU (the scenario explains why).
     bad = fp16_attention_overflow.BAD_STEP
     assert "[fp16_attention_overflow] step   0/60" in text
     assert f"[fp16_attention_overflow] step  {bad}: snapshot step{bad:08d}-r00000-nonfinite_loss.pt" in text
-    assert f"Verdict: FAILED: the loss became nan at step {bad} (nonfinite_loss, step {bad})" in text
+    run_dir = out / "fp16_attention_overflow"
+    assert f"[2/2] analyzer autopsy {run_dir} --device cpu\namp-autopsy autopsy: {run_dir}\nverdict: overflow\n" \
+           f"answer:\n  root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16)" in text
+    assert (f"  where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step {bad}, rank 0 "
+            f"(step{bad:08d}-r00000-nonfinite_loss.pt)") in text
+    # BF16 has FP32's range: the counterfactual replay of the step in BF16 is finite, on every CPU.
+    assert "  verified fix: switch from FP16 to BF16: " in text
+    answer = text[text.index("answer:"):text.index("evidence 1/2:")]
+    failing = [line.split(": ", 2)[1] for line in answer.splitlines() if line.startswith("  tried, fails: ")]
+    assert not [line for line in answer.splitlines() if line.startswith("  verified fix: ")
+                and line.split(": ", 2)[1] in failing]
+    assert text.index("answer:") < text.index(f"Verdict: FAILED: the loss became nan at step {bad} "
+                                              f"(nonfinite_loss, step {bad})") < text.index("evidence 2/2:")
     assert f"scale_collapse @ step {bad}:" in text
     # The default scenario's bug is the unscaled q @ k^T in attention, which overflows FP16 in
     # forward (samples/fp16_attention_overflow.py explains why that is the right conclusion).
