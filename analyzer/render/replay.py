@@ -28,6 +28,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     lines.append(head)
     lines.append(f"replayed on {r.device} (recorded on {r.recorded_device}), amp dtype {r.amp_dtype or 'none'}, "
                  f"loss scale {r.scale:g}")
+    if r.precision_mode != "autocast" and r.precision_note:  # autocast: the amp dtype above says it
+        lines.append(f"  {r.precision_note}")
     if r.device_note:
         lines.append(f"  NB: {r.device_note}")
     c = r.culprit

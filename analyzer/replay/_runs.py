@@ -18,6 +18,7 @@ import torch
 from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._mode import _OpRecord, _OpStatsMode
+from ._precision import PrecisionMode, cast_batch, cast_model, io_hooks
 from ._writes import BufferReads
 from .backends import record_calls, sdpa_switches
 
@@ -80,25 +81,29 @@ class ReplayContext:
     device: torch.device
     emulate_cuda: bool
     sdpa: dict | None = None  # the snapshot's SDPA switches (recorders/_sdpa.py); None: the process's
+    mode: PrecisionMode = field(default_factory=PrecisionMode)  # how low precision is replayed
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self, precision: str | None = None) -> torch.nn.Module:
         """The model with the snapshot's weights, gradients cleared, in the recorded mode.
 
         Built once per replay; later runs reload the weights and buffers into the same model
         (``load_state_dict``), which is much cheaper than rebuilding it and touching fresh memory.
         NB: non-persistent buffers that a forward mutates in place are not reset between runs.
+        `precision` sets the parameters' dtypes for that run in the ``parameters`` and
+        ``fsdp_param_dtype`` modes (``_precision.cast_model``); None keeps the recorded ones.
         """
         if self._model is None:
-            self._model = self._build()
+            self._model = self._build(precision)
         else:
+            cast_model(self._model, self.mode, precision, self.model_state)
             self._load(self._model)
             for p in self._model.parameters():
                 p.grad = None
         self._model.train(self.train_mode)
         return self._model
 
-    def _build(self) -> torch.nn.Module:
+    def _build(self, precision: str | None = None) -> torch.nn.Module:
         try:
             model = self.factory(**self.factory_kwargs)
         except Exception as e:  # noqa: BLE001 - user code failing is reported, not crashed on
@@ -111,6 +116,7 @@ class ReplayContext:
                 f"factory {self.factory_ref!r} returned {type(model).__name__}, not an nn.Module",
                 path=self.path, fix="pass --factory pkg.module:function returning the model",
             )
+        cast_model(model, self.mode, precision, self.model_state)
         self._load(model)
         return model.to(self.device)
 
@@ -171,8 +177,8 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     recording modes (module hooks it registers, a function mode it pushes); `op_override` maps
     an op index to ``fn(func, args, kwargs)`` run instead of that op (``_OpStatsMode``).
     """
-    model = ctx.build_model()
-    batch = _to_device(ctx.batch, ctx.device)
+    model = ctx.build_model(precision)
+    batch = cast_batch(_to_device(ctx.batch, ctx.device), ctx.mode, precision)
     ctx.restore_rng()
     reads = None
     if watch:
@@ -182,15 +188,16 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     sdpa_ctx = sdpa_switches(ctx.sdpa, only=sdpa_backend, device=ctx.device.type)
     sdpa_calls = record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
-    handles = attach_module_hooks(model, mode.module_stack)
+    handles = attach_module_hooks(model, mode.module_stack) + io_hooks(model, ctx.mode, precision)
     low = precision in LOW_PRECISION
+    autocast = low and ctx.mode.autocast  # parameter modes compute in the parameters' dtype
     # NB: the recorder makes ~10 small Python objects per op; a full GC pass in the middle of a
     # run costs more than the run's own bookkeeping, so collection waits until the run is over.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         with sdpa_ctx, sdpa_calls, tag_mode, mode, (prepare(model) if prepare is not None else nullcontext()):
-            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low):
+            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=autocast):
                 try:
                     loss = ctx.loss_fn(model, batch)
                 except AnalyzerError:

@@ -22,6 +22,7 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ..load import Snapshot, load_snapshot, resolve_ref, snapshot_roots
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
+from ._precision import PrecisionMode, mode_advice, precision_mode
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from ._shadow import shadow
 from .backends import backend_of, kernel_check
@@ -57,9 +58,11 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     snap = load_snapshot(path)
     if update_applies(snap):  # the NaN was born in the optimizer step: recompute it, import no model code
         return replay_update(path, snap)
-    ctx = _context(path, snap, device, factory, loss_fn, paths)
     amp = _amp_dtype(path, snap)
-    precisions = _precisions(amp, dtypes)
+    state = snap.model_state
+    mode = precision_mode(path, snap, amp, state)
+    ctx = _context(path, snap, device, factory, loss_fn, paths, mode=mode, state=state)
+    precisions = _precisions(mode.dtype, dtypes)  # FP32 and the low precision the run trained in
     scale = _scale(path, snap)
     bar = _Progress(progress, total=len(precisions))
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
@@ -80,7 +83,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         written_only = [f"buffer:{n}" for n in watch if n not in read]
         nonfinite_inputs = [n for n in nonfinite_inputs if n not in written_only]
         bar.extra("diagnosis")
-        diag = _diagnose(ctx, runs, at_one, amp, scale, nonfinite_inputs, on_ops=bar.ops)
+        diag = _diagnose(ctx, runs, at_one, mode.dtype, scale, nonfinite_inputs, on_ops=bar.ops)
         bar.done()
     recorded = snap.device_type
     return ReplayResult(
@@ -90,8 +93,10 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
                                 masks=masks, sdpa=diag.get("sdpa")),
         culprit=diag["culprit"],
         runs={p: _run_dict(r, at_one.get(p), diag["origins"].get(p)) for p, r in runs.items()},
-        advice=_advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale, masks=masks,
-                              sdpa=diag.get("sdpa"), tried={p: r.finite for p, r in runs.items()}),
+        advice=mode_advice(mode, diag["verdict"], diag["culprit"],
+                           _advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
+                                          masks=masks, sdpa=diag.get("sdpa"),
+                                          tried={p: r.finite for p, r in runs.items()})),
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=_device_note(str(recorded), ctx, amp, runs),
@@ -102,6 +107,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         context_ops=diag.get("context", []),
         sdpa_backend=_sdpa_backend(diag, runs), backends=(diag.get("sdpa") or {}).get("backends"),
         traces=runs, culprit_trace=diag.get("trace"), context=ctx,
+        precision_mode=mode.kind, precision_dtype=mode.dtype, precision_note=mode.describe(),
     )
 
 
@@ -118,7 +124,8 @@ def _float_or_none(v) -> float | None:
 
 # -- setup ---------------------------------------------------------------------------------------
 def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_fn: str | None,
-             paths: tuple[str, ...] = ()) -> ReplayContext:
+             paths: tuple[str, ...] = (), *, mode: PrecisionMode | None = None,
+             state: dict | None = None) -> ReplayContext:
     factory_ref = factory or snap.factory
     loss_ref = loss_fn or snap.loss_fn
     if not factory_ref:
@@ -140,9 +147,10 @@ def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_f
     recorded = snap.device_type
     return ReplayContext(
         path=path, factory=factory_fn, factory_ref=factory_ref, factory_kwargs=snap.factory_kwargs or {},
-        loss_fn=loss_callable, loss_ref=loss_ref, model_state=snap.model_state, batch=snap.batch,
+        loss_fn=loss_callable, loss_ref=loss_ref, model_state=snap.model_state if state is None else state,
+        batch=snap.batch,
         rng=snap.rng, train_mode=snap.train_mode, device=dev, sdpa=snap.sdpa,
-        emulate_cuda=(recorded == "cuda" and dev.type == "cpu"),
+        emulate_cuda=(recorded == "cuda" and dev.type == "cpu"), mode=mode or PrecisionMode(),
     )
 
 

@@ -38,6 +38,12 @@ class ReplayResult:
             is written on purpose (like an in-step ``masked_fill(-inf)``), so not a cause.
         advice: concrete things to try, most specific first.
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
+        precision_mode: how the low precision was replayed: ``autocast`` (FP32 parameters under
+            torch.autocast), ``parameters`` (the parameters themselves are float16/bfloat16, no
+            autocast) or ``fsdp_param_dtype`` (FSDP's MixedPrecisionPolicy param_dtype emulated).
+        precision_dtype: the low precision under test (autocast dtype, parameter dtype or
+            param_dtype); None for an FP32 run.
+        precision_note: one line saying what the mode casts, and what it does not emulate.
         sdpa_backend: the scaled-dot-product-attention backend that ran (``math``, ``flash``,
             ``mem_efficient``, ``cudnn``; ``flash+math`` when calls differ), that of the culprit's
             call when it is one; None when the step has no SDPA call.
@@ -73,6 +79,9 @@ class ReplayResult:
     context_ops: list[OpRecord] = field(default_factory=list)
     traces: dict[str, RunTrace] = field(default_factory=dict, repr=False)
     culprit_trace: RunTrace | None = field(default=None, repr=False)
+    precision_mode: str = "autocast"
+    precision_dtype: str | None = None
+    precision_note: str | None = None
     # The rebuilt model, batch and RNG the runs used (not serialised): ``replay.fixes`` re-runs
     # the step from it, with the same precision mode and device, without rebuilding the model.
     context: ReplayContext | None = field(default=None, repr=False, compare=False)
@@ -83,6 +92,9 @@ class ReplayResult:
     def __post_init__(self):
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+        if self.precision_mode not in ("autocast", "parameters", "fsdp_param_dtype"):
+            raise ValueError(f"precision_mode must be autocast, parameters or fsdp_param_dtype, "
+                             f"got {self.precision_mode!r}")
 
     def to_dict(self) -> dict:
         """The ``--json`` object (strict JSON: non-finite floats are strings)."""
@@ -110,6 +122,9 @@ class ReplayResult:
             "literal_nonfinite": self.literal_nonfinite,
             "underflow_at": self.underflow_at,
             "context_ops": self.context_ops,
+            "precision_mode": self.precision_mode,
+            "precision_dtype": self.precision_dtype,
+            "precision_note": self.precision_note,
             "sdpa_backend": self.sdpa_backend,
             "backends": None if self.backends is None else dict(self.backends),
             "update": self.update,

@@ -16,7 +16,8 @@ from . import replay_models as rm
 TOP_KEYS = {"verdict", "summary", "culprit", "runs", "advice", "snapshot", "step", "reason", "device",
             "recorded_device", "device_note", "amp_dtype", "scale", "recorded_loss", "nonfinite_inputs",
             "written_only_buffers", "mask_inputs",
-            "hidden_nonfinite", "literal_nonfinite", "underflow_at", "context_ops", "format", "format_version"}
+            "hidden_nonfinite", "literal_nonfinite", "underflow_at", "context_ops", "format", "format_version",
+            "precision_mode", "precision_dtype", "precision_note"}
 TOP_KEYS |= {"sdpa_backend", "backends"}  # the attention backend that ran, and the others tried
 CULPRIT_KEYS = {"op", "overload", "module", "phase", "precision", "index", "source", "node", "input_dtypes",
                 "output_dtype", "input_absmax", "output_absmax", "output_kind", "custom", "shadow"}

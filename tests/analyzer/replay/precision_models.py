@@ -1,0 +1,80 @@
+"""Tiny models trained in pure FP16/BF16 (parameters in low precision, no autocast), and a real recorded step.
+
+The factories build the model in FP32, as a training script's factory does before it calls
+``model.half()`` (or with ``half=True`` already in the low dtype): replay must rebuild the
+precision from the snapshot, not from the factory. ``record_pure_step`` trains one real step
+with the ``Recorder`` and returns the snapshot it wrote.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recorders import Recorder
+
+REF = "tests.analyzer.replay.precision_models"
+
+
+class Square(nn.Module):
+    """h * h: in float16 anything above 255.9 squares past 65504."""
+
+    def forward(self, h):
+        return h * h
+
+
+def build_square_net(gain: float = 200.0, dtype: str = "float32") -> nn.Module:
+    """Linear(gain * identity) -> Square -> Linear: x = (2, 0, 0, 0) gives h = 400 and h * h = 160000."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), Square(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4) * gain)
+        model[2].weight.fill_(1e-3)  # keeps the FP32 loss small: 160000 * 1e-3 = 160
+        model[2].bias.zero_()
+    return model.to(getattr(torch, dtype))
+
+
+def build_classifier(gain: float = 100.0) -> nn.Module:
+    """logits = (2g, 0, -2g) for x = (2, 0, 0, 0): p(class 2) = exp(-4g), exactly 0 in FP32 at g = 100."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].weight[0, 0], model[0].weight[2, 0] = gain, -gain
+        model[0].bias.zero_()
+    return model
+
+
+def mse(model, batch):
+    """Loss in the model's own dtype, as pure low-precision training computes it."""
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+def log_prob_loss(model, batch):
+    probs = model(batch["x"]).softmax(-1)
+    return -torch.log(probs.gather(1, batch["y"][:, None])).mean()
+
+
+def record_pure_step(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict, dtype: torch.dtype,
+                     factory_kwargs: dict | None = None) -> Path:
+    """Train one step of ``factory(**kwargs).to(dtype)`` with the Recorder on (no autocast, no scaler).
+
+    The batch's floating tensors are cast to `dtype` too, as a pure low-precision loop does.
+    """
+    factory_kwargs = dict(factory_kwargs or {})
+    model = globals()[factory](**factory_kwargs).to(dtype)
+    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rec = Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=factory_kwargs,
+                   loss_fn=f"{REF}:{loss_fn}", optimizer=opt)
+    with rec:
+        rec.begin_step(0, batch)
+        loss = globals()[loss_fn](model, batch)
+        loss.backward()
+        if rec.end_step(loss) is None:
+            raise AssertionError(f"{factory}/{loss_fn}: the step did not fail, nothing was recorded")
+        opt.step()
+    assert rec.snapshots, "the recorder wrote no snapshot"
+    return rec.snapshots[-1]
