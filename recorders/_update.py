@@ -42,10 +42,13 @@ def _stride(numel: int) -> int:
 class _Group:
     """Parameters of one device and dtype: their samples live in one flat tensor."""
 
-    def __init__(self, index: list[int], counts: list[int], device: torch.device, acc: torch.dtype):
+    def __init__(self, index: list[int], counts: list[int], device: torch.device, out: torch.device,
+                 acc: torch.dtype):
         self.index = index
+        # NB: built once: a host-to-device copy from pageable memory would wait for the device
         self.seg = torch.repeat_interleave(torch.arange(len(index)), torch.tensor(counts)).to(device)
         self.counts = torch.tensor(counts, dtype=acc, device=device)
+        self.where = torch.tensor(index, dtype=torch.long, device=out)  # positions in the per-parameter output
         self.prev: torch.Tensor | None = None
 
 
@@ -80,7 +83,7 @@ class UpdateSample:
                 idx, counts = by.setdefault((t.device, t.dtype), ([], []))
                 idx.append(i)
                 counts.append(-(-t.numel() // _stride(t.numel())))
-        self._groups = [_Group(idx, counts, dev, self.acc) for (dev, _), (idx, counts) in by.items()]
+        self._groups = [_Group(idx, counts, dev, self.device, self.acc) for (dev, _), (idx, counts) in by.items()]
         self._key = key
 
     def measure(self) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
@@ -101,9 +104,8 @@ class UpdateSample:
                 bits = _BITS[cur.element_size()]
                 eq = (cur.view(bits) == g.prev.view(bits)).to(self.acc)
                 kept = torch.zeros(len(g.index), dtype=self.acc, device=cur.device).index_add_(0, g.seg, eq)
-                where = torch.tensor(g.index, dtype=torch.long, device=self.device)
-                rms.index_copy_(0, where, (sq / g.counts).sqrt().float().to(self.device))
-                same.index_copy_(0, where, (kept / g.counts).float().to(self.device))
+                rms.index_copy_(0, g.where, (sq / g.counts).sqrt().float().to(self.device))
+                same.index_copy_(0, g.where, (kept / g.counts).float().to(self.device))
                 for i in g.index:
                     has[i] = True
             g.prev = cur  # torch.cat made a copy: later in-place updates do not reach it
@@ -221,5 +223,6 @@ def update_entry(model: torch.nn.Module, nonfinite: list[str]) -> dict:
     for name, p in model.named_parameters():
         post[name] = local_tensor(p).detach().to("cpu", copy=True)
         if p.grad is not None:
-            grads[name] = local_tensor(p.grad).detach().to("cpu", copy=True)
+            g = local_tensor(p.grad).detach()
+            grads[name] = (g.to_dense() if g.layout != torch.strided else g).to("cpu", copy=True)
     return {"grads": grads, "post_params": post, "nonfinite_params": list(nonfinite)}
