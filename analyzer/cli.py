@@ -159,9 +159,16 @@ def main(ctx, debug, max_archive_ratio) -> None:
 @click.option("--show", is_flag=True,
               help="Print what replay would import, from which file, and whether the import rule allows "
                    "it; import nothing, replay nothing.")
+@click.option("--rank", type=click.IntRange(0, None), default=None,
+              help="Replay this rank's snapshot of the same step: the file beside SNAPSHOT with the same "
+                   "step and reason (FSDP and DDP runs write one per rank).")
 @_one_line_errors
-def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show):
+def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show, rank):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf."""
+    if rank is not None:
+        from .load.dcp import sibling_snapshot
+
+        snapshot = str(sibling_snapshot(snapshot, rank))
     if show:
         _show_imports(snapshot, factory, loss_fn, paths, as_json)
         return

@@ -20,6 +20,7 @@ from recorders import schema
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
 from ..load import Snapshot, load_snapshot, resolve_ref, snapshot_roots
+from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
 from ._precision import PrecisionMode, mode_advice, precision_mode
@@ -38,7 +39,7 @@ _KIND = ("finite", "inf", "nan")
 
 def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: list[str] | None = None,
                     factory: str | None = None, loss_fn: str | None = None,
-                    progress: bool = False, paths: tuple[str, ...] = ()) -> ReplayResult:
+                    progress: bool = False, paths: tuple[str, ...] = (), rank: int | None = None) -> ReplayResult:
     """Replay the snapshot's step per precision and classify the first NaN/Inf-producing op.
 
     Args:
@@ -50,16 +51,25 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         loss_fn: override the snapshot's loss function reference.
         paths: extra import roots (``--path``) for the snapshot's factory and loss function.
         progress: draw a progress bar on stderr.
+        rank: replay this rank's snapshot of the same step instead (``--rank``): the file beside
+            `path` with the same step, writer and reason.
+
+    An FSDP2 snapshot (its ``fsdp`` key) is replayed in this one process: the whole model is read
+    from its DCP directory (or joined from every rank's shards, ``load.dcp``), rebuilt unsharded,
+    and this rank's batch runs with the ``fsdp_param_dtype`` precision mode against FP32.
 
     Raises:
         BadInputError, VersionError, FactoryError: unreadable snapshot or model code.
     """
     path = os.fspath(path)
+    if rank is not None:
+        path = os.fspath(sibling_snapshot(path, rank))
     snap = load_snapshot(path)
     if update_applies(snap):  # the NaN was born in the optimizer step: recompute it, import no model code
         return replay_update(path, snap)
     amp = _amp_dtype(path, snap)
-    state = snap.model_state
+    state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
+    state = snap.model_state if state is None else state
     mode = precision_mode(path, snap, amp, state)
     ctx = _context(path, snap, device, factory, loss_fn, paths, mode=mode, state=state)
     precisions = _precisions(mode.dtype, dtypes)  # FP32 and the low precision the run trained in

@@ -1,0 +1,194 @@
+"""Replay of FSDP2 snapshots in one process: the DCP directory consolidated (or every rank's shards
+joined), the model rebuilt unsharded, one rank's batch replayed with FSDP's param_dtype emulated.
+
+The snapshots come from real 2-rank gloo FSDP2 runs (``tests/fsdp_runs.py``: BF16 ``param_dtype``,
+inf written into rank 1's shard of ``0.weight`` before step 2). Hostile and damaged DCP directories
+are copies of the real one, changed; the inputs are never modified.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from analyzer.cli import main
+from analyzer.errors import BadInputError
+from analyzer.load import load_snapshot
+from analyzer.load.dcp import load_sharded_state, sibling_snapshot
+from analyzer.render import render_replay_text
+from analyzer.replay import replay_snapshot
+from tests import fsdp_runs as fr
+
+pytestmark = pytest.mark.skipif(not fr.fsdp_available(), reason="needs FSDP2, DCP and gloo")
+
+NAME = f"step{fr.FAULT_STEP:08d}-r{{rank:05d}}-nonfinite_loss.pt"
+DCP = f"step{fr.FAULT_STEP:08d}-nonfinite_loss.dcp"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return fr.shared_fsdp_runs(tmp_path_factory)
+
+
+def _snap(runs, kind: str, rank: int = fr.FAULT_RANK) -> Path:
+    return runs.dirs[kind] / "snapshots" / NAME.format(rank=rank)
+
+
+@pytest.fixture(scope="module")
+def synced(runs):
+    return replay_snapshot(_snap(runs, "synced"))
+
+
+def test_the_dcp_snapshot_replays_to_the_first_op_of_module_0_reading_the_broken_weight(synced):
+    r = synced
+    assert r.verdict == "nonfinite_input"
+    c = r.culprit
+    assert c["input"] == f"param:{fr.FAULT_PARAM}" and c["module"] == "0" and c["phase"] == "forward"
+    # the first op of Linear 0 that reads its weight: the transpose feeding addmm
+    assert c["op"] in ("aten.t", "aten.addmm")
+    assert r.nonfinite_inputs == [f"param:{fr.FAULT_PARAM}"]
+
+
+def test_the_dcp_snapshot_replays_with_fsdps_param_dtype_emulated(synced):
+    r = synced
+    assert (r.precision_mode, r.precision_dtype) == ("fsdp_param_dtype", "bfloat16")
+    # the weight was cast to param_dtype for compute (the stored FP32 shard was not used as is)
+    assert r.culprit["precision"] == "bfloat16" and r.culprit["input_dtypes"] == ["bfloat16"]
+    assert set(r.runs) == {"float32", "bfloat16"}
+    assert "precision mode: fsdp_param_dtype" in render_replay_text(r)
+
+
+def test_the_consolidated_state_is_the_whole_model_with_the_inf_where_rank_1_wrote_it(runs):
+    path = _snap(runs, "synced")
+    state = load_sharded_state(path, load_snapshot(path))
+    assert state["0.weight"].shape == (8, 8) and state["2.weight"].shape == (1, 8)
+    bad = (~torch.isfinite(state["0.weight"])).nonzero().tolist()
+    assert bad == [list(fr.FAULT_GLOBAL_INDEX)]
+    assert all(bool(torch.isfinite(t).all()) for n, t in state.items() if n != fr.FAULT_PARAM)
+
+
+def test_local_shards_of_every_rank_join_into_the_same_state_as_the_dcp_directory(runs):
+    dcp_path, local_path = _snap(runs, "synced"), _snap(runs, "local")
+    assert load_snapshot(local_path)["fsdp"]["dcp_dir"] is None
+    a = load_sharded_state(dcp_path, load_snapshot(dcp_path))
+    b = load_sharded_state(local_path, load_snapshot(local_path))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replay_with_rank_0_picks_rank_0s_file_and_reads_the_same_weights(runs, synced):
+    r0 = replay_snapshot(_snap(runs, "synced"), rank=0)
+    assert Path(r0.snapshot).name == NAME.format(rank=0)
+    assert r0.verdict == "nonfinite_input" and r0.culprit["module"] == "0"
+    assert r0.nonfinite_inputs == synced.nonfinite_inputs
+
+
+def test_cli_replay_rank_option_json_names_the_sibling_snapshot(runs):
+    res = CliRunner().invoke(main, ["replay", str(_snap(runs, "synced")), "--rank", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output)
+    assert obj["snapshot"].endswith(NAME.format(rank=0)) and obj["precision_mode"] == "fsdp_param_dtype"
+    assert obj["runs"]["bfloat16"]["loss"] == "inf" or not math.isfinite(float(obj["runs"]["bfloat16"]["loss"]))
+
+
+def test_cli_replay_rank_without_a_file_for_that_rank_is_one_error_line(runs):
+    res = CliRunner().invoke(main, ["replay", str(_snap(runs, "synced")), "--rank", "7"])
+    assert res.exit_code == 1
+    assert res.output.startswith("Error:") and len(res.output.strip().splitlines()) == 1
+    assert "rank 7" in res.output and "[0, 1]" in res.output
+
+
+# -- damaged, missing and hostile inputs ---------------------------------------------------------
+def _copy(runs, dest: Path, kind: str = "synced", with_dcp: bool = True) -> Path:
+    src = runs.dirs[kind] / "snapshots"
+    dest.mkdir(parents=True, exist_ok=True)
+    for rank in range(fr.WORLD):
+        shutil.copy(src / NAME.format(rank=rank), dest)
+    if with_dcp and (src / DCP).is_dir():
+        shutil.copytree(src / DCP, dest / DCP)
+    return dest / NAME.format(rank=fr.FAULT_RANK)
+
+
+def _cli_error(path: Path) -> str:
+    res = CliRunner().invoke(main, ["replay", str(path)])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("Error:") and len(res.output.strip().splitlines()) == 1, res.output
+    return res.output
+
+
+def test_a_missing_dcp_directory_is_one_error_line_naming_it_and_the_fix(runs, tmp_path):
+    out = _cli_error(_copy(runs, tmp_path, with_dcp=False))
+    assert DCP in out and "missing" in out and "snapshots/ folder" in out
+
+
+def test_a_missing_rank_of_a_local_shard_snapshot_is_one_error_line_naming_sync_failures(runs, tmp_path):
+    path = _copy(runs, tmp_path, kind="local")
+    (tmp_path / NAME.format(rank=0)).unlink()
+    out = _cli_error(path)
+    assert "rank 0" in out and "sync_failures=True" in out
+
+
+def test_a_pickle_in_the_dcp_metadata_that_would_run_code_is_refused_unrun(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / DCP / ".metadata").write_bytes(pickle.dumps(Evil()))
+    out = _cli_error(path)
+    assert "refused global" in out and not marker.exists()
+
+
+def test_the_real_dcp_directory_is_left_unmodified_by_replay(runs, synced):
+    d = runs.dirs["synced"] / "snapshots" / DCP
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    replay_snapshot(_snap(runs, "synced"))
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from([".metadata", "__0_0.distcp", "__1_0.distcp"]),
+       cut=st.floats(0.0, 0.99), junk=st.binary(max_size=64))
+def test_a_truncated_or_overwritten_dcp_file_never_gives_a_traceback(runs, tmp_path_factory, which, cut, junk):
+    dest = tmp_path_factory.mktemp("dcp")
+    path = _copy(runs, dest)
+    f = dest / DCP / which
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * cut)] + junk)
+    snap = load_snapshot(path)
+    try:
+        state = load_sharded_state(path, snap)
+    except BadInputError as e:
+        assert "\n" not in str(e) and str(dest) in str(e)
+    else:  # junk that kept the file readable: whatever loaded is validated, dense tensors by name
+        assert all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.one_of(st.sampled_from(["..", ".", "", "/etc", "../synced", "a/b", "x\\y", DCP + "/.."]),
+                      st.text(max_size=20), st.integers(), st.none()))
+def test_a_hostile_dcp_dir_name_is_refused_without_reading_outside_the_snapshot_folder(runs, tmp_path_factory, name):
+    dest = tmp_path_factory.mktemp("name")
+    path = _copy(runs, dest, with_dcp=False)
+    raw = torch.load(path, weights_only=True)
+    raw["fsdp"]["dcp_dir"] = name
+    hostile = dest / "hostile" / path.name
+    hostile.parent.mkdir()
+    torch.save(raw, hostile)
+    try:
+        snap = load_snapshot(hostile)
+        load_sharded_state(hostile, snap)
+    except BadInputError as e:
+        assert "\n" not in str(e)
+    else:
+        pytest.fail(f"dcp_dir {name!r} was accepted")
