@@ -13,7 +13,6 @@ Two rules every figure keeps, because breaking them once misled a reader:
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import matplotlib
@@ -49,15 +48,14 @@ def _downsample(steps: pl.DataFrame) -> pl.DataFrame:
             .drop("i"))
 
 
-def _plain_text(fn):
-    """Draw every string as written. Run directories, parameter and module names come from files,
-    and matplotlib parses ``$...$`` in a label as math: ``run$\\x$`` failed the whole figure
-    with "Unknown symbol". Text objects fix this when they are made, so the figure is built here."""
-    @functools.wraps(fn)
-    def plain(*args, **kwargs):
-        with plt.rc_context({"text.parse_math": False}):
-            return fn(*args, **kwargs)
-    return plain
+def _plain(name) -> str:
+    """A name read from a file (run directory, parameter, module), drawn as written.
+
+    matplotlib parses ``$...$`` in a label as math, and ``run$\\x$`` failed the whole figure
+    with "Unknown symbol"; an escaped ``\\$`` is a literal dollar sign. (Turning math off for the
+    figure would also break the ``10^k`` labels of its log axes.)
+    """
+    return str(name).replace("$", r"\$")
 
 
 def _draws(artist) -> bool:
@@ -82,10 +80,9 @@ def _legend(ax, *twins, **kwargs) -> None:
 
 def _title(frames: Frames, what: str, run: str) -> str:
     who = f" (rank {frames.rank})" if frames.rank is not None else ""
-    return f"{what}: {run}{who}"
+    return f"{what}: {_plain(run)}{who}"
 
 
-@_plain_text
 def plot_loss_scale(frames: Frames, run: str = "") -> Figure:
     """Loss and loss scale over steps; skipped steps and non-finite losses marked."""
     df = _downsample(frames.steps)
@@ -144,14 +141,13 @@ def _matrix(frames: Frames) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _layer_ticks(ax, frames: Frames, n: int, axis: str = "y") -> None:
     every = max(1, math.ceil(n / 40))
     ticks = np.arange(0, n, every)
-    labels = [frames.param_name(int(i)) for i in ticks]
+    labels = [_plain(frames.param_name(int(i))) for i in ticks]
     if axis == "y":
         ax.set_yticks(ticks, labels, fontsize=7 if n > 15 else 8)
     else:
         ax.set_xticks(ticks, labels, fontsize=7, rotation=60, ha="right")
 
 
-@_plain_text
 def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     """log10 unscaled gradient norm per parameter (rows, model order) over steps (columns)."""
     m, layers, step_lo = _matrix(frames)
@@ -174,7 +170,6 @@ def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     return fig
 
 
-@_plain_text
 def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:
     """Fraction of parameters (by element count) whose gradient is stalled, over steps.
 
@@ -192,7 +187,6 @@ def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Fi
     return fig
 
 
-@_plain_text
 def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figure:
     """Gradient norm against depth (model order) at a few steps spread over the run."""
     m, layers, step_lo = _matrix(frames)
@@ -294,13 +288,13 @@ def _mark_common(ax, result, trace, lo: float = -math.inf, hi: float = math.inf)
     c = result.culprit
     if c and lo <= c["index"] <= hi:
         ax.axvline(c["index"], color="red", lw=1.2, gid="culprit")
-        ax.text(c["index"], 0.9, f" culprit #{c['index']} {c['op']} ({c['module']})", transform=top,
+        ax.text(c["index"], 0.9, f" culprit #{c['index']} {_plain(c['op'])} ({_plain(c['module'])})", transform=top,
                 color="red", fontsize=8, va="top")
     u = result.underflow_at
     if u and lo <= u["index"] <= hi:
         ax.axvline(u["index"], color="darkorange", ls="--", lw=1.2, gid="underflow_at")
         fp32 = u.get("fp32_zeros")
-        ax.text(u["index"], 0.78, f" zeros from #{u['index']} {u['op']}: {u.get('zeros')}"
+        ax.text(u["index"], 0.78, f" zeros from #{u['index']} {_plain(u['op'])}: {u.get('zeros')}"
                 + (f" (FP32: {fp32})" if fp32 is not None else ""), transform=top, color="darkorange",
                 fontsize=8, va="top")
 
@@ -330,7 +324,6 @@ def _draw_zeros(ax, trace, lo: float = -math.inf, hi: float = math.inf):
     return twin
 
 
-@_plain_text
 def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
     """Per-op output abs-max along execution order, one line per precision, then a zoom on the culprit.
 
@@ -393,7 +386,7 @@ def _zoom_panel(ax, result, trace, zoom: int, underflow: bool) -> None:
     _mark_common(ax, result, trace, lo, hi)
     twin = _draw_zeros(ax, trace, lo, hi) if underflow else None
     idx = list(range(lo, hi + 1))
-    ax.set_xticks(idx, [f"{trace.records[i].name.removeprefix('aten.')} #{i}" for i in idx], rotation=70,
+    ax.set_xticks(idx, [f"{_plain(trace.records[i].name.removeprefix('aten.'))} #{i}" for i in idx], rotation=70,
                   ha="right", fontsize=7)
     for tick, i in zip(ax.get_xticklabels(), idx):
         if i == c["index"]:

@@ -214,16 +214,25 @@ def test_a_healthy_replay_has_one_panel_and_no_culprit_mark(replays, figure):
     assert not [a for a in fig.axes[0].lines if a.get_gid() == "culprit"]
 
 
-def test_names_from_files_with_dollar_signs_are_drawn_as_written_not_parsed_as_math(tmp_path):
+def _shown(text) -> tuple[str, bool]:
+    """(what matplotlib draws for a Text, whether it parses it as math)."""
+    return text._preprocess_math(text.get_text())
+
+
+def test_names_from_files_with_dollar_signs_are_drawn_as_written_and_log_axes_keep_math_labels(tmp_path):
     from analyzer.render import write_html, write_plots
 
-    s = Script(n=N, n_layers=4, names=[r"w$\foo$", "b$1", r"$\x$.weight", "head"])
+    names = [r"w$\foo$", "b$1", r"$\x$.weight", "head"]
+    s = Script(n=N, n_layers=4, names=names)
     rep = build_report(s.write(tmp_path / r"run$\bar$"))
     assert len(write_plots(rep, tmp_path / "plots")) == 4  # an unknown \foo used to fail the figure
     write_html(rep, tmp_path / "r.html")
-    fig = plots.plot_grad_heatmap(rep.frames, r"run$\bar$")
+    fig = plots.plot_grad_vs_depth(rep.frames, r"run$\bar$")
     try:
-        assert r"run$\bar$" in fig.axes[0].get_title()
-        assert r"w$\foo$" in [t.get_text() for t in fig.axes[0].get_yticklabels()]
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        assert _shown(ax.title) == (r"Gradient norm against depth: run$\bar$", False)
+        assert [_shown(t) for t in ax.get_xticklabels()] == [(n, False) for n in names]
+        assert all(_shown(t)[1] for t in ax.get_yticklabels() if t.get_text())  # 10^k on the log axis
     finally:
         plt.close(fig)
