@@ -25,13 +25,23 @@ the dtype's max (``update_overflow``), or a finite update whose sum with the wei
 clipping, or nothing explains it), ``overflow``, ``nonfinite_input`` (the gradient or the state was
 already NaN/Inf). The culprit's phase is ``optimizer`` and its module ``<optimizer: Adam>``.
 
-Real output (``analyzer replay`` of the update snapshot of a pure-FP16 embedding with Adam's default
-eps, one step on rows 1-3)::
+Real output (``analyzer replay`` of the ``update`` snapshot of ``tests/update_runs.py``'s pure-FP16
+embedding regressor, Adam at its default eps, the embedding unfrozen at step 3)::
 
     verdict: underflow
-      the optimizer update of step 0 made 28 element(s) of 1 parameter(s) NaN/Inf (forward and
-      backward not replayed: the failure is in the update): exp_avg_sq = 0 and eps = 1e-08 rounds to
-      0 in float16: 0/0 at 28 elements of `weight`
+      the optimizer update of step 3 made 56 element(s) of 1 parameter(s) NaN/Inf (forward and backward
+      not replayed: the failure is in the update): exp_avg_sq = 0 and eps = 1e-08 rounds to 0 in float16:
+      0/0 at 56 elements of `emb.weight`.
+    ...
+    update forensics (Adam; forward and backward not replayed):
+      emb.weight (float16, state float16): 56 of 64 NaN/Inf; eps_flush 56
+        update = lr / (1 - beta1^t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^t) + eps)  (lr=0.001,
+        betas=[0.9, 0.999], eps=1e-08, step=1, weight_decay=0; eps in float16 = 0)
+        at [0, 0]: weight nan, grad 0, exp_avg 0, exp_avg_sq 0, update nan
+
+How to read it: each parameter's NaN/Inf elements are counted under the factor that explains them
+(``grad``, ``state``, ``eps_flush``, ``update_overflow``, ``weight_overflow``, ``unexplained``), with
+a few elements and every factor's value there.
 """
 from __future__ import annotations
 

@@ -15,15 +15,26 @@ gradients look fine (issue 15).
   ``param_norm`` bitwise equal from row to row is the signature. Parameters with zero or absent
   gradients are ``stalled_layers``' business, not this check's.
 
-Real output (``tests/update_runs.py``: a pure-FP16 embedding model, Adam at eps=1e-8, rows 8-15 of
-the embedding never used)::
+Real output (``tests/update_runs.py``: a pure-FP16 embedding regressor, Adam at its default eps,
+the embedding unfrozen at step 3 while rows 8-15 are never used; then a pure-BF16 MLP at lr 1e-3)::
 
-    nonfinite_weights @ step 0: the weights of 1 parameter(s) became NaN/Inf in the optimizer update of
-    step 0 (emb.weight), whose gradients were all finite: the optimizer update produced the NaN/Inf, not
-    the forward or the backward (param_norm, taken before each step, was finite at step 0 and NaN/Inf
-    at step 1); likely cause: Adam's eps 1e-08 is 0 in float16 ...
+    nonfinite_weights @ step 3: the weights of 1 parameter(s) became NaN/Inf in the optimizer update of
+    step 3 (emb.weight), whose gradients were all finite (loss 93.66): the optimizer update produced the
+    NaN/Inf, not the forward or the backward (param_norm, taken before each step, was finite before and
+    NaN/Inf at step 4; the update of step 3 did it); likely cause: Adam's eps 1e-08 is 0 in float16 (its
+    state's dtype): an element whose gradient has been exactly 0 (unused embedding rows, dead ReLU units)
+    gets 0/(sqrt(0)+0) = NaN ...; replay the update snapshot to see which factor went NaN/Inf: analyzer
+    replay run/snapshots/step00000003-r00000-update.pt
+    nonfinite_loss @ step 4: the loss became nan at step 4 ...
 
-How to read it: the step is the update's; the next step's ``nonfinite_loss`` is its consequence.
+    stalled_updates @ step 1: 1 parameter(s) stopped changing while their gradients are normal and lr > 0:
+    2.weight (bfloat16: unchanged on 39 of 39 recorded rows; typical update ~0.001 (about lr for Adam) vs
+    half an ulp 0.0039 of its typical magnitude 1); at least 90% of the sampled elements kept their bits
+    (unchanged_frac): their updates are smaller than half an ulp of the weights and round away; fixes: ...
+
+How to read it: the step is the update's; the next step's ``nonfinite_loss`` is its consequence. In
+``stalled_updates`` the typical update (about lr for Adam, lr x gradient RMS otherwise) is set against
+half an ulp of the parameter's typical magnitude (param_norm / sqrt(numel)) in its dtype.
 """
 from __future__ import annotations
 
