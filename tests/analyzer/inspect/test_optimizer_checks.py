@@ -161,3 +161,15 @@ def test_hostile_hyperparameters_and_state_never_crash_the_optimizer_checks(tmp_
         assert f.check and isinstance(f.message, str)
         if f.check == "lost_updates":
             assert all(0 <= p["fraction"] <= 1 and math.isfinite(p["fraction"]) for p in f.evidence["params"].values())
+
+
+def test_acceptance_inspect_of_the_fp16_adam_eps_runs_model_and_optimizer_gives_optimizer_eps_underflow(tmp_path):
+    from analyzer.load import load_snapshot
+    from tests.update_runs import record_fp16_adam_eps
+
+    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+    snap = load_snapshot(next(p for p in info["snapshots"] if p.stem.endswith("-update")))
+    path = tmp_path / "ckpt.pt"  # the checkpoint a training script would save at that step
+    torch.save({"model": snap.model_state, "optimizer": snap.optimizer["state_dict"]}, path)
+    f = next(f for f in inspect_checkpoints(path).findings if f.check == "optimizer_eps_underflow")
+    assert f.evidence["dtype"] == info["dtype"] and f.evidence["eps"] == info["eps"]

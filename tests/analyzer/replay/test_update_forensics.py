@@ -131,3 +131,26 @@ def test_hostile_optimizer_entries_give_a_result_or_one_analyzer_error(emb_updat
         return
     json.dumps(res.to_dict(), allow_nan=False)
     render_replay_text(res)
+
+
+# --- acceptance: the recorded runs of tests/update_runs.py (issue 15) -------------------------------
+def test_acceptance_update_snapshot_of_the_fp16_adam_eps_run_is_underflow_naming_the_parameter_and_eps(tmp_path):
+    from tests.update_runs import record_fp16_adam_eps
+
+    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+    snap = next(p for p in info["snapshots"] if p.stem.endswith("-update"))
+    res = replay_snapshot(snap)
+    assert res.verdict == "underflow" and res.step == info["nan_step"]
+    assert res.culprit["phase"] == "optimizer" and res.culprit["module"] == "<optimizer: Adam>"
+    assert "`emb.weight`" in res.summary and "eps" in res.summary
+
+
+def test_acceptance_clip_inf_run_update_snapshot_names_clipping_as_where_the_nan_came_from(tmp_path):
+    from tests.update_runs import record_clip_inf
+
+    info = record_clip_inf(tmp_path / "run", check_update=True)
+    snap = next(p for p in info["snapshots"] if p.stem.endswith("-update"))
+    res = replay_snapshot(snap)
+    assert res.verdict == "numerical_bug" and res.step == info["nan_step"]
+    assert res.culprit["module"] == "<optimizer: SGD>" and "clip_grad_norm_" in res.summary
+    assert res.update["params"][0]["name"] == info["params"][0]
