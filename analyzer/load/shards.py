@@ -96,10 +96,12 @@ def merge_shards(layers: pl.LazyFrame, table: pl.DataFrame, world_size: int) -> 
             agg = pl.col(c).sum()
         elif c in _RMS:
             ok = x.is_not_null() & w.is_not_null()
-            agg = ((x * x * w).filter(ok).sum() / w.filter(ok).sum()).sqrt()
+            total = w.filter(ok).sum()
+            agg = pl.when(total > 0).then(((x * x * w).filter(ok).sum() / total).sqrt())
         elif dtype.is_float():  # a per-element fraction: weighted by shard size; NaN/null shards left out
             ok = x.is_finite() & w.is_not_null()
-            agg = (x * w).filter(ok).sum() / w.filter(ok).sum()
+            total = w.filter(ok).sum()
+            agg = pl.when(total > 0).then((x * w).filter(ok).sum() / total)  # no element: no fraction
         else:
             agg = pl.col(c).first()
         null = pl.col(c).is_null().all()  # a statistic no shard recorded stays null (no grad: no norm)
