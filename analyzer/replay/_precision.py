@@ -104,6 +104,9 @@ def precision_mode(path: str, snap: Mapping, amp: str | None, state: Mapping[str
         param = _name_of(policy.get("param_dtype"), path, "fsdp.mp_policy.param_dtype")
         if param in _LOW:
             out = _name_of(policy.get("output_dtype"), path, "fsdp.mp_policy.output_dtype")
+            if out not in (None, "float16", "bfloat16", "float32", "float64"):
+                raise BadInputError(f"snapshot fsdp.mp_policy.output_dtype {out!r} is not a floating dtype",
+                                    path=path, fix="re-record the run")
             return PrecisionMode("fsdp_param_dtype", param, output_dtype=out)
     if amp is not None:
         return PrecisionMode("autocast", amp)
@@ -244,9 +247,11 @@ def mode_advice(mode: PrecisionMode, verdict: str, culprit: Mapping | None, advi
         if mode.dtype == "float16" and verdict == "overflow":
             out.append("Or train in bfloat16 (model.to(torch.bfloat16)): it has FP32's range, so this value fits.")
     else:
-        out.insert(0, f"FSDP computes in param_dtype={mode.dtype}: keep `{module}` in FP32 by sharding it with its "
-                      "own policy, fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32)), "
-                      "before the root's fully_shard.")
+        out.insert(0, f"FSDP computes in param_dtype={mode.dtype}: keep `{module}` in FP32, either inside its "
+                      f"forward (compute on x.float() and cast the result back with .to(x.dtype)) or by sharding it "
+                      "with its own policy before the root's fully_shard, fully_shard(module, "
+                      "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch."
+                      f"{mode.dtype})), which casts its inputs to FP32 and its outputs back.")
         if mode.dtype == "float16" and verdict == "overflow":
             out.append("Or use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range.")
     return out

@@ -78,3 +78,37 @@ def record_pure_step(run_dir: str | Path, *, factory: str, loss_fn: str, batch: 
         opt.step()
     assert rec.snapshots, "the recorder wrote no snapshot"
     return rec.snapshots[-1]
+
+
+# -- FSDP2 with a float16 param_dtype, recorded in one process ------------------------------------
+def fsdp_mse(model, batch):
+    """The FSDP policy below sets output_dtype=float32: the loss is FP32 like the targets."""
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+def train_fsdp_fp16(_index: int, run_dir: str, init_file: str) -> None:
+    """``torch.multiprocessing.spawn`` target: one gloo rank, ``build_square_net`` under ``fully_shard``
+    with ``MixedPrecisionPolicy(param_dtype=float16, output_dtype=float32)``, one step recorded with
+    ``sync_failures=True`` (so the snapshot's weights go into a DCP directory). Its forward overflows:
+    FSDP casts x = (2, 0, 0, 0) and the weights to float16, and 400 * 400 > 65504."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        model = build_square_net()
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32,
+                                                          output_dtype=torch.float32))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.zeros(2, 1)}
+        with Recorder(run_dir, model, factory=f"{REF}:build_square_net", loss_fn=f"{REF}:fsdp_mse",
+                      optimizer=opt, sync_failures=True, strict=True) as rec:
+            rec.begin_step(0, batch)
+            loss = fsdp_mse(model, batch)
+            loss.backward()
+            if rec.end_step(loss) is None:
+                raise AssertionError("the FSDP float16 step did not fail")
+            opt.step()
+    finally:
+        dist.destroy_process_group()

@@ -192,3 +192,52 @@ def test_a_hostile_dcp_dir_name_is_refused_without_reading_outside_the_snapshot_
         assert "\n" not in str(e)
     else:
         pytest.fail(f"dcp_dir {name!r} was accepted")
+
+
+# -- FSDP's float16 param_dtype: an overflow the emulated casts must reproduce ------------------
+@pytest.fixture(scope="module")
+def fsdp_fp16(tmp_path_factory):
+    """One real FSDP2 step on one gloo rank (a spawned process), param_dtype float16, output_dtype float32.
+
+    NB: a spawned process, so that the test process never holds a process group."""
+    import torch.multiprocessing as mp
+
+    from . import precision_models as pm
+
+    root = tmp_path_factory.mktemp("fsdp16")
+    mp.spawn(pm.train_fsdp_fp16, args=(str(root / "run"), str(root / "rendezvous")), nprocs=1)
+    snaps = root / "run" / "snapshots"
+    (path,) = [p for p in snaps.iterdir() if p.suffix == ".pt"]
+    return path, replay_snapshot(path)
+
+
+def test_a_one_rank_fsdp_float16_snapshot_holds_its_policy_and_its_shards_not_model_state(fsdp_fp16):
+    snap = load_snapshot(fsdp_fp16[0])
+    # one rank: no peer to agree with, so the recorder keeps the (whole) local shards in the file
+    assert snap.model_state == {} and snap["fsdp"]["dcp_dir"] is None
+    assert snap["fsdp"]["local_state"]["0.weight"].shape == (4, 4)
+    assert snap["fsdp"]["mp_policy"] == {"param_dtype": "float16", "reduce_dtype": "float32", "output_dtype": "float32"}
+
+
+def test_fsdp_float16_param_dtype_replays_the_square_overflow_at_module_1_with_fp32_finite(fsdp_fp16):
+    r = fsdp_fp16[1]
+    assert (r.precision_mode, r.precision_dtype) == ("fsdp_param_dtype", "float16")
+    assert r.verdict == "overflow"
+    c = r.culprit
+    assert (c["op"], c["module"], c["phase"], c["precision"]) == ("aten.mul", "1", "forward", "float16")
+    assert c["input_absmax"] == 400.0 and c["shadow"]["float32"] == 160000.0  # x = 2 times the gain 200, squared
+    assert r.runs["float32"]["finite"]
+
+
+def test_fsdp_output_dtype_is_emulated_so_the_loss_reads_only_float32_in_the_float16_run(fsdp_fp16):
+    # the model's float16 output is cast to the policy's output_dtype before the loss, as FSDP does:
+    # without the cast, mse_loss would read a float16 output beside the float32 targets
+    trace = fsdp_fp16[1].traces["float16"]
+    mse = next(rec for rec in trace.records if rec.name == "aten.mse_loss")
+    assert {str(d) for d in mse.in_dtypes} == {"torch.float32"}
+    assert "outputs cast to float32" in fsdp_fp16[1].precision_note
+
+
+def test_fsdp_float16_advice_keeps_the_module_in_fp32_under_its_own_policy(fsdp_fp16):
+    text = " ".join(fsdp_fp16[1].advice)
+    assert "MixedPrecisionPolicy(param_dtype=torch.float32" in text and "Keep `1` in FP32: run it under" not in text

@@ -12,10 +12,14 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from analyzer.cli import main
+from analyzer.errors import BadInputError
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
+from analyzer.replay._precision import MODES, precision_mode
 
 from . import precision_models as pm
 from . import replay_models as rm
@@ -112,3 +116,25 @@ def test_cli_replay_of_a_pure_fp16_snapshot_prints_the_precision_mode(fp16_squar
     obj = json.loads(res.output)
     assert obj["verdict"] == "overflow" and obj["precision_mode"] == "parameters"
     assert math.isfinite(obj["runs"]["float32"]["loss"])
+
+
+_DTYPE_TEXT = st.one_of(st.none(), st.sampled_from(["float16", "bfloat16", "float32", "fp16", "bf16", "int8", "bool",
+                                                    "torch.float16", "complex64"]),
+                        st.text(max_size=12), st.integers(), st.floats(), st.lists(st.none(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=st.one_of(_DTYPE_TEXT, st.dictionaries(st.sampled_from(["param_dtype", "reduce_dtype", "output_dtype"]),
+                                                     _DTYPE_TEXT)),
+       amp=st.sampled_from([None, "float16", "bfloat16"]))
+def test_any_fsdp_policy_read_from_a_snapshot_gives_a_known_mode_or_one_error_line(policy, amp):
+    snap = {"fsdp": {"mp_policy": policy}}
+    try:
+        mode = precision_mode("x.pt", snap, amp, {"w": torch.zeros(2, dtype=torch.float16)})
+    except BadInputError as e:
+        assert "\n" not in str(e) and str(e).startswith("x.pt:")
+    else:
+        assert mode.kind in MODES
+        low = isinstance(policy, dict) and mode.kind == "fsdp_param_dtype"
+        assert not low or mode.dtype in ("float16", "bfloat16")
+        assert mode.kind != "autocast" or mode.dtype == amp
