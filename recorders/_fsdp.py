@@ -22,14 +22,16 @@ versions give None, never an exception in the training loop.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import schema
+from . import triggers as _triggers
 
-__all__ = ["is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
+__all__ = ["FsdpSnapshots", "is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -142,3 +144,62 @@ def save_dcp(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(directory))
     return directory
+
+
+def _listing(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+class FsdpSnapshots:
+    """Mixin of ``Recorder`` (before ``StepStats``): the collective-or-local choice of a sharded
+    model's snapshot. Reads the Recorder's ``_fsdp``, ``_step``, ``run_dir``, ``model``,
+    ``optimizer`` and ``_guard``; a model that is not sharded (``_fsdp`` None) adds nothing.
+    """
+
+    def _sync_failure(self, failure, snap_reason):
+        """``StepStats._sync_failure``, then, for a sharded model on a failing step, one more tiny
+        all-reduce: do all ranks snapshot this step (then the snapshot is one collective DCP
+        save), and under which reason is its directory named (the first in ``triggers.REASONS``
+        any rank hit)? Every rank enters it: ``_peer_failing`` came from the collective above.
+        """
+        failure, snap_reason = super()._sync_failure(failure, snap_reason)
+        self._dcp_ok, self._dcp_reason = False, None
+        if self._fsdp is None or not self._peer_failing:
+            return failure, snap_reason
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        reasons = _triggers.REASONS
+        code = len(reasons) - reasons.index(failure) if failure in reasons else 0
+        # a DCP directory of this step left by an earlier process (a resumed run) is never written over
+        taken = any(schema.DCP_RE.match(n) and int(schema.DCP_RE.match(n)[1]) == self._step
+                    for n in _listing(self.run_dir / schema.SNAPSHOT_DIR))
+        flags = torch.tensor([0.0 if snap_reason is not None else 1.0, float(code), float(taken)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        some_missing, best, some_taken = flags.tolist()  # NB: host sync: failing steps only, after the collective
+        self._dcp_ok = some_missing == 0.0 and some_taken == 0.0 and snap_reason is not None
+        self._dcp_reason = reasons[len(reasons) - int(best)] if best > 0 else _triggers.PEER_FAILURE
+        return failure, snap_reason
+
+    def _fsdp_snapshot(self, reason: str, pre: dict) -> dict:
+        """A sharded model's ``fsdp`` snapshot entry: its weights in a DCP directory, or local shards.
+
+        Collective (one DCP directory for every rank) only when ``_sync_failure`` found that every
+        rank snapshots this step; otherwise (no sync_failures, a manual snapshot, a rank out of
+        snapshots) this rank's own shards go into its file, with no collective: one failing rank
+        never waits for the others.
+        """
+        entry = dict(self._fsdp, dcp_dir=None, local_state=None, layout=None)
+        if self._dcp_ok and self._dcp_reason is not None:
+            self._dcp_ok = False
+            name = schema.dcp_dir_name(self._step, self._dcp_reason)
+            done = self._guard(f"write the DCP snapshot {name}", save_dcp,
+                               self.run_dir / schema.SNAPSHOT_DIR / name, self.model, self.optimizer, pre)
+            if done is not None:
+                entry["dcp_dir"] = name
+                return entry
+        entry["local_state"], entry["layout"] = local_state(self.model, pre)
+        return entry
