@@ -255,7 +255,9 @@ def _fix_line(fix, c) -> str:
     """The advice a verified fix stands for."""
     name = fix.name
     if name == "module_fp32":
-        return (f"Keep `{c['module']}` in FP32: run it under torch.autocast(device_type, enabled=False) "
+        which = f"`{c['module']}` and every other module of its class" if " of its class " in fix.title \
+            else f"`{c['module']}`"
+        return (f"Keep {which} in FP32: run its forward under torch.autocast(device_type, enabled=False) "
                 "with its inputs cast by .float().")
     if name == "op_fp32":
         return (f"Compute {c['op']} (at {c.get('source') or c['module']}) in FP32 and cast the result back: "
@@ -356,9 +358,10 @@ def patterns(result) -> list[str]:
                    "(x.norm(dim=...).clamp_min(eps)) or use torch.linalg.vector_norm with an eps inside a sqrt.")
     fill = _mask_fill(run, c, result)
     if fill:
-        out.append(f"A mask filled with {fill} makes a row whose every entry is masked NaN/Inf "
-                   "(-inf - -inf, or finfo.min plus anything overflowing): fill with a finite value the "
-                   "dtype can add to, such as -1e4 in FP16, or drop the rows that have no unmasked entry.")
+        out.append(f"A mask filled with {fill} turns a row whose every entry is masked into NaN/Inf (-inf - -inf; "
+                   "float32's finfo.min is -inf once cast to a 16-bit dtype, and finfo.min plus anything overflows): "
+                   "fill with a finite value of the scores' own dtype, built after any cast (-1e4 in FP16), or "
+                   "drop the rows that have no unmasked entry.")
     return out
 
 

@@ -3,9 +3,10 @@
 Each hook changes exactly one thing about the replayed step, the way a user's one-line edit
 would, without touching the user's code:
 
-- ``module_fp32``: a forward pre-hook on the culprit's module enters
-  ``torch.autocast(device_type, enabled=False)`` and upcasts its FP16/BF16 inputs; the forward
-  hook leaves the autocast region again (``always_call``, so an exception cannot leak it).
+- ``module_fp32``: a forward pre-hook on the culprit's module (and on every other instance of
+  its class) enters ``torch.autocast(device_type, enabled=False)`` and upcasts its FP16/BF16
+  inputs; the forward hook leaves the autocast region again (``always_call``, so an exception
+  cannot leak it).
 - ``op_fp32_override``: the culprit op alone, matched by its index in the run, computed from
   FP32 copies of its inputs inside the dispatch mode, its result cast back to the dtype the op
   produces. Below autograd, so the backward formula is the op's own.
@@ -48,11 +49,20 @@ def _upcast(x):
 
 
 @contextmanager
-def module_fp32(model: torch.nn.Module, path: str, device_type: str) -> Iterator[None]:
-    """Run the module at `path` (``"<model>"``: the root) with autocast off and FP32 inputs."""
-    module = dict(model.named_modules()).get("" if path == "<model>" else path)
-    if module is None:
+def module_fp32(model: torch.nn.Module, path: str, device_type: str, names: list[str]) -> Iterator[None]:
+    """Run the module at `path` (``"<model>"``: the root), and every module of its class, with
+    autocast off and FP32 inputs; `names` gets their paths.
+
+    Every instance of the class, because the user's fix is an edit of the class (its forward
+    wrapped in ``torch.autocast(..., enabled=False)``), which every instance runs: in a GPT the
+    next block's attention overflows as soon as the first one is fixed.
+    """
+    named = dict(model.named_modules())
+    target = named.get("" if path == "<model>" else path)
+    if target is None:
         raise ModuleNotFound(path)
+    chosen = [(n, m) for n, m in named.items() if type(m) is type(target)]
+    names.extend(n or "<model>" for n, _ in chosen)
     regions: list = []
 
     def pre(_mod, args, kwargs):
@@ -65,8 +75,10 @@ def module_fp32(model: torch.nn.Module, path: str, device_type: str) -> Iterator
         if regions:
             regions.pop().__exit__(None, None, None)
 
-    handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
-               module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+    handles = []
+    for _, m in chosen:
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
+                    m.register_forward_hook(post, with_kwargs=True, always_call=True)]
     try:
         yield
     finally:

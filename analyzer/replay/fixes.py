@@ -122,6 +122,9 @@ def try_fixes(path, result: ReplayResult, *, device: str = "auto", factory: str 
         return [] if result.verdict == "healthy" else [_check_input(result)]
     if result.verdict == "nonfinite_input":
         return [_check_input(result)]
+    if result.culprit["phase"] not in ("forward", "backward"):  # e.g. an optimizer update (replay/update.py)
+        return [_check_input(result, why=f"the NaN/Inf was made by {result.culprit['op']} in "
+                                         f"{result.culprit['module']}, which no fix of the forward or backward changes")]
     ctx = result.context if result.context is not None else _rebuild(path, device, factory, loss_fn, paths)
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
@@ -155,7 +158,7 @@ def _plan(result: ReplayResult) -> list:
     return []
 
 
-def _check_input(result: ReplayResult) -> Fix:
+def _check_input(result: ReplayResult, why: str | None = None) -> Fix:
     names = list(result.nonfinite_inputs)
     first = names[0] if names else "an input"
     kind, _, name = first.partition(":")
@@ -164,7 +167,8 @@ def _check_input(result: ReplayResult) -> Fix:
     where = ("an earlier step broke the weights: replay the run's earliest snapshot"
              if kind in ("param", "buffer", "state") else "check the data pipeline that built this batch")
     return Fix(name="check_input", title=f"look at the {what} {name or first}{more}, NaN/Inf before the step ran",
-               status="not_tried", detail=f"no fix can be tried on a step whose input is already non-finite; {where}")
+               status="not_tried",
+               detail=why or f"no fix can be tried on a step whose input is already non-finite; {where}")
 
 
 # -- running one fix -------------------------------------------------------------------------------
@@ -231,9 +235,17 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
         return Fix(name="module_fp32", title=title, status="not_tried", precision=prec,
                    detail="the run trained without autocast (low-precision parameters): a module in FP32 would "
                           "need FP32 parameters, which is not tried")
+    names: list[str] = []
     out = _attempt(ctx, result, "module_fp32", title, prec, scale,
-                   prepare=lambda model: _fix_hooks.module_fp32(model, module, ctx.device.type))
-    return out if isinstance(out, Fix) else _judge(result, "module_fp32", title, out)
+                   prepare=lambda model: _fix_hooks.module_fp32(model, module, ctx.device.type, names))
+    if isinstance(out, Fix):
+        return out
+    if len(names) > 1:  # every instance of the class, as an edit of the class would
+        others = [n for n in names if n != module]
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        title = (f"keep {module} and the other {len(others)} module(s) of its class ({shown}) in FP32 "
+                 "(autocast off inside them, inputs upcast)")
+    return _judge(result, "module_fp32", title, out)
 
 
 def _op_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:

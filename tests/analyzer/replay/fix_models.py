@@ -60,3 +60,38 @@ def record(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict, amp_
         opt.step()
     assert rec.snapshots, "the recorder wrote no snapshot"
     return rec.snapshots[-1]
+
+
+class MaskedScores(nn.Module):
+    """Self-attention scores with a padding bias built in FP32 from ``torch.finfo(torch.float32).min``.
+
+    The bias is cast to the scores' dtype: FP32's min is past FP16's (and BF16's) range, so it
+    becomes -inf, and a sequence whose every position is padding has a softmax row of -inf only:
+    NaN. The mistake HF models made before they filled with ``torch.finfo(scores.dtype).min``.
+    """
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, keep):
+        h = self.proj(x)
+        s = h @ h.transpose(-2, -1)
+        bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        s = s + bias[:, None, :].to(s.dtype)
+        return (s.softmax(-1) @ h).sum(-1)
+
+
+def build_masked_scores(d: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedScores(d)
+
+
+def masked_scores_loss(model, batch):
+    return model(batch["x"], batch["keep"]).float().pow(2).mean()
+
+
+def masked_batch() -> dict:
+    """Two sequences of 3; the second is padding only."""
+    keep = torch.tensor([[True, True, False], [False, False, False]])
+    return {"x": torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)), "keep": keep}

@@ -99,21 +99,17 @@ def test_lower_scale_finds_a_power_of_two_whose_backward_is_finite(tmp_path):
     assert run_once(ctx, "float16", s).finite and not run_once(ctx, "float16", 65536.0).grads_finite
 
 
-def test_a_nonfinite_weight_gets_one_untried_fix_naming_it(tmp_path):
-    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 1)}
-
-    def poison(model):
-        with torch.no_grad():
-            model[0].weight[0, 0] = float("nan")
-
-    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch, amp_dtype=torch.float16,
-                          inject=poison)
+def test_a_nonfinite_batch_gets_one_untried_fix_naming_it(tmp_path):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    x[1, 2] = float("nan")
+    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch={"x": x, "y": torch.randn(4, 1)},
+                          amp_dtype=torch.float16)
     r = replay_snapshot(snap)
     assert r.verdict == "nonfinite_input"
     fixes = try_fixes(snap, r)
     _strict(fixes)
     assert [(f.name, f.status) for f in fixes] == [("check_input", "not_tried")]
-    assert "0.weight" in fixes[0].title and "parameter" in fixes[0].title
+    assert "batch entry x" in fixes[0].title and "data pipeline" in fixes[0].detail
 
 
 def test_a_healthy_step_has_no_fixes(tmp_path):

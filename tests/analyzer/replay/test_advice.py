@@ -1,0 +1,143 @@
+"""Advice with a status (``advice_with_status``) and replay's own advice: a fix that failed is never recommended.
+
+Every case is a real recorded step, replayed, with its fixes really tried.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from analyzer.replay import Advice, advice_with_status, replay_snapshot, try_fixes
+
+from . import fix_models as fm
+from . import replay_models as rm
+
+
+def _recommends_bf16(text: str) -> bool:
+    return "BF16" in text or "bfloat16" in text
+
+
+@pytest.fixture(scope="module")
+def bce_snapshot(tmp_path_factory):
+    return fm.record(tmp_path_factory.mktemp("bce"), factory="build_logit", loss_fn="bce_loss",
+                     batch=fm.bce_batch(), amp_dtype=torch.float16)
+
+
+@pytest.fixture(scope="module")
+def bce_advice(bce_snapshot):
+    r = replay_snapshot(bce_snapshot)
+    return r, advice_with_status(r, try_fixes(bce_snapshot, r))
+
+
+def test_the_bce_step_gets_no_advice_to_switch_to_bf16(bce_advice):
+    _, advice = bce_advice
+    assert advice and all(isinstance(a, Advice) for a in advice)
+    assert not [a.text for a in advice if _recommends_bf16(a.text)]
+    assert all(a.fix != "bf16" for a in advice)
+
+
+def test_the_bce_step_gets_the_logsigmoid_and_bce_with_logits_advice_marked_untested(bce_advice):
+    _, advice = bce_advice
+    found = [a for a in advice if "logsigmoid" in a.text and "binary_cross_entropy_with_logits" in a.text]
+    assert len(found) == 1 and found[0].status == "untested" and found[0].fix is None
+
+
+def test_the_verified_clamp_comes_first_with_its_status(bce_advice):
+    _, advice = bce_advice
+    assert (advice[0].status, advice[0].fix) == ("verified", "guard_clamp")
+    assert "clamp_min" in advice[0].text
+    for a in advice:
+        obj = a.to_dict()
+        assert json.loads(json.dumps(obj, allow_nan=False)) == obj
+
+
+def test_replay_marks_switch_to_bf16_untested_when_bf16_was_not_replayed(bce_advice):
+    r, _ = bce_advice
+    assert "bfloat16" not in r.runs
+    assert [a for a in r.advice if a.startswith("Switch to BF16")] == [
+        "Switch to BF16: its smallest normal value is ~1e-38, the same as FP32. (untested)"]
+
+
+def test_replay_drops_switch_to_bf16_when_the_bf16_replay_is_non_finite(bce_snapshot):
+    r = replay_snapshot(bce_snapshot, dtypes=["bf16"])
+    assert not r.runs["bfloat16"]["finite"]
+    assert not [a for a in r.advice if _recommends_bf16(a)]
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    return rm.record_step(tmp_path_factory.mktemp("attn"), factory="build_attention", loss_fn="attention_mse",
+                          factory_kwargs={"d": 8, "gain": 8.0}, amp_dtype=torch.float16,
+                          batch={"x": torch.randn(2, 8, 8, generator=g) * 10,
+                                 "y": torch.randn(2, 8, 1, generator=g)})
+
+
+def test_replay_keeps_switch_to_bf16_unmarked_when_the_bf16_replay_is_finite(attention):
+    r = replay_snapshot(attention, dtypes=["bf16"])
+    assert r.verdict == "overflow" and r.runs["bfloat16"]["finite"]
+    line = next(a for a in r.advice if a.startswith("Switch to BF16"))
+    assert "untested" not in line
+
+
+def test_verified_fixes_of_an_overflow_are_advice_and_the_failed_op_fix_is_not(attention):
+    r = replay_snapshot(attention)
+    fixes = try_fixes(attention, r)
+    status = {f.name: f.status for f in fixes}
+    advice = advice_with_status(r, fixes)
+    verified = [a.fix for a in advice if a.status == "verified"]
+    assert verified == [f.name for f in fixes if f.status == "verified"]
+    assert {"module_fp32", "bf16"} <= set(verified)
+    assert status["op_fp32"] == "fails" and "op_fp32" not in {a.fix for a in advice}
+    # the sqrt(d) advice cannot be tried on the snapshot: it is printed, untested
+    assert any("sqrt" in a.text and a.status == "untested" for a in advice)
+
+
+def test_a_hand_written_log_of_softmax_gets_the_log_softmax_advice(tmp_path):
+    # logits (200, 0, -200): p(class 2) = exp(-400) is 0 even in FP32; the loss takes log(softmax(x))[y]
+    batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.tensor([2, 0])}
+    snap = rm.record_step(tmp_path, factory="build_classifier", loss_fn="log_prob_loss", batch=batch,
+                          amp_dtype=torch.float16)
+    r = replay_snapshot(snap)
+    advice = advice_with_status(r, try_fixes(snap, r))
+    found = [a for a in advice if a.text.startswith("log(softmax(x))")]
+    assert len(found) == 1 and found[0].status == "untested" and "log_softmax" in found[0].text
+
+
+def test_a_sqrt_of_a_sum_of_squares_at_zero_gets_the_vector_norm_advice(tmp_path):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    x[1] = 0.0
+    snap = rm.record_step(tmp_path, factory="build_norm", loss_fn="mean_loss", batch={"x": x},
+                          amp_dtype=torch.float16)
+    r = replay_snapshot(snap)
+    advice = advice_with_status(r, try_fixes(snap, r))
+    assert any("torch.linalg.vector_norm" in a.text and a.status == "untested" for a in advice)
+
+
+def test_a_healthy_step_keeps_its_one_untested_note(tmp_path):
+    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 1)}
+    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch, amp_dtype=torch.float16,
+                          manual=True)
+    r = replay_snapshot(snap)
+    advice = advice_with_status(r, try_fixes(snap, r))
+    assert [a.status for a in advice] == ["untested"] and advice[0].text == r.advice[0]
+
+
+def test_advice_with_an_unknown_status_is_refused():
+    with pytest.raises(ValueError, match="status"):
+        Advice(text="t", status="fails")
+
+
+def test_a_float32_min_mask_cast_to_fp16_gets_the_finite_fill_advice_and_no_bf16(tmp_path):
+    snap = fm.record(tmp_path, factory="build_masked_scores", loss_fn="masked_scores_loss", batch=fm.masked_batch(),
+                     amp_dtype=torch.float16)
+    r = replay_snapshot(snap)
+    assert (r.verdict, r.culprit["op"]) == ("overflow", "aten._to_copy")  # finfo(float32).min -> -inf in FP16
+    fixes = {f.name: f for f in try_fixes(snap, r)}
+    assert fixes["bf16"].status == "fails"  # float32's min is past BF16's max too
+    advice = advice_with_status(r, list(fixes.values()))
+    fill = [a for a in advice if a.text.startswith("A mask filled with torch.finfo(dtype).min")]
+    assert len(fill) == 1 and fill[0].status == "untested"
+    assert not [a.text for a in advice if _recommends_bf16(a.text)]
