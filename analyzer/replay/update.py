@@ -342,9 +342,13 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
         summary = "no parameter is NaN/Inf after the update: nothing to explain."
     inputs = [] if f["update_snapshot"] else [f"param:{q['name']}" for q in f["params"]]
     loss = snap.loss
+    low = p["dtype"] if p is not None and p["dtype"] in ("float16", "bfloat16") else None
     return ReplayResult(
         verdict=verdict, summary=summary, culprit=culprit, runs={}, advice=list(_ADVICE.get(factor if verdict == "numerical_bug" else verdict, [])),
         snapshot=path, step=snap.step, reason=snap.reason, device="cpu", recorded_device=str(snap.device_type),
         device_note=None, amp_dtype=snap.amp_dtype, scale=float(snap.scale) if snap.scale else 1.0,
         recorded_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
-        nonfinite_inputs=inputs, update=f)
+        nonfinite_inputs=inputs, update=f, precision_mode="parameters" if low and not snap.amp_dtype else "autocast",
+        precision_dtype=low or snap.amp_dtype,
+        precision_note=None if p is None else (f"the update was recomputed in the optimizer state's dtype "
+                                               f"({p['state_dtype']}) from the saved state and hyperparameters"))

@@ -39,6 +39,7 @@ def test_replay_of_an_fp16_adam_update_snapshot_is_underflow_in_the_optimizer_na
     assert c["precision"] == "float16" and c["output_kind"] == "nan"
     assert "`emb.weight`" in res.summary and "eps = 1e-08 rounds to 0 in float16" in res.summary
     assert "forward and backward not replayed" in res.summary and res.runs == {}
+    assert res.precision_mode == "parameters" and res.precision_dtype == "float16"  # model.half(), no autocast
     p = res.update["params"][0]
     # rows 8-15 never got a gradient at step 0: exp_avg = exp_avg_sq = 0, so 0/(0 + 0) = NaN on all 64
     # of their elements; a few used elements had gradients so small that exp_avg_sq flushed to 0 too
