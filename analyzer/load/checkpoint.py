@@ -251,6 +251,23 @@ def _hyper(group: dict, names: dict) -> dict[str, Any]:
     return out
 
 
+def _named_state_dict(entry: dict) -> dict:
+    """A snapshot's optimizer ``state_dict`` with each group's ``param_names`` from the snapshot's
+    ``param_names`` (one per param id, in param_groups order), so its state maps exactly to names;
+    unchanged (mapped by order) when those names are missing, short or not all strings."""
+    sd, names = entry["state_dict"], entry.get("param_names")
+    groups = [g for g in sd["param_groups"] if isinstance(g, dict)]
+    sizes = [len(g["params"]) if isinstance(g.get("params"), (list, tuple)) else -1 for g in groups]
+    if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
+            and min(sizes, default=0) >= 0 and sum(sizes) == len(names)):
+        return sd
+    out, i = [], 0
+    for g, n in zip(groups, sizes):
+        out.append({**g, "param_names": list(names[i:i + n])})
+        i += n
+    return {**sd, "param_groups": out}
+
+
 def _find_step(obj: Any, ckpt: Checkpoint) -> None:
     if not isinstance(obj, dict):
         return
@@ -332,6 +349,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
             walker.walk(obj["scaler_state"], "scaler_state")
+        if isinstance(obj.get("optimizer"), dict) and _is_optimizer_state(obj["optimizer"].get("state_dict")):
+            walker.optims.append(("optimizer", _named_state_dict(obj["optimizer"])))  # since format 3
         if ckpt.scaler is None and _number(obj.get("scale"), float) is not None:
             ckpt.scaler = {"path": "scale", "scale": _number(obj["scale"], float), "growth_tracker": None}
     else:

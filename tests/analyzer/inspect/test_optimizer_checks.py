@@ -173,3 +173,15 @@ def test_acceptance_inspect_of_the_fp16_adam_eps_runs_model_and_optimizer_gives_
     torch.save({"model": snap.model_state, "optimizer": snap.optimizer["state_dict"]}, path)
     f = next(f for f in inspect_checkpoints(path).findings if f.check == "optimizer_eps_underflow")
     assert f.evidence["dtype"] == info["dtype"] and f.evidence["eps"] == info["eps"]
+
+
+def test_inspect_of_an_update_snapshot_maps_its_optimizer_state_by_name_and_gives_optimizer_eps_underflow(tmp_path):
+    from tests.update_runs import record_fp16_adam_eps
+
+    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+    result = inspect_checkpoints(next(p for p in info["snapshots"] if p.stem.endswith("-update")))
+    opt = result.files[0].ckpt.optimizers[0]
+    assert opt.mapping == "param_names"  # from the snapshot's param_names, not a guess by order
+    assert "optimizer[model_state.emb.weight].exp_avg_sq" in [t.name for t in result.files[0].tensors]
+    f = next(f for f in result.findings if f.check == "optimizer_eps_underflow")
+    assert "model_state.emb.weight" in f.evidence["params"]
