@@ -15,7 +15,6 @@ from torch import nn
 from analyzer.load import load_run, load_snapshot
 from recorders import Recorder, schema
 from recorders.recorder import RecorderWarning
-from recorders._update import SAMPLE
 from tests import update_runs
 from tests.recorders.models import batches, build_mlp, mse_loss, train
 
@@ -161,19 +160,22 @@ def _record_weights(tmp_path, model, steps, layer_every=1):
     return seen
 
 
-def test_update_rms_and_unchanged_frac_match_the_weights_on_the_strided_sample(tmp_path):
-    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 1))  # 5000 > SAMPLE: stride 2
+def test_update_rms_and_unchanged_frac_match_the_weights_on_the_fixed_sample(tmp_path):
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 1))  # 5000 > SAMPLE elements
     seen = _record_weights(tmp_path, model, steps=5, layer_every=2)
     rows = _layer(tmp_path, "0.weight")
     assert rows["step"].to_list() == [0, 2, 4]
+    # the sample: 64 runs of 64 contiguous elements, starting every 5000 // 64 = 78 elements
+    index = torch.cat([torch.arange(i * 78, i * 78 + 64) for i in range(64)])
     for i, step in enumerate(rows["step"].to_list()[1:], 1):
-        stride = -(-5000 // SAMPLE)
-        now = seen[step]["0.weight"].reshape(-1)[::stride]
-        then = seen[step - 2]["0.weight"].reshape(-1)[::stride]
-        assert now.numel() == 2500
+        now = seen[step]["0.weight"].reshape(-1)[index]
+        then = seen[step - 2]["0.weight"].reshape(-1)[index]  # the previous recorded row (layer_every=2)
         want = (now.double() - then.double()).pow(2).mean().sqrt().item()
-        assert rows["update_rms"][i] == pytest.approx(want, rel=1e-6)
+        assert rows["update_rms"][i] == pytest.approx(want, rel=1e-5)
         assert rows["unchanged_frac"][i] == pytest.approx((now == then).double().mean().item(), abs=1e-7)
+    small = _layer(tmp_path, "2.weight")  # 50 elements: all of them
+    now, then = seen[4]["2.weight"], seen[2]["2.weight"]
+    assert small["update_rms"][2] == pytest.approx((now.double() - then.double()).pow(2).mean().sqrt().item(), rel=1e-5)
 
 
 def test_recording_the_update_columns_and_check_update_leave_training_bitwise_unchanged(tmp_path):
