@@ -111,8 +111,9 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
     "param_norm": pl.Float32,      # L2 norm of the parameter
     "grad_nonfinite": pl.Int64,    # count of NaN/Inf gradient elements
     "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero
-    # Since version 3, over a fixed sample of the parameter (at most 4096 evenly strided elements),
-    # against the previous recorded row of that parameter; null on its first recorded row:
+    # Since version 3, over a fixed sample of the parameter (all elements up to 4096, else 64 evenly
+    # spaced runs of 64 contiguous elements), against the previous recorded row of that parameter;
+    # null on its first recorded row:
     "update_rms": pl.Float32,      # RMS of (w_now - w_at_previous_recorded_row); NaN once w is NaN
     "unchanged_frac": pl.Float32,  # fraction of sampled elements bitwise unchanged since then
 }
