@@ -95,3 +95,44 @@ def masked_batch() -> dict:
     """Two sequences of 3; the second is padding only."""
     keep = torch.tensor([[True, True, False], [False, False, False]])
     return {"x": torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)), "keep": keep}
+
+
+# -- a custom op autocast knows nothing about, whose intermediate overflows FP16 but whose result fits --
+@torch.library.custom_op("ampautopsy_fixtests::softplus", mutates_args=())
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x))  # exp(20) = 4.9e8 is inf in FP16; softplus(20) = 20 fits
+
+
+@softplus.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _softplus_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _softplus_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * torch.sigmoid(x)
+
+
+softplus.register_autograd(_softplus_backward, setup_context=_softplus_setup)
+
+
+class Softplus(nn.Module):
+    def forward(self, h):
+        return softplus(h)
+
+
+def build_softplus_net(gain: float = 20.0) -> nn.Module:
+    """Linear(4, 4) = gain * identity, the custom softplus, Linear(4, 1): x = e_0 feeds it `gain`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), Softplus(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4) * gain)
+    return model
+
+
+def mse(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["x"]).float(), batch["y"])

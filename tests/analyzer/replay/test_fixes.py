@@ -181,3 +181,14 @@ def test_a_fix_serialises_to_strict_json_whatever_it_holds(name, status, scale):
 def test_a_fix_with_an_unknown_status_is_refused():
     with pytest.raises(ValueError, match="status"):
         Fix(name="bf16", title="t", status="works", detail="d")
+
+
+def test_an_unregistered_op_whose_intermediate_overflows_is_fixed_by_running_it_alone_in_fp32(tmp_path):
+    # softplus(20) = log1p(exp(20)): exp(20) = 4.9e8 is inf in FP16, the result 20 fits
+    batch = {"x": torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]), "y": torch.zeros(2, 1)}
+    snap = fm.record(tmp_path, factory="build_softplus_net", loss_fn="mse", batch=batch, amp_dtype=torch.float16)
+    r = replay_snapshot(snap)
+    assert (r.verdict, r.culprit["op"]) == ("unregistered_op", "ampautopsy_fixtests.softplus")
+    fixes = _by_name(try_fixes(snap, r))
+    assert fixes["op_fp32"].status == "verified" and fixes["op_fp32"].precision == "float16"
+    assert fixes["module_fp32"].status == "verified" and "1" in fixes["module_fp32"].title
