@@ -140,3 +140,10 @@ def test_html_onto_the_runs_meta_json_is_refused_and_leaves_it_alone(run_dir):
     res = _invoke("autopsy", str(run_dir), "--html", str(meta))
     assert res.exit_code == 1 and res.stderr.startswith("Error: ") and "--html" in res.stderr
     assert meta.read_bytes() == before
+
+
+def test_fail_on_error_exits_4_after_printing_the_autopsy_as_report_does(run_dir):
+    # the report's nonfinite_loss at INF_STEP is an error finding: --fail-on error gates on it
+    res = _invoke("autopsy", str(run_dir), "--fail-on", "error", "--device", "cpu")
+    assert res.exit_code == 4 and res.stdout.startswith(f"amp-autopsy autopsy: {run_dir}\nverdict: nonfinite_input")
+    assert "Error:" not in res.output
