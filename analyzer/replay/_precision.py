@@ -233,8 +233,9 @@ def mode_advice(mode: PrecisionMode, verdict: str, culprit: Mapping | None, advi
     autocast") does not apply to a model whose parameters are low precision: there, a module is
     kept in FP32 by its parameters' dtype, and the lasting fix is FP32 master weights.
     """
-    if mode.autocast or culprit is None or culprit.get("precision") == "float32":
-        return advice
+    if mode.autocast or culprit is None or culprit.get("precision") == "float32" \
+            or verdict not in ("overflow", "underflow", "numerical_bug", "unregistered_op"):
+        return advice  # broken inputs, loss scaling, a healthy step: the dtype is not what to change
     module = culprit.get("module", "?")
     out = [a for a in advice if not a.startswith(("Keep `", "Switch to BF16"))]
     if mode.kind == "parameters":

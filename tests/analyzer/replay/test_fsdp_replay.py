@@ -66,6 +66,11 @@ def test_the_dcp_snapshot_replays_with_fsdps_param_dtype_emulated(synced):
     assert "precision mode: fsdp_param_dtype" in render_replay_text(r)
 
 
+def test_broken_weights_in_an_fsdp_snapshot_get_no_advice_to_change_the_param_dtype(synced):
+    assert not any("param_dtype" in a for a in synced.advice)
+    assert any("earlier step broke them" in a for a in synced.advice)
+
+
 def test_the_consolidated_state_is_the_whole_model_with_the_inf_where_rank_1_wrote_it(runs):
     path = _snap(runs, "synced")
     state = load_sharded_state(path, load_snapshot(path))
