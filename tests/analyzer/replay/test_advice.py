@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from analyzer.replay import Advice, advice_with_status, replay_snapshot, try_fixes
+from analyzer.replay import Advice, _advice, advice_with_status, replay_snapshot, try_fixes
 
 from . import fix_models as fm
 from . import replay_models as rm
@@ -141,3 +143,18 @@ def test_a_float32_min_mask_cast_to_fp16_gets_the_finite_fill_advice_and_no_bf16
     fill = [a for a in advice if a.text.startswith("A mask filled with torch.finfo(dtype).min")]
     assert len(fill) == 1 and fill[0].status == "untested"
     assert not [a.text for a in advice if _recommends_bf16(a.text)]
+
+
+@pytest.mark.parametrize("verdict", ["overflow", "underflow", "loss_scale_overflow", "numerical_bug"])
+@given(tried=st.dictionaries(st.sampled_from(["float32", "float16", "bfloat16"]), st.booleans()))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_replay_advice_names_bf16_only_as_its_bf16_run_allows(bce_advice, verdict, tried):
+    r, _ = bce_advice  # a real culprit; the verdict picks which advice lines are written
+    lines = _advice.advice(verdict, r.culprit, scale=65536.0, tried=tried)
+    bf16 = [a for a in lines if a.startswith(("Switch to BF16", "BF16 needs"))]
+    if tried.get("bfloat16") is False:
+        assert bf16 == []
+    elif "bfloat16" not in tried:
+        assert all(a.endswith("(untested)") for a in bf16)
+    else:
+        assert not any("untested" in a for a in bf16)
