@@ -138,8 +138,11 @@ def _inject(model: nn.Module, fault: dict) -> None:
 
 
 def _train_fsdp(rank: int, steps: int, fault: dict, run_dir: str | None, sync: bool, kill_step: int | None,
-                reference: bool) -> dict:
-    """One FSDP2 run; returns what the test compares (losses, local weights, the recorder's view)."""
+                reference: bool, batch_nan: bool = False, max_snapshots: int = 3) -> dict:
+    """One FSDP2 run; returns what the test compares (losses, local weights, the recorder's view).
+
+    `batch_nan`: the fault is a NaN in the fault rank's batch instead of an inf in its shard.
+    """
     import os
     import signal
 
@@ -150,12 +153,13 @@ def _train_fsdp(rank: int, steps: int, fault: dict, run_dir: str | None, sync: b
     rec = None
     if run_dir is not None:
         rec = Recorder(run_dir, model, factory=build_model, factory_kwargs={"width": WIDTH}, loss_fn=fsdp_loss,
-                       amp_dtype=torch.bfloat16, optimizer=opt, flush_every=1, sync_failures=sync)
+                       amp_dtype=torch.bfloat16, optimizer=opt, flush_every=1, sync_failures=sync,
+                       max_snapshots=max_snapshots)
     out = {"losses": [], "failures": [], "ref_grad_norms": [], "ref_param_norms": []}
     try:
         for step in range(steps):
-            batch = batch_for(rank, step, nan_rank=-1, nan_step=-1)
-            if step == fault["step"] and rank == fault["rank"]:
+            batch = batch_for(rank, step, nan_rank=fault["rank"] if batch_nan else -1, nan_step=fault["step"])
+            if step == fault["step"] and rank == fault["rank"] and not batch_nan:
                 _inject(model, fault)
             if rec is not None:
                 rec.begin_step(step, batch)
@@ -198,7 +202,8 @@ def train_fsdp_rank(rank: int, world_size: int, init_method: str, runs: dict[str
         warnings.simplefilter("always")
         for name, spec in runs.items():
             results[name] = _train_fsdp(rank, steps, fault, spec.get("run_dir"), bool(spec.get("sync")),
-                                        spec.get("kill_step"), bool(spec.get("reference")))
+                                        spec.get("kill_step"), bool(spec.get("reference")),
+                                        bool(spec.get("batch_nan")), spec.get("max_snapshots", {}).get(str(rank), 3))
             results["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RecorderWarning)]
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:  # written after each run:
                 json.dump(results, f, allow_nan=True)  # the killed run's rank writes nothing after it

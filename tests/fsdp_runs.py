@@ -8,6 +8,11 @@ One spawn of two processes trains, in one process group and in this order (``RUN
   gradient and weight norms each step (``ref_grad_norms``/``ref_param_norms``), the truth the
   report's merged shard statistics must equal;
 - ``local``: ``sync_failures=False``: each failing rank writes its own shards, no collective;
+- ``batch_nan``: ``sync_failures=True``, the fault is a NaN in rank ``FAULT_RANK``'s batch instead:
+  only its loss fails, the reduce-scatter spreads NaN gradients to the other rank (which fails
+  for ``nonfinite_grads``), and the one DCP directory is named after ``nonfinite_loss``;
+- ``uneven``: like ``batch_nan``, but rank 0 may take no snapshot (``max_snapshots=0``): the
+  ranks do not all snapshot, so the fault rank writes its local shards, with no collective;
 - ``killed``: like ``synced``, but the fault rank SIGKILLs itself at ``KILL_STEP`` (mid-step,
   no flush); the other rank errors out at its next collective.
 
@@ -43,7 +48,7 @@ FAULT_RANK, FAULT_STEP, FAULT_PARAM = 1, 2, "0.weight"
 FAULT_GLOBAL_INDEX = (4, 3)  # rank 1 holds rows 4..7 of the [8, 8] weight: its local [0, 3]
 KILL_STEP = 4
 FAULT = {"rank": FAULT_RANK, "step": FAULT_STEP, "param": FAULT_PARAM, "local_index": [0, 3]}
-RUNS = ("plain", "synced", "local", "killed")
+RUNS = ("plain", "synced", "local", "batch_nan", "uneven", "killed")
 
 
 def fsdp_available() -> bool:
@@ -82,6 +87,8 @@ def record_fsdp_runs(root: str | Path, timeout_s: float = 240.0) -> FsdpRuns:
         "plain": {"run_dir": None},
         "synced": {"run_dir": str(dirs["synced"]), "sync": True, "reference": True},
         "local": {"run_dir": str(dirs["local"]), "sync": False},
+        "batch_nan": {"run_dir": str(dirs["batch_nan"]), "sync": True, "batch_nan": True},
+        "uneven": {"run_dir": str(dirs["uneven"]), "sync": True, "batch_nan": True, "max_snapshots": {"0": 0}},
         "killed": {"run_dir": str(dirs["killed"]), "sync": True, "kill_step": KILL_STEP},
     }
     # NB: spawn, not fork: forked children hung in gloo after other tests had run in the parent.

@@ -302,3 +302,30 @@ def test_killing_one_fsdp2_rank_mid_run_leaves_every_completed_part_and_snapshot
     assert fr.FAULT_PARAM in full["model"]
     rep = build_report(str(run_dir))
     assert any(f.check == "rank_divergence" and f.rank == fr.FAULT_RANK for f in rep.findings)
+
+
+def test_ranks_failing_for_different_reasons_share_one_dcp_directory_named_after_the_first_reason(fsdp):
+    # rank 1's NaN batch: its loss fails; the reduce-scatter brings NaN gradients to rank 0
+    sdir = fsdp.dirs["batch_nan"] / schema.SNAPSHOT_DIR
+    snap0 = load_snapshot(sdir / schema.snapshot_name(fr.FAULT_STEP, 0, "nonfinite_grads"))
+    snap1 = load_snapshot(sdir / schema.snapshot_name(fr.FAULT_STEP, fr.FAULT_RANK, "nonfinite_loss"))
+    name = schema.dcp_dir_name(fr.FAULT_STEP, "nonfinite_loss")
+    assert snap0.fsdp["dcp_dir"] == snap1.fsdp["dcp_dir"] == name and (sdir / name / ".metadata").is_file()
+    # step 3: rank 0's loss fails too (a new reason: a snapshot), rank 1 is still failing (none):
+    # not every rank snapshots, so rank 0 wrote its own shards, with no collective
+    later = load_snapshot(sdir / schema.snapshot_name(fr.FAULT_STEP + 1, 0, "nonfinite_loss"))
+    assert later.fsdp["dcp_dir"] is None and later.fsdp["local_state"]
+    assert not (sdir / schema.dcp_dir_name(fr.FAULT_STEP + 1, "nonfinite_loss")).exists()
+
+
+def test_a_rank_that_takes_no_snapshot_never_leaves_the_failing_rank_waiting_in_a_collective(fsdp):
+    # rank 0 may take none (max_snapshots=0): rank 1 writes its own shards instead of a DCP save
+    res = fsdp.results
+    assert [len(res[r]["uneven"]["losses"]) for r in range(fr.WORLD)] == [fr.STEPS] * fr.WORLD  # no hang
+    assert res[0]["uneven"]["snapshots"] == []
+    sdir = fsdp.dirs["uneven"] / schema.SNAPSHOT_DIR
+    assert sorted(p.name for p in sdir.iterdir()) == [schema.snapshot_name(fr.FAULT_STEP, fr.FAULT_RANK,
+                                                                            "nonfinite_loss")]
+    snap = load_snapshot(sdir / schema.snapshot_name(fr.FAULT_STEP, fr.FAULT_RANK, "nonfinite_loss"))
+    assert snap.fsdp["dcp_dir"] is None
+    assert snap.fsdp["local_state"][fr.FAULT_PARAM].shape == (4, 8)  # rank 1's rows 4..7
