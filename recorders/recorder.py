@@ -369,7 +369,13 @@ class Recorder(FsdpSnapshots, StepStats):
         if self.check_update:
             self._update_check = UpdateCheck(self._params, self._device, self._single_device)
             self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup
-            self._hook = self.optimizer.register_step_post_hook(self._after_optimizer_step)
+            register = getattr(self.optimizer, "register_step_post_hook", None)
+            if callable(register):
+                self._hook = register(self._after_optimizer_step)
+            else:  # not a torch.optim.Optimizer: the rest of the record is still worth having
+                warnings.warn(f"amp-autopsy recorder: check_update=True needs a torch.optim.Optimizer (its "
+                              f"register_step_post_hook); {type(self.optimizer).__name__} has none, so optimizer "
+                              "steps are not checked", RecorderWarning, stacklevel=4)
 
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -313,3 +313,32 @@ def test_runs_mixing_parts_with_and_without_the_update_columns_load_with_nulls_f
             assert row["nulls"] == row["len"]
         else:
             assert row["nulls"] == 0
+
+
+class _Wrapper:
+    """An optimizer wrapper as some frameworks have one: param_groups, step, state_dict, no step hooks."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt, self.param_groups = opt, opt.param_groups
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+    def step(self):
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.opt.zero_grad(set_to_none)
+
+
+def test_check_update_with_an_optimizer_without_step_hooks_warns_and_records_the_rest(tmp_path):
+    model = build_mlp()
+    opt = _Wrapper(torch.optim.SGD(model.parameters(), lr=0.05))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, model, optimizer=opt, check_update=True) as rec:
+            train(model, batches(3), rec=rec, opt=opt)
+    warned = [str(w.message) for w in caught if issubclass(w.category, RecorderWarning)]
+    assert len(warned) == 1 and "register_step_post_hook" in warned[0]
+    assert not rec.stopped and load_run(tmp_path).steps.collect().height == 3
+    assert json.loads((tmp_path / schema.META_FILE).read_text())["optimizer"]["class"].endswith("_Wrapper")
