@@ -246,3 +246,13 @@ def test_fsdp_output_dtype_is_emulated_so_the_loss_reads_only_float32_in_the_flo
 def test_fsdp_float16_advice_keeps_the_module_in_fp32_under_its_own_policy(fsdp_fp16):
     text = " ".join(fsdp_fp16[1].advice)
     assert "MixedPrecisionPolicy(param_dtype=torch.float32" in text and "Keep `1` in FP32: run it under" not in text
+
+
+def test_the_sibling_of_a_second_writers_snapshot_keeps_its_writer_number(tmp_path):
+    names = ["step00000002-r00001-w1-nonfinite_loss.pt", "step00000002-r00000-w1-nonfinite_loss.pt",
+             "step00000002-r00000-nonfinite_loss.pt"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert sibling_snapshot(tmp_path / names[0], 0).name == names[1]
+    with pytest.raises(BadInputError, match=r"rank 2 .*\[0, 1\]"):
+        sibling_snapshot(tmp_path / names[0], 2)
