@@ -3,14 +3,16 @@
 Exit statuses (documented in docs/; scripts rely on them):
 
 - 0: the command ran (a report may still contain findings);
-- 1: bad input, one ``Error: FILE: what (fix)`` line (``analyzer.errors``, OS errors);
+- 1: bad input, one ``Error: FILE: what (fix)`` line (``analyzer.errors``, OS errors); ``autopsy``
+  also exits 1, after printing the report and the other replays, when a snapshot it picked could not
+  be replayed (the ``Error:`` line names that snapshot);
 - 2: a usage error (click's own);
 - 3: an internal error: any other exception, printed as one ``Error: FILE: internal error while
   <stage>: <type>: <message> (please report this with the file)`` line; ``analyzer --debug ...``
-  adds the traceback. ``report`` also exits 3, after printing the report, when one of its checks
-  raised (a ``check_failed`` finding);
-- 4: ``report --fail-on SEVERITY`` or ``inspect --fail-on SEVERITY`` found a finding of that severity
-  or worse.
+  adds the traceback. ``report`` (and ``autopsy``) also exits 3, after printing the report, when one
+  of its checks raised (a ``check_failed`` finding);
+- 4: ``report --fail-on SEVERITY``, ``autopsy --fail-on SEVERITY`` (on the report's findings) or
+  ``inspect --fail-on SEVERITY`` found a finding of that severity or worse.
 
 Everything printed goes through ``_terminal.escape_controls``: names read from files cannot send
 escape sequences to the terminal. Warnings raised while a command runs are held back, dropped if

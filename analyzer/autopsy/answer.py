@@ -6,12 +6,26 @@ whose counterfactual replay still went non-finite is never worded as a recommend
 listed as ``tried, fails:``. Advice nobody could try (``use binary_cross_entropy_with_logits``)
 is printed, marked ``untested``.
 
-Real output (the demo run, ``analyzer autopsy amp-autopsy-demo/fp16_attention_overflow``)::
+Real output (the demo run, ``analyzer autopsy amp-autopsy-demo/fp16_attention_overflow``; long
+lines cut here)::
 
     root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16) at samples/models.py:98
-      produced inf from finite inputs: ...
+      produced inf from finite inputs: recomputed in FP32 from the same inputs its largest value is ...
     where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step 24, rank 0
-    verified fix: ...
+      (step00000024-r00000-nonfinite_loss.pt)
+    verified fix: keep blocks.0.attn and the other 1 module(s) of its class (blocks.1.attn) in FP32 ...
+    verified fix: switch from FP16 to BF16: step 24 runs finite in bfloat16: loss and every gradient; ...
+    tried, fails: run aten.bmm in blocks.0.attn (forward) alone in FP32, its result cast back to
+      float16: still non-finite at loss scale 4096: the loss, first at aten.bmm in blocks.0.attn (forward)
+    do (verified above): Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler.
+    untested advice: Divide the attention logits by sqrt(d): q @ k.transpose(-2, -1) / math.sqrt(head_dim) ...
+    also step 31, rank 0 (overflow_streak): overflow at aten.bmm in blocks.0.attn (forward); same culprit
+      as step00000024-r00000-nonfinite_loss.pt, whose fixes apply
+
+How to read it: the first line is the verdict and why; ``where`` is the op, its module, source
+line, phase, precision, step and rank; ``verified fix`` lines were re-run on the failing step and
+came out finite (loss and every gradient); ``tried, fails`` lines were re-run and were not;
+``untested advice`` could not be tried on a snapshot; ``also`` lines are the other snapshots picked.
 """
 from __future__ import annotations
 
@@ -58,8 +72,8 @@ def _report_only(autopsy: AutopsyResult) -> list[str]:
     rep = autopsy.report
     manual = [s for s in rep.frames.snapshots if s.get("reason") == "manual"]
     if autopsy.verdict == "healthy":
-        lines = [f"root cause: none found: the report says {rep.verdict}, and the run wrote no failure "
-                 "snapshot, so there is no failing step to replay"]
+        lines = [f"root cause: no failing step: the run wrote no failure snapshot, so nothing was replayed; "
+                 f"the report says {rep.verdict}"]
     else:
         lines = [f"root cause: not replayed: the run wrote no failure snapshot to replay; the report says "
                  f"{rep.verdict}",

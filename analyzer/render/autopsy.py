@@ -5,16 +5,21 @@ print them, except the replay's own "what to try" list: its suggestions are untr
 answer above already lists each of them with the status its counterfactual replay gave (a fix
 that fails must never read as a recommendation).
 
-Real output (the demo run; the evidence is cut here)::
+Real output (the demo run; long lines and the evidence cut here)::
 
     amp-autopsy autopsy: amp-autopsy-demo/fp16_attention_overflow
+    verdict: overflow
     answer:
       root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16) at samples/models.py:98 ...
       where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step 24, rank 0 ...
-      verified fix: ...
+      verified fix: switch from FP16 to BF16: step 24 runs finite in bfloat16: loss and every gradient; ...
+      tried, fails: run aten.bmm in blocks.0.attn (forward) alone in FP32, its result cast back to float16: ...
+      (replays run the failing step's forward and backward only, not the optimizer step)
 
+    ------------------------------------------------------------------------
     evidence 1/2: analyzer report amp-autopsy-demo/fp16_attention_overflow
-    ...
+    ------------------------------------------------------------------------
+    amp-autopsy report: amp-autopsy-demo/fp16_attention_overflow (amp-autopsy run, float16 AMP, ...
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def test_each_sample_autopsy_prints_its_documented_verdict_and_culprit_first(tmp
     json.loads(json.dumps(out, allow_nan=False), parse_constant=_refuse)
     if step is None:
         assert a.replays == () and out["culprit"] is None and out["fixes"] == []
-        assert head[3].startswith("  root cause: none found: the report says ")
+        assert head[3].startswith("  root cause: no failing step: the run wrote no failure snapshot, so nothing "
+                                  "was replayed; the report says ")
         return
     first = snapshots_of(sample_run(tmp_path_factory, sample))[0]
     assert a.primary.snapshot == str(first) and first.name.startswith(f"step{step:08d}-")
@@ -76,10 +77,12 @@ def test_the_healthy_samples_manual_snapshot_is_named_but_not_replayed(tmp_path_
     assert f"to replay one: analyzer replay {manual}" in "\n".join(a.answer())
 
 
-def test_bf16_verifies_on_the_fp16_attention_overflow(tmp_path_factory):
+def test_bf16_and_attention_in_fp32_verify_on_the_fp16_attention_overflow(tmp_path_factory):
     # BF16 has FP32's range: the logit that overflowed FP16 (about 3.4e5) fits, on every CPU.
     a = _autopsy(tmp_path_factory, "fp16_attention_overflow")
     status = {f.name: f.status for s, f in a.fixes if s == a.primary.snapshot}
     assert status.get("bf16") == "verified", status
+    # Every attention module kept in FP32 (the second block's overflows too once the first's is fixed).
+    assert status.get("module_fp32") == "verified", status
     # The later overflow_streak and scale_collapse snapshots blame the same op: replayed, fixes shared.
     assert [Path(s).name.split("-")[-1] for s, _ in a.shared] == ["overflow_streak.pt", "scale_collapse.pt"]
