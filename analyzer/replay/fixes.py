@@ -243,7 +243,8 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
     if len(names) > 1:  # every instance of the class, as an edit of the class would
         others = [n for n in names if n != module]
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        title = (f"keep {module} and the other {len(others)} module(s) of its class ({shown}) in FP32 "
+        n = len(others)
+        title = (f"keep {module} and the {n} other module{'s' if n > 1 else ''} of its class ({shown}) in FP32 "
                  "(autocast off inside them, inputs upcast)")
     return _judge(result, "module_fp32", title, out)
 
