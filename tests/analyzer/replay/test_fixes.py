@@ -194,3 +194,18 @@ def test_an_unregistered_op_whose_intermediate_overflows_is_fixed_by_running_it_
     fixes = _by_name(try_fixes(snap, r))
     assert fixes["op_fp32"].status == "verified" and fixes["op_fp32"].precision == "float16"
     assert fixes["module_fp32"].status == "verified" and "1" in fixes["module_fp32"].title
+
+
+def test_a_backward_overflow_at_scale_one_gets_a_safe_scale_below_one(tmp_path):
+    # sum-reduced MSE against targets of 1e5: d loss / d out ~ 2e5 does not fit FP16 even unscaled
+    batch = {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), "y": torch.full((4, 1), 1e5)}
+    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="sum_mse", batch=batch, amp_dtype=torch.float16,
+                          init_scale=1.0, overflow_streak=1)
+    r = replay_snapshot(snap)
+    assert (r.verdict, r.culprit["phase"], r.scale) == ("overflow", "backward", 1.0)
+    fixes = _by_name(try_fixes(snap, r))
+    low = fixes["lower_scale"]
+    assert low.status == "verified"
+    s = low.max_safe_scale
+    assert s < 1.0 and math.log2(s) == int(math.log2(s))
+    assert run_once(r.context, "float16", s).finite
