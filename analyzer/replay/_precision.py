@@ -89,7 +89,8 @@ def _name_of(raw: Any, path: str, where: str) -> str | None:
                             fix="re-record the run") from e
 
 
-def precision_mode(path: str, snap: Mapping, amp: str | None, state: Mapping[str, torch.Tensor]) -> PrecisionMode:
+def precision_mode(path: str, snap: Mapping, amp: str | None, state: Mapping[str, torch.Tensor],
+                   params: set[str] | None = None) -> PrecisionMode:
     """Decide the mode from the snapshot: an FSDP policy, else autocast, else the parameters' dtype.
 
     Args:
@@ -97,6 +98,8 @@ def precision_mode(path: str, snap: Mapping, amp: str | None, state: Mapping[str
         snap: the loaded snapshot (its ``fsdp`` key, when present, holds the policy).
         amp: the snapshot's autocast dtype name (None: no autocast).
         state: the model state replay loads (for an FSDP snapshot, the consolidated one).
+        params: the model's parameter names: only a low-precision *parameter* makes the
+            ``parameters`` mode (an FP32 model may keep a float16 buffer); None: every entry counts.
     """
     fsdp = snap.get("fsdp")
     policy = fsdp.get("mp_policy") if isinstance(fsdp, Mapping) else None
@@ -115,11 +118,12 @@ def precision_mode(path: str, snap: Mapping, amp: str | None, state: Mapping[str
     for name, t in state.items():
         dname = schema.dtype_name(t.dtype)
         if dname in _LOW:
-            low.add(name)
-            sizes[dname] = sizes.get(dname, 0) + t.numel()
-    if not low:
+            low.add(name)  # buffers too: model.half() made them low precision with the parameters
+            if params is None or name in params:
+                sizes[dname] = sizes.get(dname, 0) + t.numel()
+    if not sizes:
         return PrecisionMode("autocast", None)
-    # NB: a model mixing float16 and bfloat16 tensors is replayed in the dtype holding more elements
+    # NB: a model mixing float16 and bfloat16 parameters is replayed in the dtype holding more elements
     dtype = max(sorted(sizes), key=lambda d: sizes[d])
     return PrecisionMode("parameters", dtype, low_names=frozenset(low))
 

@@ -70,12 +70,14 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     amp = _amp_dtype(path, snap)
     state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
     state = snap.model_state if state is None else state
-    mode = precision_mode(path, snap, amp, state)
-    ctx = _context(path, snap, device, factory, loss_fn, paths, mode=mode, state=state)
+    ctx = _context(path, snap, device, factory, loss_fn, paths, state=state)
+    fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was (a factory may draw)
+        params = {n for n, _ in ctx.build_model().named_parameters()}
+    mode = ctx.mode = precision_mode(path, snap, amp, state, params)
     precisions = _precisions(mode.dtype, dtypes)  # FP32 and the low precision the run trained in
     scale = _scale(path, snap)
     bar = _Progress(progress, total=len(precisions))
-    fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
         nonfinite_inputs, masks = _scan_inputs(ctx)
         # Non-finite buffers are followed through the FP32 run: one the step only writes (a

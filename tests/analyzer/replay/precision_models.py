@@ -47,6 +47,13 @@ def build_classifier(gain: float = 100.0) -> nn.Module:
     return model
 
 
+def build_classifier_with_half_buffer(gain: float = 100.0) -> nn.Module:
+    """``build_classifier`` in FP32 that also keeps a float16 buffer (a lookup table kept small on purpose)."""
+    model = build_classifier(gain)
+    model.register_buffer("table", torch.ones(3, dtype=torch.float16))
+    return model
+
+
 def mse(model, batch):
     """Loss in the model's own dtype, as pure low-precision training computes it."""
     return F.mse_loss(model(batch["x"]), batch["y"])
@@ -57,15 +64,18 @@ def log_prob_loss(model, batch):
     return -torch.log(probs.gather(1, batch["y"][:, None])).mean()
 
 
-def record_pure_step(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict, dtype: torch.dtype,
+def record_pure_step(run_dir: str | Path, *, factory: str, loss_fn: str, batch: dict, dtype: torch.dtype | None,
                      factory_kwargs: dict | None = None) -> Path:
     """Train one step of ``factory(**kwargs).to(dtype)`` with the Recorder on (no autocast, no scaler).
 
     The batch's floating tensors are cast to `dtype` too, as a pure low-precision loop does.
+    `dtype` None trains the model as the factory built it.
     """
     factory_kwargs = dict(factory_kwargs or {})
-    model = globals()[factory](**factory_kwargs).to(dtype)
-    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    model = globals()[factory](**factory_kwargs)
+    if dtype is not None:
+        model = model.to(dtype)
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     rec = Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=factory_kwargs,
                    loss_fn=f"{REF}:{loss_fn}", optimizer=opt)

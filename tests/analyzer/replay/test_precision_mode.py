@@ -98,6 +98,17 @@ def test_pure_bf16_log_of_a_zero_probability_is_a_numerical_bug_in_fp32_too(tmp_
     assert r.runs["bfloat16"]["loss_dtype"] == "bfloat16"
 
 
+def test_an_fp32_model_with_a_float16_buffer_but_fp32_parameters_replays_in_fp32_only(tmp_path):
+    batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.tensor([2, 0])}
+    path = pm.record_pure_step(tmp_path, factory="build_classifier_with_half_buffer", loss_fn="log_prob_loss",
+                               batch=batch, dtype=None)
+    assert torch.load(path, weights_only=True)["model_state"]["table"].dtype == torch.float16
+    r = replay_snapshot(path)
+    # the parameters decide the mode: FP32 parameters without autocast are an FP32 run
+    assert (r.precision_mode, r.precision_dtype) == ("autocast", None) and list(r.runs) == ["float32"]
+    assert r.verdict == "numerical_bug"
+
+
 def test_an_autocast_snapshot_replays_in_the_autocast_mode(tmp_path):
     g = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)}
