@@ -215,6 +215,9 @@ def _check_optimizer(opt: Any, path) -> None:
                        and all(_is_int(i) for i in g["params"]) for g in sd["param_groups"]):
         raise _bad("optimizer", "state_dict should be an optimizer.state_dict(): 'state' (a dict) and "
                                 "'param_groups' (dicts whose 'params' are integer ids)", path)
+    if not all(_is_int(k) and isinstance(v, dict) and all(isinstance(f, str) for f in v)
+               for k, v in sd["state"].items()):
+        raise _bad("optimizer", "state_dict 'state' should map integer parameter ids to dicts of named values", path)
     names = opt["param_names"]
     if not isinstance(names, list) or not all(n is None or (isinstance(n, str) and len(n) <= _MAX_TEXT)
                                               for n in names):

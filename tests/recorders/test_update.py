@@ -342,3 +342,59 @@ def test_check_update_with_an_optimizer_without_step_hooks_warns_and_records_the
     assert len(warned) == 1 and "register_step_post_hook" in warned[0]
     assert not rec.stopped and load_run(tmp_path).steps.collect().height == 3
     assert json.loads((tmp_path / schema.META_FILE).read_text())["optimizer"]["class"].endswith("_Wrapper")
+
+
+# ---------------------------------------------------------------------------- hostile files
+_TENSOR = torch.zeros(3)
+_HOSTILE = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
+    | st.just(_TENSOR) | st.just(torch.zeros(1).expand(10**6)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | st.integers(0, 3), inner,
+                                                                max_size=3),
+    max_leaves=12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["optimizer", "update"]), value=_HOSTILE, field=st.sampled_from(
+    [None, "class", "state_dict", "param_names", "grads", "post_params", "nonfinite_params"]))
+def test_hostile_optimizer_and_update_keys_load_or_fail_with_one_bad_input_error(tmp_path_factory, fp16_run, key,
+                                                                                 value, field):
+    from analyzer.errors import BadInputError
+
+    snap = torch.load(fp16_run["snapshots"][0], weights_only=True)  # the update snapshot: both keys set
+    if field is None or not isinstance(snap[key], dict) or field not in snap[key]:
+        snap[key] = value
+    else:
+        snap[key][field] = value
+    path = tmp_path_factory.mktemp("hostile") / "s.pt"
+    torch.save(snap, path)
+    try:
+        loaded = load_snapshot(path)
+    except BadInputError as e:
+        assert "\n" not in str(e) and str(path) in str(e)
+        return
+    # what loads is what the recorder writes: dicts of dense tensors and names
+    for where in ("optimizer", "update"):
+        for t in _tensors(getattr(loaded, where)):
+            assert t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def test_an_update_snapshot_with_an_expanded_gradient_is_refused_naming_the_key(tmp_path, fp16_run):
+    from analyzer.errors import BadInputError
+
+    snap = torch.load(fp16_run["snapshots"][0], weights_only=True)
+    snap["update"]["grads"]["emb.weight"] = torch.zeros(1).expand(10**8)  # 4 bytes declaring 400 MB
+    torch.save(snap, tmp_path / "s.pt")
+    with pytest.raises(BadInputError, match=r"update\['grads'\]\['emb.weight'\]"):
+        load_snapshot(tmp_path / "s.pt")
