@@ -144,7 +144,8 @@ def _shard_faults(llf: pl.LazyFrame) -> pl.DataFrame | None:
     pn, gn = pl.col("param_norm"), pl.col("grad_norm")
     bad_w = pn.is_not_null() & ~pn.is_finite()
     bad_g = (pl.col("grad_nonfinite").fill_null(0) > 0) | (gn.is_not_null() & ~gn.is_finite())
-    firsts = llf.select(w=pl.col("step").filter(bad_w).min(), g=pl.col("step").filter(bad_g).min()).collect()
+    firsts = (llf.select(w=pl.col("step").filter(bad_w).min(), g=pl.col("step").filter(bad_g).min())
+              .collect(**_STREAM))
     at = [int(v) for v in firsts.row(0) if v is not None]
     if not at:
         return None
