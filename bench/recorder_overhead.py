@@ -24,8 +24,12 @@ recorder's. ``--rows FILE`` appends the results as rows of ``bench/gpu_check.sh`
 
 Variants:
     plain          the step alone
-    recorder       Recorder with per-layer statistics every step (layer_every=1, flush_every=50)
+    recorder       Recorder with per-layer statistics every step (layer_every=1, flush_every=50),
+                   the update columns (update_rms, unchanged_frac) included
+    recorder, no update columns   the same without the update columns (their cost is the difference)
     recorder/10    Recorder with per-layer statistics every 10th step
+    recorder + check_update       ``Recorder(check_update=True)``: after every optimizer step, one
+                   fused norm over the weights and one more host sync (its step post hook)
     naive .item()  the common hand-written monitor: ``p.grad.norm().item()`` per parameter
     detect_anomaly ``torch.autograd.detect_anomaly()`` around forward and backward
     buffer copy    the step plus the recorder's pre-step buffer copy alone (``BufferTracker``:
@@ -35,6 +39,10 @@ Variants:
 ``--model cnn`` is a ResNet-style stack of Conv2d + BatchNorm2d (every BatchNorm's running
 statistics are written by every forward, so the copy is at its largest relative to the step);
 the transformer (``gpt``, default) has no buffers a forward writes, so its copy is empty.
+
+After the rounds, the update columns' own work (``UpdateSample.measure``: a fixed sample of at
+most 4096 elements per parameter, compared with the previous recorded row) and check_update's
+check (``UpdateCheck.nonfinite``) are timed alone, as medians over the plain step.
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ from torch import nn
 
 from recorders import Recorder
 from recorders._buffers import BufferTracker
+from recorders._update import UpdateCheck, UpdateSample
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 TARGET_RATIO = 1.02  # issue 16: the recorder at most 1.02x a plain step (on a GPU)
@@ -144,31 +153,61 @@ def count_syncs(model, batches, opt, scaler, amp, steps: int = 8) -> list[int]:
     with non-finite gradients take the recorder's cold path (which may sync) and are left out.
     """
     counts: list[int] = []
+    device = torch.device("cuda")
     with tempfile.TemporaryDirectory(prefix="amp-autopsy-sync-") as tmp, \
             Recorder(tmp, model, amp_dtype=amp, optimizer=opt, scaler=scaler, flush_every=10 * steps) as rec:
         for i in range(steps):
             batch = batches[i % len(batches)]
-            with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None):
-                loss = loss_fn(model, batch)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    rec.begin_step(i, batch)  # (after the backward, so the loop stays unwatched)
-                    rec.end_step(loss)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            if rec.last is not None and rec.last["nonfinite_grads"] == 0:
-                counts.append(sum("synchroniz" in str(w.message) for w in caught))
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+
+            def watched(loss, i=i, batch=batch):
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        rec.begin_step(i, batch)  # (after the backward, so the loop stays unwatched)
+                        rec.end_step(loss)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                if rec.last is not None and rec.last["nonfinite_grads"] == 0:
+                    counts.append(sum("synchroniz" in str(w.message) for w in caught))
+
+            train_step(model, batch, opt, scaler, amp, device, after_backward=watched)
     return counts
+
+
+def train_step(model, batch, opt, scaler, amp, device: torch.device, *, anomaly: bool = False,
+               before=None, after_backward=None) -> torch.Tensor:
+    """One step, the one loop every variant and the sync count run: forward under autocast,
+    (scaled) backward, optimizer step, zero_grad. ``before()`` runs first (begin_step);
+    ``after_backward(loss)`` between the backward and the optimizer step (end_step)."""
+    if before is not None:
+        before()
+    with torch.autograd.detect_anomaly() if anomaly else contextlib.nullcontext():
+        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            loss = loss_fn(model, batch)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if after_backward is not None:
+        after_backward(loss)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _alone(fn, plain_median: float, repeats: int = 21) -> tuple[float, float]:
+    """(median seconds of fn(), that over the plain step): a part of the recorder timed by itself."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return med, med / plain_median
 
 
 def _rows(label: str, ratio: float, plain_ms: float, rounds: int, syncs: list[int] | None) -> list[str]:
@@ -223,47 +262,56 @@ def main(argv: list[str] | None = None) -> None:
                    optimizer=opt, layer_every=1, flush_every=50)
     rec10 = Recorder(f"{run_dir.name}/every10", model, amp_dtype=amp, scaler=scaler, optimizer=opt, layer_every=10,
                      flush_every=50)
+    rec_nocol = Recorder(f"{run_dir.name}/nocolumns", model, amp_dtype=amp, scaler=scaler, optimizer=opt,
+                         layer_every=1, flush_every=50)
+    rec_nocol._update_sample = None  # NB: bench only: the recorder without the update columns
+    rec_check = Recorder(f"{run_dir.name}/check", model, amp_dtype=amp, scaler=scaler, optimizer=opt,
+                         layer_every=1, flush_every=50, check_update=True)
+    rec_check._hook.remove()  # NB: its step post hook runs only in its own variant's steps (below)
+    recorders = {"recorder": rec, "recorder/10": rec10, "recorder, no update columns": rec_nocol,
+                 "recorder + check_update": rec_check}
     step_no = 0
     hot_path: list[float] = []  # begin_step + end_step inside the "recorder" steps
 
     def step(variant: str) -> float:
         nonlocal step_no
         batch = batches[step_no % len(batches)]
-        r = {"recorder": rec, "recorder/10": rec10}.get(variant)
-        anomaly = torch.autograd.detect_anomaly() if variant == "detect_anomaly" else contextlib.nullcontext()
+        r = recorders.get(variant)
+        marks: dict[str, float] = {}
+
+        def before():
+            if r is not None:
+                r.begin_step(step_no, batch)
+            if variant == "buffer copy":
+                tracker.begin()
+                copy_time.append(time.perf_counter() - t0)
+            marks["begun"] = time.perf_counter()
+
+        def after_backward(loss):
+            t2 = time.perf_counter()
+            if r is not None:
+                r.end_step(loss)
+            if variant == "recorder":
+                hot_path.append((marks["begun"] - t0) + (time.perf_counter() - t2))
+            if variant == "naive .item()":
+                naive_monitor(model)
+            if variant == "buffer copy":
+                tracker.end()
+
+        hook = opt.register_step_post_hook(rec_check._after_optimizer_step) if r is rec_check else None
         _sync(device)
         t0 = time.perf_counter()
-        if r is not None:
-            r.begin_step(step_no, batch)
-        if variant == "buffer copy":
-            tracker.begin()
-            copy_time.append(time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        with anomaly:
-            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-                loss = loss_fn(model, batch)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        t2 = time.perf_counter()
-        if r is not None:
-            r.end_step(loss)
-        if variant == "recorder":
-            hot_path.append((t1 - t0) + (time.perf_counter() - t2))
-        if variant == "naive .item()":
-            naive_monitor(model)
-        if variant == "buffer copy":
-            tracker.end()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, batch, opt, scaler, amp, device, anomaly=variant == "detect_anomaly",
+                   before=before, after_backward=after_backward)
         _sync(device)
         dt = time.perf_counter() - t0
+        if hook is not None:
+            hook.remove()
         step_no += 1
         return dt
 
-    variants = ["plain", "buffer copy", "recorder", "recorder/10", "naive .item()", "detect_anomaly"]
+    variants = ["plain", "buffer copy", "recorder", "recorder, no update columns", "recorder + check_update",
+                "recorder/10", "naive .item()", "detect_anomaly"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # detect_anomaly warns on every entry
@@ -277,8 +325,8 @@ def main(argv: list[str] | None = None) -> None:
             shuffle(order)
             for v in order:
                 times[v].append(step(v))
-    rec.close()
-    rec10.close()
+    for r in recorders.values():
+        r.close()
     run_dir.cleanup()
     syncs = count_syncs(model, batches, opt, scaler, amp, args.sync_steps) if device.type == "cuda" else None
 
@@ -313,6 +361,16 @@ def main(argv: list[str] | None = None) -> None:
     copies = sorted(c / p for c, p in zip(copy_time, plain))
     print(f"pre-step buffer copy alone / plain step: median {statistics.median(copies):.5f}, "
           f"max {copies[-1]:.5f} (median {statistics.median(copy_time) * 1e6:.0f} us)")
+    params = list(model.parameters())
+    sample = UpdateSample(params, device)
+    sample.measure()  # the first call only takes the sample; later ones compare
+    with torch.no_grad():
+        cols, cols_ratio = _alone(lambda: (sample.measure(), _sync(device)), statistics.median(plain))
+        check, check_ratio = _alone(lambda: UpdateCheck(params, device, True).nonfinite(), statistics.median(plain))
+    print(f"update columns alone (UpdateSample.measure, per recorded row) / plain step: {cols_ratio:.5f} "
+          f"(median {cols * 1e6:.0f} us)")
+    print(f"check_update's check alone (UpdateCheck.nonfinite, per optimizer step, one host sync) / plain step: "
+          f"{check_ratio:.5f} (median {check * 1e6:.0f} us)")
     if args.rows:
         label = f"{args.device} {args.dtype}, {n_params / 1e6:.1f}M params"
         with open(args.rows, "a", encoding="utf-8") as f:
