@@ -249,10 +249,11 @@ def _stalled_rows(frames: Frames) -> tuple[pl.DataFrame, str] | None:
     lb = frames.layer_bins
     if lb is None:
         return None
-    cols = "unch" in lb.columns and int(lb["n_upd"].sum()) > 0
-    version = frames.meta.get("format_version")
-    if not cols and not (isinstance(version, int) and version < 3):
-        return None  # format 3 without change values (never a second recorded row): nothing to judge
+    cols = "unch" in lb.columns
+    if cols and int(lb["n_upd"].sum()) == 0:
+        return None  # change columns without values (no second recorded row): nothing to judge
+    if not cols and "pn_lo" not in lb.columns:
+        return None
     sb = _stalled_bins(frames).sort("layer", "bin")
     sb = sb.with_columns(affected=pl.Series(_skip_affected(frames, sb)))
     normal = (pl.col("has_grad") & ~pl.col("stalled") & (pl.col("lg") > math.log10(ABS_SMALL))
