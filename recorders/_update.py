@@ -6,17 +6,23 @@ ulp of a BF16 weight rounds away. This module holds what the Recorder needs to s
 
 - ``UpdateSample``: the ``update_rms`` and ``unchanged_frac`` layer columns. A fixed sample of
   each parameter (all elements up to ``SAMPLE``, else ``BLOCKS`` evenly spaced runs of
-  contiguous elements; no RNG) is kept on the device
-  and compared with the weights at the next recorded layer row: no host sync, a handful of
-  kernels per dtype.
+  contiguous elements; no RNG) is kept on the device and compared with the weights at the next
+  recorded layer row: no host sync, a handful of kernels per parameter dtype.
 - ``optimizer_meta`` / ``optimizer_entry``: the optimizer's class and hyperparameters for
   meta.json, and its ``state_dict()`` (copied to CPU, ``weights_only``-loadable) for snapshots.
 - ``UpdateCheck``: ``check_update=True``'s test after every optimizer step, one fused norm over
   all parameters and one host sync; ``update_entry``: the ``update`` snapshot key.
 
 Example:
-    >>> sample = UpdateSample(list(model.parameters()), torch.device("cpu"))  # doctest: +SKIP
-    >>> rms, unchanged, has = sample.measure()   # first call: has is all False (nothing to compare)
+    >>> model = torch.nn.Linear(4, 2)
+    >>> sample = UpdateSample(list(model.parameters()), torch.device("cpu"))
+    >>> sample.measure()[2]    # first call: nothing to compare with yet
+    [False, False]
+    >>> with torch.no_grad():
+    ...     _ = model.weight.add_(1.0)
+    >>> rms, unchanged, has = sample.measure()
+    >>> rms.tolist(), unchanged.tolist(), has
+    ([1.0, 0.0], [0.0, 1.0], [True, True])
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ import torch
 
 from ._stats import _norms, local_tensor
 
-__all__ = ["SAMPLE", "BLOCKS", "sample_view", "UpdateSample", "UpdateCheck", "optimizer_class", "optimizer_meta", "optimizer_entry",
-           "update_entry"]
+__all__ = ["SAMPLE", "BLOCKS", "sample_view", "UpdateSample", "UpdateCheck", "optimizer_class", "optimizer_meta",
+           "optimizer_entry", "update_entry"]
 
 SAMPLE = 4096  # elements sampled per parameter for update_rms / unchanged_frac (at most)
 BLOCKS = 64    # ... in this many evenly spaced runs of contiguous elements
