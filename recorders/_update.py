@@ -113,8 +113,14 @@ class UpdateSample:
     def __init__(self, params: list[torch.Tensor], device: torch.device):
         self.params = params
         self.device = device
-        self._key: tuple = ()
-        self._groups: list[_Group] = []
+        # NB: laid out now, at setup: building the groups copies small index tensors to the device,
+        # which waits for it. measure() rebuilds only when a parameter's storage is replaced.
+        tensors = [local_tensor(p).detach() for p in params]
+        self._rebuild(tensors, self._key_of(tensors))
+
+    @staticmethod
+    def _key_of(tensors: list[torch.Tensor]) -> tuple:
+        return tuple((t.data_ptr(), t.dtype, t.numel()) for t in tensors)  # a new storage: p.data = ...
 
     def _rebuild(self, tensors: list[torch.Tensor], key: tuple) -> None:
         """Group the floating-point parameters by (device, dtype); every sample starts afresh."""
@@ -129,7 +135,7 @@ class UpdateSample:
         """Compare each parameter's sample with the previous call's and keep the new one."""
         n = len(self.params)
         tensors = [local_tensor(p).detach() for p in self.params]
-        key = tuple((t.data_ptr(), t.dtype, t.numel()) for t in tensors)  # a new storage: p.data = ...
+        key = self._key_of(tensors)
         if key != self._key:  # first call, or parameters replaced: start over
             self._rebuild(tensors, key)
         rms = torch.full((n,), float("nan"), dtype=torch.float32, device=self.device)

@@ -398,3 +398,30 @@ def test_an_update_snapshot_with_an_expanded_gradient_is_refused_naming_the_key(
     torch.save(snap, tmp_path / "s.pt")
     with pytest.raises(BadInputError, match=r"update\['grads'\]\['emb.weight'\]"):
         load_snapshot(tmp_path / "s.pt")
+
+
+# ---------------------------------------------------------------------------- CUDA (skipped without one)
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_check_update_adds_exactly_one_host_sync_per_optimizer_step_on_cuda(tmp_path):
+    model = build_mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = [{k: v.cuda() for k, v in b.items()} for b in batches(4)]
+    syncs = []
+    with Recorder(tmp_path, model, optimizer=opt, check_update=True, flush_every=100) as rec:
+        for step, batch in enumerate(data):
+            rec.begin_step(step, batch)
+            loss = mse_loss(model, batch)
+            loss.backward()
+            rec.end_step(loss)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()  # SGD's own CUDA step never syncs: what is counted is the hook's check
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+            opt.zero_grad(set_to_none=True)
+    assert syncs == [1] * 4
