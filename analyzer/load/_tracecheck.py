@@ -66,6 +66,27 @@ def _validate_param(p: Any, i: int, path) -> None:
         raise _bad_meta(path, f"params[{i}] numel {numel!r} is not a non-negative integer")
 
 
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _validate_optimizer(opt: Any, path) -> None:
+    """meta["optimizer"] (version 3): None, or {"class": str, "param_groups": [{hyperparameter: JSON
+    scalar or list of scalars, "params": [layer index or None]}]}, as the recorder writes it."""
+    if opt is None:
+        return
+    if not isinstance(opt, dict) or not isinstance(opt.get("class"), str) \
+            or not isinstance(opt.get("param_groups"), list):
+        raise _bad_meta(path, "optimizer should be null or {'class': str, 'param_groups': [...]}")
+    for i, group in enumerate(opt["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list) \
+                or not all(j is None or _whole(j, 0, 2**31) for j in group["params"]):
+            raise _bad_meta(path, f"optimizer param_groups[{i}] should hold 'params': a list of layer indices")
+        for key, v in group.items():
+            if key != "params" and not (_scalar(v) or (isinstance(v, list) and all(_scalar(x) for x in v))):
+                raise _bad_meta(path, f"optimizer param_groups[{i}] {key!r} is not a number, string or list of them")
+
+
 def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     """Check the meta.json values the analyzer uses; raise one BadInputError naming the file."""
     check_nesting(meta, path=path, what="meta.json")
@@ -82,6 +103,7 @@ def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     scaler = meta.get("scaler")
     if scaler is not None and not isinstance(scaler, dict):
         raise _bad_meta(path, f"scaler is a {type(scaler).__name__}, not a dict")
+    _validate_optimizer(meta.get("optimizer"), path)
     params = meta.get("params")
     if params is None:
         return

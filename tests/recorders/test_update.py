@@ -425,3 +425,37 @@ def test_check_update_adds_exactly_one_host_sync_per_optimizer_step_on_cuda(tmp_
             syncs.append(sum("synchroniz" in str(w.message) for w in caught))
             opt.zero_grad(set_to_none=True)
     assert syncs == [1] * 4
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+                          | st.text(max_size=10),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                      max_size=4), max_leaves=10),
+       where=st.sampled_from(["optimizer", "class", "param_groups", "group", "params", "lr"]))
+def test_a_hostile_meta_optimizer_loads_or_fails_with_one_bad_input_error(tmp_path_factory, fp16_run, value, where):
+    from analyzer.errors import BadInputError
+
+    meta = json.loads((fp16_run["run_dir"] / schema.META_FILE).read_text())
+    opt = meta["optimizer"]
+    if where == "optimizer":
+        meta["optimizer"] = value
+    elif where in ("class", "param_groups"):
+        opt[where] = value
+    elif where == "group":
+        opt["param_groups"][0] = value
+    else:
+        opt["param_groups"][0][where] = value
+    run = tmp_path_factory.mktemp("meta")
+    for sub in (schema.TRACE_DIR,):
+        (run / sub).mkdir()
+        for f in (fp16_run["run_dir"] / sub).iterdir():
+            (run / sub / f.name).write_bytes(f.read_bytes())
+    (run / schema.META_FILE).write_text(json.dumps(meta))
+    try:
+        loaded = load_run(run)
+    except BadInputError as e:
+        assert "\n" not in str(e) and schema.META_FILE in str(e)
+        return
+    got = loaded.meta["optimizer"]
+    assert got is None or all(isinstance(g["params"], list) for g in got["param_groups"])
