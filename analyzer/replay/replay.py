@@ -29,7 +29,7 @@ from ._shadow import shadow
 from .backends import backend_of, kernel_check
 from .records import Culprit, OpRecord
 from .result import ReplayResult
-from .update import replay_update, update_applies
+from .update import explained_by_update, replay_update, update_applies
 
 __all__ = ["replay_snapshot"]
 
@@ -65,8 +65,8 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     if rank is not None:
         path = os.fspath(sibling_snapshot(path, rank))
     snap = load_snapshot(path)
-    if update_applies(snap):  # the NaN was born in the optimizer step: recompute it, import no model code
-        return replay_update(path, snap)
+    if update_applies(snap) and (snap.reason == "update" or explained_by_update(path, snap)):
+        return replay_update(path, snap)  # the NaN was born in the optimizer step: recompute it, import no model code
     amp = _amp_dtype(path, snap)
     state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
     state = snap.model_state if state is None else state

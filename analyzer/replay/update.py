@@ -55,7 +55,7 @@ from ..load import Snapshot
 from .records import Culprit
 from .result import ReplayResult
 
-__all__ = ["update_applies", "update_forensics", "replay_update"]
+__all__ = ["explained_by_update", "update_applies", "update_forensics", "replay_update"]
 
 _EXAMPLES = 5
 _ADAM = ("Adam", "AdamW")
@@ -111,6 +111,14 @@ def update_applies(snap: Snapshot) -> bool:
     ms = snap.model_state or {}
     return any(_floating(ms.get(n)) and not bool(torch.isfinite(ms[n]).all())
                for n in opt["param_names"] if isinstance(n, str))
+
+
+def explained_by_update(path: str, snap: Snapshot) -> bool:
+    """For a snapshot that is not an ``update`` one: does the saved optimizer state explain its
+    non-finite weights? When no factor does (a weight poisoned outside the optimizer, say), the
+    forward/backward replay, which names the parameter as a non-finite input, is the honest answer."""
+    _, factor, _ = _verdict(update_forensics(path, snap))
+    return factor not in ("", "unexplained")
 
 
 def _num(v: Any) -> float | None:
