@@ -150,7 +150,8 @@ def test_hostile_hyperparameters_and_state_never_crash_the_optimizer_checks(tmp_
     sd["param_groups"][0].update(lr=lr, eps=eps, betas=(b1, b2))
     for s in sd["state"].values():
         s["exp_avg"].mul_(scale)
-        s["step"] = torch.tensor(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else step
+        numeric = isinstance(step, (int, float)) and not isinstance(step, bool) and not (isinstance(step, int) and abs(step) >= 2**63)
+        s["step"] = torch.tensor(step) if numeric else step  # an int past int64 stays a Python int: hostile too
     path = tmp_path / "h.pt"
     torch.save({"model": lin.state_dict(), "optimizer": sd}, path)
     try:

@@ -11,6 +11,8 @@ import math
 import shutil
 
 import polars as pl
+
+from analyzer.errors import AnalyzerError
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -151,7 +153,11 @@ def test_update_checks_never_fail_on_odd_update_columns_and_optimizer_meta(bf16_
                         update_rms=pl.when(odd).then(pl.lit(urms, pl.Float32)).otherwise("update_rms"),
                         param_norm=pl.when(odd).then(pl.lit(pnorm, pl.Float32)).otherwise("param_norm"),
                         ).write_parquet(part)
-    rep = build_report(out)
+    try:
+        rep = build_report(out)
+    except AnalyzerError as e:  # meta.json's optimizer is validated on load: damaged is one error naming it
+        assert "meta.json" in str(e)
+        return
     assert CHECK_FAILED not in [f.check for f in rep.findings]
     for f in rep.findings:
         json.dumps(f.to_dict(), allow_nan=False)
