@@ -41,7 +41,7 @@ def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
     """The answer, then ``evidence N/M`` sections: the report, then each replay (``ops`` around its culprit)."""
     lines = [f"amp-autopsy autopsy: {autopsy.run}", f"verdict: {autopsy.verdict}", "answer:"]
     lines += [f"  {line}" for line in autopsy.answer()]
-    if autopsy.replays:
+    if any(r.culprit is None or r.culprit["phase"] != "optimizer" for r in autopsy.replays):
         lines.append("  (replays run the failing step's forward and backward only, not the optimizer step)")
     # A replay that blames the same op as an earlier one is the answer's one "also" line; in full in --json.
     shared = dict(autopsy.shared)

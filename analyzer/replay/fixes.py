@@ -123,8 +123,11 @@ def try_fixes(path, result: ReplayResult, *, device: str = "auto", factory: str 
     if result.verdict == "nonfinite_input":
         return [_check_input(result)]
     if result.culprit["phase"] not in ("forward", "backward"):  # e.g. an optimizer update (replay/update.py)
-        return [_check_input(result, why=f"the NaN/Inf was made by {result.culprit['op']} in "
-                                         f"{result.culprit['module']}, which no fix of the forward or backward changes")]
+        op, where = result.culprit["op"], result.culprit["module"]
+        return [Fix(name="check_input", status="not_tried",
+                    title=f"change the optimizer's settings as the advice says: {op} in {where} made the NaN/Inf",
+                    detail="replay recomputes the update from the saved state; it cannot re-run the optimizer "
+                           "with other settings, and no fix of the forward or backward applies")]
     ctx = result.context if result.context is not None else _rebuild(path, device, factory, loss_fn, paths)
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
