@@ -38,13 +38,22 @@ def _evidence_line(f: Finding) -> str:
     return " ".join(f"{k}={_fmt(v)}" for k, v in f.evidence.items() if k not in skip and v is not None)
 
 
+def _precision(fr) -> str:
+    """``float16 AMP``; ``float16 parameters, no AMP`` for a pure low-precision run (meta's params)."""
+    if fr.amp_dtype:
+        return f"{fr.amp_dtype} AMP"
+    params = (fr.meta or {}).get("params") if isinstance(getattr(fr, "meta", None), dict) else None
+    low = sorted({p.get("dtype") for p in params or () if isinstance(p, dict)} & {"float16", "bfloat16"})
+    return f"{'/'.join(low)} parameters, no AMP" if low else "fp32/unknown AMP"
+
+
 def render_report_text(rep: Report) -> str:
     """Short verdict first, then findings by severity with their evidence numbers."""
     s = rep.steps_summary()
     fr = rep.frames
     kind = "amp-autopsy run" if rep.source_format == "amp-autopsy" else f"{rep.source_format} import"
     who = f"rank {rep.rank} of {fr.n_ranks}" if rep.rank is not None else f"{fr.n_ranks} rank(s)"
-    lines = [f"amp-autopsy report: {rep.run} ({kind}, {fr.amp_dtype or 'fp32/unknown'} AMP, {who}, "
+    lines = [f"amp-autopsy report: {rep.run} ({kind}, {_precision(fr)}, {who}, "
              f"steps {s.get('first')}..{s.get('last')}, {s.get('count')} steps)",
              f"Verdict: {rep.verdict}"]
     if rep.partial or rep.notes:

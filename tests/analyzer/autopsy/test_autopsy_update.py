@@ -19,6 +19,7 @@ def test_an_update_born_nan_is_answered_from_the_update_forensics_without_forwar
     # the optimizer is the culprit: no "look at the input", no "forward and backward only" caveat
     assert "look at the" not in answer and "forward and backward only" not in answer
     assert "not tried: change the optimizer's settings" in answer
+    assert "(amp-autopsy run, float16 parameters, no AMP," in text.output  # the report's header: model.half(), no autocast
 
     out = CliRunner().invoke(main, ["autopsy", str(info["run_dir"]), "--json"])
     doc = json.loads(out.output)
