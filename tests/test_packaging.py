@@ -28,7 +28,7 @@ def test_importing_recorders_loads_no_analyzer_dependency():
 def test_the_analyzer_console_script_prints_its_commands():
     out = subprocess.run([sys.executable, "-m", "analyzer.cli", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True)
-    for command in ("replay", "report", "inspect", "demo"):
+    for command in ("autopsy", "replay", "report", "inspect", "demo"):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
 
 
