@@ -17,6 +17,21 @@ import pytest
 __all__ = ["DemoRun", "demo_run", "sample_run"]
 
 DEMO_SCENARIO = "fp16_attention_overflow"
+
+# What each failing sample's first snapshot replays to, as its docstring argues: (sample, step,
+# verdict, culprit op, culprit module). Replay and autopsy tests both pin these.
+FAILING_SAMPLES = [
+    # q @ k^T unscaled, then the temperature jump: the matmul overflows FP16 in the first block's attention
+    ("fp16_attention_overflow", 24, "overflow", "aten.bmm", "blocks.0.attn"),
+    # (x - mean) / std without eps over a constant feature: 0/0 in FP32 as well
+    ("bf16_nan", 12, "numerical_bug", "aten.div", "norm"),
+    # a padded query row fully masked with -inf: softmax of it is NaN in any precision
+    ("masked_padding", 15, "numerical_bug", "aten._softmax", "blocks.0.attn"),
+    # a torch.library softplus that autocast feeds FP16
+    ("custom_op_outside_autocast", 28, "unregistered_op", "samples.softplus", "features.4"),
+    # log of a probability that is exactly 0
+    ("log_zero", 20, "numerical_bug", "aten.log", "<loss_fn>"),
+]
 _RUNS: dict[tuple, Path] = {}
 _DEMO: list[DemoRun] = []
 

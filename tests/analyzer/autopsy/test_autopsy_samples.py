@@ -16,7 +16,7 @@ import pytest
 from analyzer.autopsy import run_autopsy
 from analyzer.render import render_autopsy_text
 from samples._common import snapshots_of
-from tests.sample_runs import sample_run
+from tests.sample_runs import FAILING_SAMPLES, sample_run
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,7 @@ def _refuse(name):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("sample, step, verdict, op, module", [
-    ("fp16_attention_overflow", 24, "overflow", "aten.bmm", "blocks.0.attn"),
-    ("bf16_nan", 12, "numerical_bug", "aten.div", "norm"),
-    ("masked_padding", 15, "numerical_bug", "aten._softmax", "blocks.0.attn"),
-    ("custom_op_outside_autocast", 28, "unregistered_op", "samples.softplus", "features.4"),
-    ("log_zero", 20, "numerical_bug", "aten.log", "<loss_fn>"),
+@pytest.mark.parametrize("sample, step, verdict, op, module", FAILING_SAMPLES + [
     # never fail: no failure snapshot (healthy's one snapshot is a manual one), a report-only answer
     ("stalled_layers", None, "healthy", None, None),
     ("loss_outside_autocast", None, "healthy", None, None),

@@ -12,23 +12,12 @@ import pytest
 
 from analyzer.replay import replay_snapshot
 from samples._common import snapshots_of
-from tests.sample_runs import sample_run
+from tests.sample_runs import FAILING_SAMPLES, sample_run
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("sample, step, verdict, op, module", [
-    # q @ k^T unscaled, then the temperature jump: the matmul overflows FP16 in the first block's attention
-    ("fp16_attention_overflow", 24, "overflow", "aten.bmm", "blocks.0.attn"),
-    # (x - mean) / std without eps over a constant feature: 0/0 in FP32 as well
-    ("bf16_nan", 12, "numerical_bug", "aten.div", "norm"),
-    # a padded query row fully masked with -inf: softmax of it is NaN in any precision
-    ("masked_padding", 15, "numerical_bug", "aten._softmax", "blocks.0.attn"),
-    # a torch.library softplus that autocast feeds FP16
-    ("custom_op_outside_autocast", 28, "unregistered_op", "samples.softplus", "features.4"),
-    # log of a probability that is exactly 0
-    ("log_zero", 20, "numerical_bug", "aten.log", "<loss_fn>"),
-])
+@pytest.mark.parametrize("sample, step, verdict, op, module", FAILING_SAMPLES)
 def test_the_first_snapshot_of_a_failing_sample_replays_to_its_documented_verdict(tmp_path_factory, sample, step,
                                                                                    verdict, op, module):
     first = snapshots_of(sample_run(tmp_path_factory, sample))[0]
