@@ -82,6 +82,13 @@ def check_output_path(out: str | os.PathLike, *, inputs: list[str | os.PathLike]
     return target
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back at once: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` through a temporary file in the same directory and a rename."""
     out = Path(path)
@@ -91,6 +98,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            # mkstemp makes the file 0600; a page or plot to share gets the mode open() would give it
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException:
