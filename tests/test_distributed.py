@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from click.testing import CliRunner
 
+from analyzer.autopsy import run_autopsy
+from analyzer.cli import main
 from analyzer.load import load_snapshot
 from recorders import schema
 
@@ -110,7 +112,6 @@ def test_the_report_names_rank_1_and_the_step_its_loss_went_nan(runs):
 
 
 def test_the_report_cli_merges_both_ranks_and_narrows_to_one_with_rank(runs):
-    from analyzer.cli import main
 
     plain, _ = runs
     merged = CliRunner().invoke(main, ["report", str(plain), "--json"])
@@ -169,6 +170,32 @@ def test_with_sync_failures_every_unwrapped_rank_snapshots_the_failing_step_and_
     assert names == [schema.snapshot_name(2, 0, "peer_failure"), schema.snapshot_name(2, 1, "nonfinite_loss")]
     snap = load_snapshot(synced / schema.SNAPSHOT_DIR / names[0])
     assert (snap["rank"], snap["world_size"], snap["step"]) == (0, 2, 2)
+
+
+
+def test_autopsy_of_two_failing_ranks_replays_one_snapshot_each_and_answers_with_the_faulty_rank(runs):
+    # unwrapped_synced: rank 1's target holds an inf at NAN_STEP, rank 0 snapshots peer_failure
+    run_dir = runs[0].parent / "unwrapped_synced"
+    a = run_autopsy(run_dir, device="cpu")
+    assert [(p["rank"], p["step"], p["reason"]) for p in a.picked] == [(0, NAN_STEP, "peer_failure"),
+                                                                      (1, NAN_STEP, "nonfinite_loss")]
+    by_rank = {schema.SNAPSHOT_RE.match(r.snapshot.rsplit("/", 1)[-1])[2]: r.verdict for r in a.replays}
+    assert by_rank == {"00000": "healthy", "00001": "nonfinite_input"}
+    # rank 0 only stopped because its peer failed: the answer is rank 1's inf in the batch
+    assert a.verdict == "nonfinite_input" and a.primary.snapshot.endswith(
+        schema.snapshot_name(NAN_STEP, 1, "nonfinite_loss"))
+    answer = a.answer()
+    assert f", step {NAN_STEP}, rank 1 (" in answer[1]
+    assert any(line.startswith(f"also step {NAN_STEP}, rank 0 (peer_failure): healthy") for line in answer)
+
+
+def test_autopsy_rank_restricts_the_autopsy_to_that_ranks_snapshot(runs):
+    run_dir = runs[0].parent / "unwrapped_synced"
+    res = CliRunner().invoke(main, ["autopsy", str(run_dir), "--rank", "1", "--json", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [p["rank"] for p in out["picked"]] == [1] and out["verdict"] == "nonfinite_input"
+    assert out["report"]["rank"] == 1
 
 
 # ---------------------------------------------------------------- FSDP2: fully_shard, BF16 params, DCP
