@@ -112,7 +112,6 @@ def test_the_report_names_rank_1_and_the_step_its_loss_went_nan(runs):
 
 
 def test_the_report_cli_merges_both_ranks_and_narrows_to_one_with_rank(runs):
-
     plain, _ = runs
     merged = CliRunner().invoke(main, ["report", str(plain), "--json"])
     assert merged.exit_code == 0, merged.output
