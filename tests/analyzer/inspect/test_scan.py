@@ -111,6 +111,38 @@ def test_adam_moments_that_flush_in_every_chunk_are_counted_exactly(dtype, momen
     assert 0 < s.fp16_flush and (s.fp16_flush == x.numel()) == (moment == "exp_avg_sq")
 
 
+_KINDS = {  # what one chunk holds besides values |x| in [0.5, 1.5)
+    "healthy": [], "few flush": [2.0**-25, -1e-9, 3e-30], "all flush": None, "zero": [0.0],
+    "nan": [float("nan")], "overflow": [7e4], "bf16 flush": [-1e-41], "flush and zero": [1e-9, -0.0],
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1, max_size=14), chunk=st.integers(4, 40),
+       tail=st.integers(0, 3), nonneg_first=st.booleans(), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_runs_of_chunks_of_every_kind_in_any_order_give_what_real_casts_give(kinds, chunk, tail, nonneg_first,
+                                                                              seed, dtype):
+    # every path of Scanner._fold in any order: a chunk's kind decides whether it is counted, and the
+    # totals carry across chunks; a ragged tail; with and without a non-negative first chunk (the scan
+    # reads non-negative tensors without clearing sign bits until it meets one)
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for i, kind in enumerate(kinds):
+        x = torch.rand(chunk, generator=g) + 0.5
+        if not (nonneg_first and i == 0):
+            x *= torch.where(torch.rand(chunk, generator=g) < 0.5, -1.0, 1.0)
+        odd = _KINDS[kind]
+        if odd is None:
+            x *= 2.0**-26
+        else:
+            pos = torch.randperm(chunk, generator=g)[:len(odd)]
+            x[pos] = torch.tensor(odd[:len(pos)])
+        parts.append(x)
+    x = torch.cat(parts + [torch.rand(tail, generator=g) + 0.5]).to(dtype)
+    assert _got(scan_tensor(x, chunk)) == expected(x)
+
+
 _F32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
 _SPECIAL = st.sampled_from([0.0, -0.0, 65504.0, 65520.0, -65519.996, 2.0**-25, -(2.0**-24), 2.0**-134, 1e-45,
                             3.4e38, float("nan"), -float("inf")])
