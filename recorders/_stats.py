@@ -8,6 +8,7 @@ Sharded (FSDP2 ``DTensor``) parameters are measured on this rank's local shard.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -15,6 +16,7 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
+from ._norms import GradPass, norms
 
 __all__ = ["StepStats", "local_tensor"]
 
@@ -25,15 +27,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> torch.Tensor:
-    """Float32 L2 norm of each tensor, stacked on `device`; one fused kernel when possible."""
-    if single_device:
-        return torch.stack(torch._foreach_norm(tensors, 2, torch.float32))
-    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors])
-
-
 class StepStats:
     """Mixin of ``Recorder``: computes one step's trace row and per-layer statistics."""
+
+    @functools.cached_property
+    def _grad_pass(self) -> GradPass:
+        """The gradients' norms and zero counts in one read (its scratch buffer: made at first use)."""
+        return GradPass()
 
     def _scale_state(self) -> tuple[torch.Tensor | None, bool]:
         """(scale tensor used by this step's backward, whether the grads are already unscaled)."""
@@ -64,8 +64,11 @@ class StepStats:
         sel = None if len(idx) == len(params) else idx
 
         parts = []
+        # a planned layer row: the zero counts come out of the same read of the gradients as the norms
+        layer_due = step % self.config.layer_every == 0
+        nnz = None
         if grads:
-            gnorm = _norms(grads, self._device, self._single_device)
+            gnorm, nnz = self._grad_pass(grads, self._device, self._single_device, zeros=layer_due)
             if scale_t is not None and not unscaled:
                 gnorm = gnorm / scale_t.to(self._device)
             parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
@@ -98,8 +101,8 @@ class StepStats:
         if self.sync_failures and self.world_size > 1:
             failure, snap_reason = self._sync_failure(failure, snap_reason)
 
-        if grads and (step % self.config.layer_every == 0 or failure is not None):
-            self._layer_row(step, sel, grads, gnorm, counts)
+        if grads and (layer_due or failure is not None):
+            self._layer_row(step, sel, grads, gnorm, counts, None if cold else nnz)
         row = {
             "step": step,
             "rank": self.rank,
@@ -133,13 +136,13 @@ class StepStats:
             grad_norm = math.hypot(*norms)
         return gnorm, grad_norm, counts
 
-    def _layer_row(self, step, sel, grads, gnorm, counts) -> None:
+    def _layer_row(self, step, sel, grads, gnorm, counts, nnz) -> None:
+        """Store this step's per-layer row. `nnz`: the gradients' non-zero counts, or None to count
+        them here (an unplanned row, or a failing step whose NaNs make the fused count NaN)."""
         params = [local_tensor(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
-        pnorm = _norms(params, self._device, self._single_device)
-        # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
-        if self._single_device:
-            nnz = torch.stack([torch.count_nonzero(g) for g in grads])
-        else:
+        pnorm = norms(params, self._device, self._single_device)
+        if nnz is None:
+            # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
             nnz = torch.stack([torch.count_nonzero(g).to(self._device) for g in grads])
         where = None if sel is None else self._index(sel)
         numel = self._numel if where is None else self._numel.index_select(0, where)

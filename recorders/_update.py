@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ._stats import _norms, local_tensor
+from ._norms import norms
+from ._stats import local_tensor
 
 __all__ = ["SAMPLE", "BLOCKS", "sample_view", "UpdateSample", "UpdateCheck", "optimizer_class", "optimizer_meta",
            "optimizer_entry", "update_entry"]
@@ -176,7 +177,7 @@ class UpdateCheck:
         tensors = [local_tensor(p).detach() for p in self.params if p.numel()]
         if not tensors:
             return []
-        total = _norms(tensors, self.device, self.single_device).to(self.acc).sum()
+        total = norms(tensors, self.device, self.single_device).to(self.acc).sum()
         if math.isfinite(total.item()):  # NB: host sync: check_update's one per optimizer step
             return []
         return [i for i, p in enumerate(self.params)
