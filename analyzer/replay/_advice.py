@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from ._patterns import patterns
 from .backends import kernel_advice, kernel_summary
 
 __all__: list[str] = []
@@ -84,15 +85,53 @@ def _summary(verdict: str, c: dict | None, *, inputs: list[str] | None, scale: f
 
 def advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
            masks: list[str] | None = None, sdpa: dict | None = None,
-           tried: dict[str, bool] | None = None) -> list[str]:
+           tried: dict[str, bool] | None = None, scaler: bool = True, mode: str = "autocast",
+           low: str | None = None) -> list[str]:
     """The verdict's advice lines. `tried` (precision -> whether its replay was finite) keeps a
     line that recommends a precision only when that precision's replay was finite: it is dropped
-    when that replay failed, and marked "(untested)" when there was none."""
-    return respect_runs(_advice(verdict, c, inputs=inputs, scale=scale, masks=masks, sdpa=sdpa), tried)
+    when that replay failed, and marked "(untested)" when there was none.
+
+    `scaler` (whether the run had a GradScaler), `mode` (the precision mode: ``autocast``,
+    ``parameters``, ``fsdp_param_dtype``) and `low` (the run's low precision, None for FP32) keep
+    the advice to tools the run uses: ``scaler.unscale_`` only for a run with a GradScaler, "add a
+    GradScaler" only where one would work (FP16 autocast or FSDP, not FP16 parameters, whose
+    gradients ``unscale_`` refuses), "switch to BF16" not for a run already in BF16.
+    """
+    lines = _advice(verdict, c, inputs=inputs, scale=scale, masks=masks, sdpa=sdpa, scaler=scaler, mode=mode, low=low)
+    return respect_runs([a for a in lines if a], tried)  # "": no module to keep in FP32 (_keep_fp32)
+
+
+def _broken_weights(scaler: bool, mode: str, low: str | None) -> list[str]:
+    """What keeps an optimizer step from writing NaN/Inf into the weights, with the run's own tools."""
+    if scaler:
+        return [
+            "Lower the learning rate and clip gradients (torch.nn.utils.clip_grad_norm_) after scaler.unscale_(optimizer).",
+            "Make sure the optimizer steps through scaler.step(optimizer), which skips steps with inf/NaN gradients.",
+        ]
+    out = ["Lower the learning rate and clip gradients between backward and optimizer.step() with "
+           "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=True): it raises on a "
+           "NaN/Inf total norm instead of scaling every gradient by 0 (and inf * 0 = NaN)."]
+    if low == "float16" and mode == "parameters":
+        out.append("The parameters themselves are float16 and no GradScaler ran; none can (scaler.unscale_ refuses "
+                   "FP16 gradients). Keep FP32 master weights: build the model in FP32 and train under "
+                   "torch.autocast(device_type, dtype=torch.float16) with a torch.amp.GradScaler, which skips steps "
+                   "with inf/NaN gradients; until then, skip optimizer.step() when the total norm is not finite.")
+    elif low == "float16":
+        how = "FSDP computes in param_dtype=float16" if mode == "fsdp_param_dtype" else "This FP16 autocast run"
+        out.append(f"{how} without a GradScaler: add torch.amp.GradScaler (scaler.scale(loss).backward(), "
+                   "scaler.unscale_(optimizer) before clipping, scaler.step(optimizer), scaler.update()); it keeps "
+                   "small FP16 gradients from flushing to zero and skips steps with inf/NaN gradients.")
+    else:
+        prec = "BF16" if low == "bfloat16" else "FP32"
+        out.append(f"Skip a step whose gradients are NaN/Inf: take total = clip_grad_norm_(...) and call "
+                   f"optimizer.step() only when torch.isfinite(total) (a {prec} run needs no GradScaler; nothing "
+                   "else skips the step for you).")
+    return out
 
 
 def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, scale: float = 1.0,
-            masks: list[str] | None = None, sdpa: dict | None = None) -> list[str]:
+            masks: list[str] | None = None, sdpa: dict | None = None, scaler: bool = True,
+            mode: str = "autocast", low: str | None = None) -> list[str]:
     if verdict == "kernel_specific":
         return kernel_advice(c, sdpa)
     if verdict == "healthy":
@@ -108,8 +147,7 @@ def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
             out += [
                 "The weights were already NaN/Inf: an earlier step broke them. Replay the earliest "
                 "snapshot of the run, and look at `analyzer report` for the step where grads first blew up.",
-                "Lower the learning rate and clip gradients (torch.nn.utils.clip_grad_norm_) after scaler.unscale_(optimizer).",
-                "Make sure the optimizer steps through scaler.step(optimizer), which skips steps with inf/NaN gradients.",
+                *_broken_weights(scaler, mode, low),
             ]
         if any(i.startswith("batch:") for i in inputs or []):
             out += [
@@ -119,18 +157,20 @@ def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
         return out
     assert c is not None
     module, op = c["module"], c["op"]
-    keep = (f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) "
-            "with its inputs cast by .float().")
+    keep = _keep_fp32(module)
+    in_bf16 = c["precision"] == "bfloat16"  # then "switch to BF16" names what already failed
     if verdict == "overflow":
         out = []
         if _looks_like_attention(c):
             out.append("Divide the attention logits by sqrt(d): q @ k.transpose(-2, -1) / math.sqrt(head_dim), "
                        "or use F.scaled_dot_product_attention, which scales for you.")
+        where = "the loss" if module == "<loss_fn>" else f"`{module}`"
         out += [
-            "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, so this value fits.",
+            *([] if in_bf16 else
+              ["Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, so this value fits."]),
             keep,
             "If activations grow over training, lower the learning rate or add weight decay / normalisation "
-            f"before `{module}`.",
+            f"before {where}.",
         ]
         return out
     if verdict == "underflow":
@@ -140,7 +180,7 @@ def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
             "1e-5 as in nn.LayerNorm is safe), or clamp the value before this op: "
             f"x.clamp_min(torch.finfo(torch.{prec}).tiny).",
             keep,
-            "Switch to BF16: its smallest normal value is ~1e-38, the same as FP32.",
+            *([] if in_bf16 else ["Switch to BF16: its smallest normal value is ~1e-38, the same as FP32."]),
         ]
     if verdict == "unregistered_op":
         return [
@@ -156,7 +196,7 @@ def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
             "never recovers: check the scale trend with `analyzer report`.",
             "If it keeps happening, start lower (GradScaler(init_scale=2**10)) or reduce the loss with "
             "mean instead of sum so gradients are smaller.",
-            "BF16 needs no loss scaling at all.",
+            *([] if in_bf16 else ["BF16 needs no loss scaling at all."]),
         ]
     if verdict == "numerical_bug":
         out = []
@@ -191,6 +231,17 @@ def _advice(verdict: str, c: dict | None, *, inputs: list[str] | None = None, sc
     raise ValueError(verdict)
 
 
+def _keep_fp32(module: str) -> str:
+    """Keep the culprit's module in FP32; for the loss function, compute the loss in FP32; nothing
+    for the other places outside any module (``<autograd>``, ``<accumulate_grad>``), which no
+    autocast region covers."""
+    if module == "<loss_fn>":
+        return "Compute the loss in FP32: call the loss function on .float() inputs, outside any autocast block."
+    if module.startswith("<"):
+        return ""
+    return f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) with its inputs cast by .float()."
+
+
 def _looks_like_attention(c: dict) -> bool:
     module = c["module"].lower()
     op = c["op"].split(".")[-1]
@@ -214,6 +265,9 @@ _TAGS = (
     ("If it keeps happening, start lower", ("lower_scale",)),
     ("Register the op with autocast", ("op_fp32",)),
     ("Or cast its inputs to FP32", ("op_fp32",)),
+    # _precision.mode_advice's own lines for a run without autocast
+    ("Or train in bfloat16", ("bf16",)),
+    ("Or use MixedPrecisionPolicy(param_dtype=torch.bfloat16)", ("bf16",)),
 )
 _PRECISION_OF = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -251,8 +305,9 @@ def guard_expr(base: str | None, kind: str) -> str:
     return "x.clamp_min(torch.finfo(x.dtype).tiny)" if kind == "clamp" else "x + torch.finfo(x.dtype).eps"
 
 
-def _fix_line(fix, c) -> str:
-    """The advice a verified fix stands for."""
+def _fix_line(fix, c, mode: str = "autocast") -> str:
+    """The advice a verified fix stands for, in the terms of the run's precision mode (a run
+    without autocast switches precision by its parameters' dtype, not by autocast's)."""
     name = fix.name
     if name == "module_fp32":
         which = f"`{c['module']}` and every other module of its class" if " of its class " in fix.title \
@@ -262,10 +317,24 @@ def _fix_line(fix, c) -> str:
     if name == "op_fp32":
         return (f"Compute {c['op']} (at {c.get('source') or c['module']}) in FP32 and cast the result back: "
                 "wrap the call in torch.autocast(device_type, enabled=False) with .float() inputs.")
+    if name == "bf16" and mode == "parameters":
+        return "Train in bfloat16 instead (model.to(torch.bfloat16)): it has FP32's range and needs no loss scaling."
+    if name == "bf16" and mode == "fsdp_param_dtype":
+        return "Use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range and needs no loss scaling."
     if name == "bf16":
         return "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler."
+    if name == "fp32" and mode == "parameters":
+        return "Train this model in FP32: keep its parameters float32 (no .half() / .to(torch.bfloat16))."
+    if name == "fp32" and mode == "fsdp_param_dtype":
+        return "Shard this model without a low param_dtype (MixedPrecisionPolicy(param_dtype=torch.float32))."
     if name == "fp32":
         return "Train this model in FP32 (no autocast)."
+    if name == "lower_scale" and mode == "parameters":
+        s = fix.max_safe_scale
+        return (f"Scale the loss down before backward: (loss * {s:g}).backward() (the largest power of two whose "
+                f"backward of this step is finite). The gradients stay {1 / s:g}x smaller: Adam's update ignores that "
+                f"(up to eps), SGD needs a {1 / s:g}x larger lr. A GradScaler cannot do this for float16 parameters "
+                "(scaler.unscale_ refuses FP16 gradients).")
     if name == "lower_scale":
         s = fix.max_safe_scale
         return (f"Start the GradScaler at or below {s:g}: GradScaler(init_scale={s:g}) "
@@ -283,7 +352,8 @@ def with_status(result, fixes: list) -> list[tuple[str, str, str | None]]:
     """
     by_name = {f.name: f for f in fixes}
     c = result.culprit
-    out = [(_fix_line(f, c), "verified", f.name) for f in fixes if f.status == "verified" and c is not None]
+    out = [(_fix_line(f, c, result.precision_mode), "verified", f.name)
+           for f in fixes if f.status == "verified" and c is not None]
     out += [(text, "untested", None) for text in patterns(result)]
     tried = {p: bool(r.get("finite")) for p, r in (result.runs or {}).items()}
     for line in respect_runs(list(result.advice), tried):
@@ -295,93 +365,3 @@ def with_status(result, fixes: list) -> list[tuple[str, str, str | None]]:
             continue
         out.append((line, "untested", mine[0].name if mine else None))
     return out
-
-
-# -- hand-written patterns around the culprit ------------------------------------------------------
-_THROUGH = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t",
-                      "aten.transpose", "aten.expand", "aten.clone", "aten.contiguous", "aten.gather",
-                      "aten.index", "aten.select", "aten.slice", "aten.squeeze", "aten.unsqueeze",
-                      "aten.reshape", "aten.permute", "aten.neg", "aten.clamp", "aten.clamp_min"})
-_NODE_OPS = {"Log": "aten.log", "Sqrt": "aten.sqrt", "Rsqrt": "aten.rsqrt", "Div": "aten.div", "Pow": "aten.pow"}
-
-
-def _producer(run, i: int | None) -> int | None:
-    """The op that computed op `i`'s first floating input, looking through casts, views, gathers."""
-    while i is not None:
-        rec = run.records[i]
-        p = next((p for _, p in rec.inputs if p is not None), None)
-        if p is None or run.records[p].name not in _THROUGH:
-            return p
-        i = p
-    return None
-
-
-def _forward_op(run, c) -> int | None:
-    """The culprit's own op in forward, or the forward op whose backward node failed."""
-    if c["phase"] == "forward":
-        return c["index"]
-    node = c.get("node") or ""
-    op = next((v for k, v in _NODE_OPS.items() if node.startswith(k + "Backward")), None)
-    if op is None:
-        return None
-    return next((r.index for r in run.records if r.phase == "forward" and r.name == op
-                 and r.source == c.get("source") and r.module == c["module"]), None)
-
-
-def patterns(result) -> list[str]:
-    """Advice for a hand-written pattern recognised in the ops that fed the culprit (untested)."""
-    c, run = result.culprit, result.culprit_trace
-    if c is None or run is None or result.verdict in ("healthy", "nonfinite_input"):
-        return []
-    out = []
-    node = c.get("node") or ""
-    i = _forward_op(run, c)
-    name = run.records[i].name if i is not None else None
-    p = _producer(run, i) if i is not None else None
-    src = run.records[p].name if p is not None else None
-    before = _producer(run, p) if src == "aten.rsub" else None
-    if name == "aten.log" and before is not None and run.records[before].name == "aten.sigmoid":
-        out.append("log(1 - sigmoid(x)) rounds to log(0) once sigmoid(x) rounds to 1: use "
-                   "torch.nn.functional.logsigmoid(-x) for log(1 - sigmoid(x)), or compute the whole loss with "
-                   "torch.nn.functional.binary_cross_entropy_with_logits(x, y) on the logits.")
-    elif name == "aten.log" and src == "aten.sigmoid":
-        out.append("log(sigmoid(x)) rounds to log(0) once sigmoid(x) rounds to 0: use "
-                   "torch.nn.functional.logsigmoid(x), or binary_cross_entropy_with_logits on the logits.")
-    elif name == "aten.log" and src in ("aten._softmax", "aten.softmax"):
-        out.append("log(softmax(x)) is log(0) once a probability rounds to 0: use "
-                   "torch.nn.functional.log_softmax(x, dim), or cross_entropy on the logits.")
-    if name in ("aten.sqrt", "aten.rsqrt") and src == "aten.sum" and _squares(run, _producer(run, p)):
-        out.append("sqrt(sum(x**2)) has an infinite derivative where x is all zeros: use "
-                   "torch.linalg.vector_norm(x, dim=...) or put an eps inside the sqrt: sqrt(sum(x**2) + eps).")
-    elif "NormBackward" in node:
-        out.append("The gradient of a norm is NaN/Inf where its input is all zeros: add an eps "
-                   "(x.norm(dim=...).clamp_min(eps)) or use torch.linalg.vector_norm with an eps inside a sqrt.")
-    fill = _mask_fill(run, c, result)
-    if fill:
-        out.append(f"A mask filled with {fill} turns a row whose every entry is masked into NaN/Inf (-inf - -inf; "
-                   "float32's finfo.min is -inf once cast to a 16-bit dtype, and finfo.min plus anything overflows): "
-                   "fill with a finite value of the scores' own dtype, built after any cast (-1e4 in FP16), or "
-                   "drop the rows that have no unmasked entry.")
-    return out
-
-
-def _squares(run, i: int | None) -> bool:
-    if i is None:
-        return False
-    rec = run.records[i]
-    if rec.name == "aten.pow":
-        return True
-    ps = [p for _, p in rec.inputs]
-    return rec.name == "aten.mul" and len(ps) == 2 and ps[0] is not None and ps[0] == ps[1]
-
-
-def _mask_fill(run, c, result) -> str | None:
-    """"-inf" or "finfo.min" when such a fill fed the culprit's failure, else None."""
-    if c.get("literal_nonfinite") or result.mask_inputs:
-        return "-inf"
-    big = {_MAX["float16"], _MAX["bfloat16"], _MAX["float32"]}
-    for rec in run.records[:c["index"]]:
-        if rec.name in ("aten.masked_fill", "aten.masked_fill_", "aten.where", "aten.full", "aten.fill_") \
-                and any(run.absmax[s] in big for s in rec.outputs):
-            return "torch.finfo(dtype).min"
-    return None

@@ -247,8 +247,9 @@ def mode_advice(mode: PrecisionMode, verdict: str, culprit: Mapping | None, advi
                       f"{mode.dtype}. Keep FP32 master weights: build the model in FP32 and train under "
                       f"torch.autocast(device_type, dtype=torch.{mode.dtype})"
                       + (" with a torch.amp.GradScaler." if mode.dtype == "float16" else "."))
-        out.append(f"Or keep `{module}` in FP32: `{module}`.float(), with its input cast by .float() and its "
-                   f"output cast back with .to(torch.{mode.dtype}).")
+        if not module.startswith("<"):  # <loss_fn>, <autograd>: no module to call .float() on
+            out.append(f"Or keep `{module}` in FP32: `{module}`.float(), with its input cast by .float() and its "
+                       f"output cast back with .to(torch.{mode.dtype}).")
         if mode.dtype == "float16" and verdict == "overflow":
             out.append("Or train in bfloat16 (model.to(torch.bfloat16)): it has FP32's range, so this value fits.")
     else:
