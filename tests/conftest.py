@@ -1,4 +1,9 @@
-"""Shared pytest setup: deterministic, single-threaded torch so the suite behaves on 2 cores."""
+"""Shared pytest setup: deterministic, single-threaded torch so the suite behaves on 2 cores.
+
+Also the session's shared recordings of ``tests/update_runs.py`` (issue 13: no test trains the
+same scenario twice): each run is trained once, on first use, and only read by the tests (a test
+that writes into a run directory copies it first).
+"""
 from __future__ import annotations
 
 import pytest
@@ -13,3 +18,25 @@ def pytest_configure(config):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def _recorded(factory: pytest.TempPathFactory, name: str, record, **kwargs) -> dict:
+    with torch.random.fork_rng():  # the runs seed nothing global; keep them off the tests' RNG
+        torch.manual_seed(0)
+        return record(factory.mktemp(name) / "run", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def fp16_adam_eps_update_run(tmp_path_factory) -> dict:
+    """``update_runs.record_fp16_adam_eps(check_update=True)``: its info dict (run_dir, snapshots...)."""
+    from tests import update_runs
+
+    return _recorded(tmp_path_factory, "fp16_adam_eps_update", update_runs.record_fp16_adam_eps, check_update=True)
+
+
+@pytest.fixture(scope="session")
+def clip_inf_update_run(tmp_path_factory) -> dict:
+    """``update_runs.record_clip_inf(check_update=True)``: its info dict."""
+    from tests import update_runs
+
+    return _recorded(tmp_path_factory, "clip_inf_update", update_runs.record_clip_inf, check_update=True)

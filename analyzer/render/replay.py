@@ -6,7 +6,7 @@ import os
 
 from ..replay.result import ReplayResult
 
-__all__ = ["render_replay_text", "plot_replay"]
+__all__ = ["render_replay_text", "plot_replay", "replay_figure"]
 
 def _num(v) -> str:
     if v is None:
@@ -137,14 +137,18 @@ def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
     """Write a PNG of ``plots.plot_replay_ops``: per-op output abs-max along execution order, one
     line per precision, the forward/backward boundary, the culprit, and a zoom on the ops around it.
 
+    An update snapshot's result (``result.update`` set, no forward/backward runs) gets
+    ``update_plot.plot_update_forensics`` instead: per parameter, the factor that made its
+    elements NaN/Inf and the values the update read there.
+
     Written atomically (a crash leaves the old file or the new one).
     """
     import io
 
     from .outputs import atomic_write_bytes
-    from .plots import plot_replay_ops, plt  # the Agg backend is chosen there, once
+    from .plots import plt  # the Agg backend is chosen there, once
 
-    fig = plot_replay_ops(result)
+    fig = replay_figure(result)
     try:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
@@ -152,3 +156,12 @@ def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
         plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return os.fspath(path)
+
+
+def replay_figure(result: ReplayResult):
+    """The matplotlib Figure ``plot_replay`` writes: the per-op figure of a forward/backward
+    replay, or the update forensics' figure when ``result.update`` is set (no runs to draw)."""
+    from .plots import plot_replay_ops
+    from .update_plot import plot_update_forensics
+
+    return plot_update_forensics(result) if result.update is not None else plot_replay_ops(result)

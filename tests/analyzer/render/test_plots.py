@@ -30,9 +30,12 @@ def _artists(fig):
     for ax in fig.axes:
         yield from ax.lines
         yield from ax.collections
+        yield from ax.containers  # bars: one legend entry per BarContainer
 
 
 def _draws(artist) -> bool:
+    if hasattr(artist, "patches"):
+        return any(p.get_width() and p.get_height() for p in artist.patches)
     if hasattr(artist, "get_xydata"):
         xy = np.asarray(artist.get_xydata(), dtype=float)
         return bool(xy.size) and bool(np.isfinite(xy).all(axis=1).any())
