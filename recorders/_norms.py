@@ -4,18 +4,20 @@ The Recorder's per-layer statistics were three passes over memory per recorded s
 ``_foreach_norm`` of the gradients, one of the parameters, and a ``count_nonzero`` per gradient,
 which is a scalar loop on CPU (~2.5x a norm). ``GradPass`` fuses the gradient norm and the zero
 count on CPU: each float32 gradient is cut into pieces of ``CHUNK`` elements that fit in L2, and
-while a piece is in cache it is reduced twice with vectorised kernels, its sum of squares
-(``torch.dot(p, p)``) and its number of non-zeros (``torch.dot(s, s)`` with ``s = sign(p)``:
-every term is 0 or 1, so the float32 sum is an exact integer below 2**24). Pieces are summed per
-tensor in float64.
+while a piece is in cache it is reduced twice with vectorised kernels: its float32 L2 norm (the
+kernel ``_foreach_norm`` runs per tensor on CPU) and its number of non-zeros (``torch.dot(s, s)``
+with ``s = sign(p)``: every term is 0 or 1, so the float32 sum is an exact integer below 2**24).
+Steps without a layer row take the norms alone, of the same pieces, with one ``_foreach_norm``:
+the same values. Pieces' squared norms are summed per tensor in float64.
 
-NB: the norms are float32 sums of squares of at most ``CHUNK`` terms, combined in float64: more
-accurate than one float32 sum over the whole tensor (``_foreach_norm``, ~5e-4 relative error on
-3M elements), so they differ from it in the last digits. A piece whose float32 sum overflows gives
-an infinite norm, as ``_foreach_norm`` does, and the Recorder's cold path measures it in float64.
-The zero count of a piece holding NaN is wrong (``sign(NaN)`` is 0 or NaN depending on the
-kernel): the Recorder recounts failing steps, where a NaN makes the norm NaN, with ``count_nonzero``. Other devices and dtypes (CUDA's fused kernels, FP16/BF16 gradients) keep
-``_foreach_norm`` and ``count_nonzero``.
+NB: a tensor of at most ``CHUNK`` elements keeps its ``_foreach_norm`` value bit for bit; a
+larger one gets a norm more accurate than one float32 sum over the whole tensor (~5e-4 relative
+error on 3M elements), so it differs from the old value in the last digits. A piece whose float32
+sum of squares overflows gives an infinite norm, as ``_foreach_norm`` does, and the Recorder's
+cold path measures it in float64. The zero count of a piece holding NaN is wrong (``sign(NaN)``
+is 0 or NaN depending on the kernel): the Recorder recounts failing steps, where a NaN makes the
+norm NaN, with ``count_nonzero``. Other devices and dtypes (CUDA's fused kernels, FP16/BF16
+gradients) keep ``_foreach_norm`` and ``count_nonzero``.
 
 Example:
     >>> grads = [torch.tensor([3.0, 0.0, 4.0]), torch.zeros(2)]
@@ -78,24 +80,30 @@ class GradPass:
             return empty, (empty.double() if zeros else None)
         if self._scratch is None:
             self._scratch = torch.zeros(CHUNK, dtype=torch.float32)
-        scratch = self._scratch
-        squares: list[torch.Tensor] = []
-        nonzero: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
         pieces_of: list[int] = []
         for t in tensors:
             flat = _flat(t)
-            pieces = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
-            pieces_of.append(len(pieces))
-            for p in pieces:
-                squares.append(torch.dot(p, p))
-                if zeros:  # p is in cache now: the second read costs no memory traffic
-                    s = torch.sign(p, out=scratch[:p.numel()])
-                    nonzero.append(torch.dot(s, s))
-        lengths = self._lengths(tuple(pieces_of))
-        total = torch.segment_reduce(torch.stack(squares).double(), "sum", lengths=lengths, unsafe=True)
+            cut = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
+            pieces.extend(cut)
+            pieces_of.append(len(cut))
         nnz = None
         if zeros:
+            scratch = self._scratch
+            piece_norms, nonzero = [], []
+            for p in pieces:
+                piece_norms.append(torch.linalg.vector_norm(p))  # the kernel _foreach_norm runs per tensor on CPU
+                # p is in L2 now: the second read costs no memory traffic
+                s = torch.sign(p, out=scratch if p.numel() == CHUNK else scratch[:p.numel()])
+                nonzero.append(torch.dot(s, s))
+            piece_norm = torch.stack(piece_norms)
+        else:
+            piece_norm = torch.stack(torch._foreach_norm(pieces))
+        lengths = self._lengths(tuple(pieces_of))
+        if zeros:
             nnz = torch.segment_reduce(torch.stack(nonzero).double(), "sum", lengths=lengths, unsafe=True)
+        # NB: a float32 squared is exact in float64, so a tensor of one piece keeps its float32 norm bit for bit
+        total = torch.segment_reduce(piece_norm.double().square_(), "sum", lengths=lengths, unsafe=True)
         return total.sqrt_().float(), nnz
 
     def _lengths(self, key: tuple[int, ...]) -> torch.Tensor:

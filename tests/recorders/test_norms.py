@@ -67,6 +67,9 @@ def test_the_fused_pass_counts_exactly_what_count_nonzero_counts_on_a_real_model
     # norm within float32 rounding (the pieces' sums are short and combined in float64)
     assert new_norm.tolist() == pytest.approx(old_norm.tolist(), rel=1e-4)
     assert new_norm.tolist() == pytest.approx(exact_norms(grads), rel=1e-6)
+    # a tensor of one piece keeps the old value bit for bit
+    assert [n for n, g in zip(new_norm.tolist(), grads) if g.numel() <= CHUNK] == \
+        [n for n, g in zip(old_norm.tolist(), grads) if g.numel() <= CHUNK]
 
 
 def test_without_zeros_the_pass_gives_the_same_norms_and_no_counts():
