@@ -40,3 +40,27 @@ def clip_inf_update_run(tmp_path_factory) -> dict:
     from tests import update_runs
 
     return _recorded(tmp_path_factory, "clip_inf_update", update_runs.record_clip_inf, check_update=True)
+
+
+@pytest.fixture(scope="session")
+def fp16_adam_eps_run(tmp_path_factory) -> dict:
+    """``update_runs.record_fp16_adam_eps()`` without check_update: its info dict."""
+    from tests import update_runs
+
+    return _recorded(tmp_path_factory, "fp16_adam_eps", update_runs.record_fp16_adam_eps)
+
+
+@pytest.fixture(scope="session")
+def bf16_stall_run(tmp_path_factory) -> dict:
+    """``update_runs.record_bf16_stall()``: a pure-BF16 MLP whose ``2.weight`` never changes."""
+    from tests import update_runs
+
+    return _recorded(tmp_path_factory, "bf16_stall", update_runs.record_bf16_stall)
+
+
+@pytest.fixture(scope="session")
+def fp32_stall_run(tmp_path_factory) -> dict:
+    """``update_runs.record_fp32_stall()``: the same model and data in FP32, every layer changing."""
+    from tests import update_runs
+
+    return _recorded(tmp_path_factory, "fp32_stall", update_runs.record_fp32_stall)

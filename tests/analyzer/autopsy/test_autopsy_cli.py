@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from analyzer.cli import main
 from recorders import schema
 
-from .autopsy_runs import INF_STEP, record_inf_target_run
+from .autopsy_runs import INF_STEP
 
 
 def _refuse_constant(name: str):
@@ -30,8 +30,8 @@ def _invoke(*args: str):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return record_inf_target_run(tmp_path_factory.mktemp("autopsy") / "run")
+def run_dir(inf_target_run) -> Path:
+    return inf_target_run  # shared with test_autopsy_hostile.py (tests/analyzer/conftest.py); tests copy before writing
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from recorders import schema
 from tests.hostile_corpus import CASES
 from tests.test_hostile_inputs import SURVIVABLE, assert_one_error_line, tree_hash
 
-from .autopsy_runs import INF_STEP, record_inf_target_run
+from .autopsy_runs import INF_STEP
 
 # checkpoints and safetensors files are inspect's input, never an autopsy's
 _RUNS = [(n, b) for n, b in CASES if n not in SURVIVABLE and not n.startswith(("checkpoint ", "safetensors "))]
@@ -26,8 +26,8 @@ def _args(build, where: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def good_run(tmp_path_factory) -> Path:
-    return record_inf_target_run(tmp_path_factory.mktemp("good") / "run")
+def good_run(inf_target_run) -> Path:
+    return inf_target_run  # shared with test_autopsy_cli.py (tests/analyzer/conftest.py); copied before writing
 
 
 @pytest.mark.parametrize("name, build", _RUNS, ids=[c[0] for c in _RUNS])

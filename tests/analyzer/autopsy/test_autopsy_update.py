@@ -6,11 +6,11 @@ import json
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from tests.update_runs import record_fp16_adam_eps
 
 
-def test_an_update_born_nan_is_answered_from_the_update_forensics_without_forward_backward_wording(tmp_path):
-    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+def test_an_update_born_nan_is_answered_from_the_update_forensics_without_forward_backward_wording(
+        fp16_adam_eps_update_run):
+    info = fp16_adam_eps_update_run  # tests/conftest.py: record_fp16_adam_eps(check_update=True), once per session
     text = CliRunner().invoke(main, ["autopsy", str(info["run_dir"])])
     assert text.exit_code == 0, text.output
     answer = text.output.split("evidence 1/")[0]

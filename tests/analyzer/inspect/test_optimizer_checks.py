@@ -164,11 +164,11 @@ def test_hostile_hyperparameters_and_state_never_crash_the_optimizer_checks(tmp_
             assert all(0 <= p["fraction"] <= 1 and math.isfinite(p["fraction"]) for p in f.evidence["params"].values())
 
 
-def test_acceptance_inspect_of_the_fp16_adam_eps_runs_model_and_optimizer_gives_optimizer_eps_underflow(tmp_path):
+def test_acceptance_inspect_of_the_fp16_adam_eps_runs_model_and_optimizer_gives_optimizer_eps_underflow(
+        tmp_path, fp16_adam_eps_update_run):
     from analyzer.load import load_snapshot
-    from tests.update_runs import record_fp16_adam_eps
 
-    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+    info = fp16_adam_eps_update_run  # tests/conftest.py: record_fp16_adam_eps(check_update=True)
     snap = load_snapshot(next(p for p in info["snapshots"] if p.stem.endswith("-update")))
     path = tmp_path / "ckpt.pt"  # the checkpoint a training script would save at that step
     torch.save({"model": snap.model_state, "optimizer": snap.optimizer["state_dict"]}, path)
@@ -176,10 +176,9 @@ def test_acceptance_inspect_of_the_fp16_adam_eps_runs_model_and_optimizer_gives_
     assert f.evidence["dtype"] == info["dtype"] and f.evidence["eps"] == info["eps"]
 
 
-def test_inspect_of_an_update_snapshot_maps_its_optimizer_state_by_name_and_gives_optimizer_eps_underflow(tmp_path):
-    from tests.update_runs import record_fp16_adam_eps
-
-    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+def test_inspect_of_an_update_snapshot_maps_its_optimizer_state_by_name_and_gives_optimizer_eps_underflow(
+        fp16_adam_eps_update_run):
+    info = fp16_adam_eps_update_run  # tests/conftest.py: record_fp16_adam_eps(check_update=True)
     result = inspect_checkpoints(next(p for p in info["snapshots"] if p.stem.endswith("-update")))
     opt = result.files[0].ckpt.optimizers[0]
     assert opt.mapping == "param_names"  # from the snapshot's param_names, not a guess by order

@@ -125,18 +125,14 @@ def _exact_weights(model):
 
 
 @pytest.fixture(scope="module")
-def replays(tmp_path_factory):
-    g = torch.Generator().manual_seed(0)
+def replays(tmp_path_factory, fp16_attention_replay):
     d = tmp_path_factory.mktemp("replays")
     out = {}
     out["identical"] = replay_snapshot(rm.record_step(
         d / "exact", factory="build_mlp", loss_fn="mse", batch={"x": torch.ones(4, 4), "y": torch.zeros(4, 1)},
         amp_dtype=torch.float16, manual=True, inject=_exact_weights), dtypes=["fp32", "fp16", "bf16"])
-    # gain 8: unscaled attention logits ~1e5 > 65504 (the overflow pinned in test_replay.py)
-    out["overflow"] = replay_snapshot(rm.record_step(
-        d / "attn", factory="build_attention", loss_fn="attention_mse", factory_kwargs={"d": 8, "gain": 8.0},
-        batch={"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)},
-        amp_dtype=torch.float16), dtypes=["fp32", "fp16", "bf16"])
+    # gain 8: unscaled attention logits ~1e5 > 65504 (the overflow pinned in test_replay.py; tests/analyzer/conftest.py)
+    out["overflow"] = fp16_attention_replay
     # gain 10: p(class 2) ~ 4e-18 rounds to 0 in FP16, then log(0) (pinned in test_replay.py)
     out["underflow"] = replay_snapshot(rm.record_step(
         d / "under", factory="build_classifier", loss_fn="log_prob_loss", factory_kwargs={"gain": 10.0},

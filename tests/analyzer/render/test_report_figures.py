@@ -39,20 +39,17 @@ def test_imported_log_reports_without_layer_plots(tmp_path):
     assert any("no per-layer gradient norms" in n for n in rep.notes)
 
 
-def test_html_snapshot_links_are_relative_and_still_resolve_after_moving_page_and_run(tmp_path):
+def test_html_snapshot_links_are_relative_and_still_resolve_after_moving_page_and_run(tmp_path, fp16_attention_step):
     import re
     import shutil
     from pathlib import Path
 
-    import torch
+    from ..conftest import copy_run
 
-    from ..replay import replay_models as rm
-
-    # a real recorded failure: an FP16 attention step whose logits overflow (test_replay.py)
-    g = torch.Generator().manual_seed(0)
-    snap = rm.record_step(tmp_path / "work" / "run", factory="build_attention", loss_fn="attention_mse",
-                          factory_kwargs={"d": 8, "gain": 8.0}, amp_dtype=torch.float16,
-                          batch={"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)})
+    # a real recorded failure: an FP16 attention step whose logits overflow (test_replay.py); a copy
+    # of the session's shared run, since this test moves it
+    copy_run(fp16_attention_step.parents[1], tmp_path / "work" / "run")
+    snap = tmp_path / "work" / "run" / "snapshots" / fp16_attention_step.name
     rep = build_report(tmp_path / "work" / "run")
     page = write_html(rep, tmp_path / "work" / "pages" / "r.html").read_text()
     hrefs = re.findall(r"<a href='([^']*)'", page)

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from analyzer.replay import Advice, _advice, advice_with_status, replay_snapshot, try_fixes
 
 from . import fix_models as fm
-from . import replay_models as rm
 
 
 def _recommends_bf16(text: str) -> bool:
@@ -22,9 +21,8 @@ def _recommends_bf16(text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def bce_snapshot(tmp_path_factory):
-    return fm.record(tmp_path_factory.mktemp("bce"), factory="build_logit", loss_fn="bce_loss",
-                     batch=fm.bce_batch(), amp_dtype=torch.float16)
+def bce_snapshot(bce_step):
+    return bce_step  # the hand-written BCE of issue 14 (tests/analyzer/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +67,8 @@ def test_replay_drops_switch_to_bf16_when_the_bf16_replay_is_non_finite(bce_snap
 
 
 @pytest.fixture(scope="module")
-def attention(tmp_path_factory):
-    g = torch.Generator().manual_seed(0)
-    return rm.record_step(tmp_path_factory.mktemp("attn"), factory="build_attention", loss_fn="attention_mse",
-                          factory_kwargs={"d": 8, "gain": 8.0}, amp_dtype=torch.float16,
-                          batch={"x": torch.randn(2, 8, 8, generator=g) * 10,
-                                 "y": torch.randn(2, 8, 1, generator=g)})
+def attention(fp16_attention_step):
+    return fp16_attention_step  # unscaled FP16 attention logits past 65504 (tests/analyzer/conftest.py)
 
 
 def test_replay_keeps_switch_to_bf16_unmarked_when_the_bf16_replay_is_finite(attention):
@@ -97,31 +91,24 @@ def test_verified_fixes_of_an_overflow_are_advice_and_the_failed_op_fix_is_not(a
     assert any("sqrt" in a.text and a.status == "untested" for a in advice)
 
 
-def test_a_hand_written_log_of_softmax_gets_the_log_softmax_advice(tmp_path):
+def test_a_hand_written_log_of_softmax_gets_the_log_softmax_advice(log_zero_step):
     # logits (200, 0, -200): p(class 2) = exp(-400) is 0 even in FP32; the loss takes log(softmax(x))[y]
-    batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.tensor([2, 0])}
-    snap = rm.record_step(tmp_path, factory="build_classifier", loss_fn="log_prob_loss", batch=batch,
-                          amp_dtype=torch.float16)
+    snap = log_zero_step
     r = replay_snapshot(snap)
     advice = advice_with_status(r, try_fixes(snap, r))
     found = [a for a in advice if a.text.startswith("log(softmax(x))")]
     assert len(found) == 1 and found[0].status == "untested" and "log_softmax" in found[0].text
 
 
-def test_a_sqrt_of_a_sum_of_squares_at_zero_gets_the_vector_norm_advice(tmp_path):
-    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
-    x[1] = 0.0
-    snap = rm.record_step(tmp_path, factory="build_norm", loss_fn="mean_loss", batch={"x": x},
-                          amp_dtype=torch.float16)
+def test_a_sqrt_of_a_sum_of_squares_at_zero_gets_the_vector_norm_advice(zero_row_norm_step):
+    snap = zero_row_norm_step
     r = replay_snapshot(snap)
     advice = advice_with_status(r, try_fixes(snap, r))
     assert any("torch.linalg.vector_norm" in a.text and a.status == "untested" for a in advice)
 
 
-def test_a_healthy_step_keeps_its_one_untested_note(tmp_path):
-    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 1)}
-    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch, amp_dtype=torch.float16,
-                          manual=True)
+def test_a_healthy_step_keeps_its_one_untested_note(healthy_mlp_step):
+    snap = healthy_mlp_step
     r = replay_snapshot(snap)
     advice = advice_with_status(r, try_fixes(snap, r))
     assert [a.status for a in advice] == ["untested"] and advice[0].text == r.advice[0]

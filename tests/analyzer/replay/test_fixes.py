@@ -30,12 +30,10 @@ def _strict(fixes: list[Fix]) -> None:
 
 
 @pytest.fixture(scope="module")
-def bce(tmp_path_factory):
-    """The hand-written BCE of issue 14, one real FP16 step with a logit of 10 and label 0."""
-    snap = fm.record(tmp_path_factory.mktemp("bce"), factory="build_logit", loss_fn="bce_loss",
-                     batch=fm.bce_batch(), amp_dtype=torch.float16)
-    result = replay_snapshot(snap)
-    return snap, result, try_fixes(snap, result)
+def bce(bce_step):
+    """The hand-written BCE of issue 14, one real FP16 step with a logit of 10 and label 0 (tests/analyzer/conftest.py)."""
+    result = replay_snapshot(bce_step)
+    return bce_step, result, try_fixes(bce_step, result)
 
 
 def test_a_hand_written_bce_in_fp16_underflows_at_log_fed_by_one_minus_p(bce):
@@ -80,12 +78,9 @@ def test_a_fix_run_replays_the_culprits_precision_and_leaves_the_replay_result_u
     assert r.to_dict() == before
 
 
-def test_lower_scale_finds_a_power_of_two_whose_backward_is_finite(tmp_path):
-    g = torch.Generator().manual_seed(0)
+def test_lower_scale_finds_a_power_of_two_whose_backward_is_finite(scaled_sum_mse_step):
     # sum-reduced MSE with |out - y| ~ 3 at scale 65536: the scaled backward does not fit FP16
-    batch = {"x": torch.randn(4, 4, generator=g), "y": torch.randn(4, 1, generator=g) + 3}
-    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="sum_mse", batch=batch,
-                          amp_dtype=torch.float16, init_scale=65536.0, overflow_streak=1)
+    snap = scaled_sum_mse_step
     r = replay_snapshot(snap)
     assert r.verdict == "loss_scale_overflow"
     fixes = try_fixes(snap, r)
@@ -112,19 +107,15 @@ def test_a_nonfinite_batch_gets_one_untried_fix_naming_it(tmp_path):
     assert "batch entry x" in fixes[0].title and "data pipeline" in fixes[0].detail
 
 
-def test_a_healthy_step_has_no_fixes(tmp_path):
-    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 1)}
-    snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch, amp_dtype=torch.float16,
-                          manual=True)
+def test_a_healthy_step_has_no_fixes(healthy_mlp_step):
+    snap = healthy_mlp_step
     r = replay_snapshot(snap)
     assert r.verdict == "healthy" and try_fixes(snap, r) == []
 
 
-def test_a_log_of_zero_in_fp32_is_fixed_by_the_clamp_and_not_by_any_precision(tmp_path):
+def test_a_log_of_zero_in_fp32_is_fixed_by_the_clamp_and_not_by_any_precision(log_zero_step):
     # logits (200, 0, -200): p(class 2) = exp(-400) is exactly 0 in FP32 too
-    batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.tensor([2, 0])}
-    snap = rm.record_step(tmp_path, factory="build_classifier", loss_fn="log_prob_loss", batch=batch,
-                          amp_dtype=torch.float16)
+    snap = log_zero_step
     r = replay_snapshot(snap)
     assert (r.verdict, r.culprit["precision"]) == ("numerical_bug", "float32")
     fixes = _by_name(try_fixes(snap, r))
@@ -133,11 +124,8 @@ def test_a_log_of_zero_in_fp32_is_fixed_by_the_clamp_and_not_by_any_precision(tm
     assert "module_fp32" not in fixes and "op_fp32" not in fixes  # FP32 already: nothing to upcast
 
 
-def test_a_sqrt_at_zero_that_fails_in_backward_is_guarded_at_its_forward_line(tmp_path):
-    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
-    x[1] = 0.0  # a zero row: sqrt'(0) is infinite in backward
-    snap = rm.record_step(tmp_path, factory="build_norm", loss_fn="mean_loss", batch={"x": x},
-                          amp_dtype=torch.float16)
+def test_a_sqrt_at_zero_that_fails_in_backward_is_guarded_at_its_forward_line(zero_row_norm_step):
+    snap = zero_row_norm_step  # a zero row: sqrt'(0) is infinite in backward
     r = replay_snapshot(snap)
     assert (r.verdict, r.culprit["phase"], r.culprit["node"]) == ("numerical_bug", "backward", "SqrtBackward0")
     fixes = _by_name(try_fixes(snap, r))
@@ -145,11 +133,8 @@ def test_a_sqrt_at_zero_that_fails_in_backward_is_guarded_at_its_forward_line(tm
     assert "replay_models.py:" in fixes["guard_clamp"].title
 
 
-def test_keeping_the_attention_module_in_fp32_fixes_a_tiny_fp16_overflow(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    snap = rm.record_step(tmp_path, factory="build_attention", loss_fn="attention_mse",
-                          factory_kwargs={"d": 8, "gain": 8.0}, amp_dtype=torch.float16,
-                          batch={"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)})
+def test_keeping_the_attention_module_in_fp32_fixes_a_tiny_fp16_overflow(fp16_attention_step):
+    snap = fp16_attention_step
     r = replay_snapshot(snap)
     assert (r.verdict, r.culprit["module"]) == ("overflow", "attn")
     fixes = _by_name(try_fixes(snap, r))

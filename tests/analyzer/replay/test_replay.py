@@ -37,13 +37,10 @@ def _gen():
 
 
 @pytest.fixture(scope="module")
-def attention_overflow(tmp_path_factory):
-    g = _gen()
+def attention_overflow(fp16_attention_replay):
     # gain 8: logits = 64 <x, x'> with |x| ~ 10*sqrt(8) gives ~1e5 on the diagonal: > 65504.
-    batch = {"x": torch.randn(2, T, D, generator=g) * 10, "y": torch.randn(2, T, 1, generator=g)}
-    path = rm.record_step(tmp_path_factory.mktemp("attn"), factory="build_attention", loss_fn="attention_mse",
-                          factory_kwargs={"d": D, "gain": 8.0}, batch=batch, amp_dtype=torch.float16)
-    return replay_snapshot(path, dtypes=["fp32", "fp16", "bf16"])
+    # The step (d = 8, T = 8) is shared with other test files: tests/analyzer/conftest.py.
+    return fp16_attention_replay
 
 
 def test_unscaled_attention_logits_overflow_in_fp16_in_the_attention_module_forward(attention_overflow):
@@ -70,12 +67,9 @@ def test_overflow_advice_says_to_scale_logits_switch_to_bf16_and_keep_the_module
     assert "sqrt(d)" in text and "BF16" in text and "Keep `attn` in FP32" in text
 
 
-def test_log_of_a_zero_probability_is_a_numerical_bug_at_aten_log(tmp_path):
+def test_log_of_a_zero_probability_is_a_numerical_bug_at_aten_log(log_zero_step):
     # logits (200, 0, -200): p(class 2) = exp(-400) is exactly 0 in FP32 too.
-    batch = {"x": torch.tensor([[2.0, 0, 0, 0], [1.0, 0, 0, 0]]), "y": torch.tensor([2, 0])}
-    path = rm.record_step(tmp_path, factory="build_classifier", loss_fn="log_prob_loss", batch=batch,
-                          amp_dtype=torch.float16)
-    r = replay_snapshot(path)
+    r = replay_snapshot(log_zero_step)
     _strict_json(r)
     assert r.verdict == "numerical_bug"
     assert (r.culprit["op"], r.culprit["phase"], r.culprit["precision"]) == ("aten.log", "forward", "float32")
@@ -174,13 +168,9 @@ def test_a_custom_op_fed_fp16_by_autocast_is_an_unregistered_op(tmp_path):
     assert "register_autocast('ampautopsy_replaytests::square'" in r.advice[0]
 
 
-def test_a_clean_model_at_scale_65536_is_a_loss_scale_overflow(tmp_path):
-    g = _gen()
+def test_a_clean_model_at_scale_65536_is_a_loss_scale_overflow(scaled_sum_mse_step):
     # sum-reduced MSE with |out - y| ~ 3: dloss/dout * 65536 ~ 4e5 does not fit FP16
-    batch = {"x": torch.randn(4, 4, generator=g), "y": torch.randn(4, 1, generator=g) + 3}
-    path = rm.record_step(tmp_path, factory="build_mlp", loss_fn="sum_mse", batch=batch,
-                          amp_dtype=torch.float16, init_scale=65536.0, overflow_streak=1)
-    r = replay_snapshot(path)
+    r = replay_snapshot(scaled_sum_mse_step)
     _strict_json(r)
     assert r.verdict == "loss_scale_overflow"
     assert r.scale == 65536.0
@@ -188,12 +178,8 @@ def test_a_clean_model_at_scale_65536_is_a_loss_scale_overflow(tmp_path):
     assert (r.culprit["phase"], r.culprit["op"], r.culprit["node"]) == ("backward", "aten._to_copy", "ToCopyBackward0")
 
 
-def test_a_healthy_snapshot_is_healthy_with_no_culprit(tmp_path):
-    g = _gen()
-    batch = {"x": torch.randn(4, 4, generator=g), "y": torch.randn(4, 1, generator=g)}
-    path = rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch,
-                          amp_dtype=torch.float16, manual=True)
-    r = replay_snapshot(path, dtypes=["bf16"])
+def test_a_healthy_snapshot_is_healthy_with_no_culprit(healthy_mlp_step):
+    r = replay_snapshot(healthy_mlp_step, dtypes=["bf16"])
     _strict_json(r)
     assert r.verdict == "healthy" and r.culprit is None
     assert set(r.runs) == {"float32", "float16", "bfloat16"}

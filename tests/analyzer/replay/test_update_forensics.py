@@ -135,10 +135,9 @@ def test_hostile_optimizer_entries_give_a_result_or_one_analyzer_error(emb_updat
 
 
 # --- acceptance: the recorded runs of tests/update_runs.py (issue 15) -------------------------------
-def test_acceptance_update_snapshot_of_the_fp16_adam_eps_run_is_underflow_naming_the_parameter_and_eps(tmp_path):
-    from tests.update_runs import record_fp16_adam_eps
-
-    info = record_fp16_adam_eps(tmp_path / "run", check_update=True)
+def test_acceptance_update_snapshot_of_the_fp16_adam_eps_run_is_underflow_naming_the_parameter_and_eps(
+        fp16_adam_eps_update_run):
+    info = fp16_adam_eps_update_run  # tests/conftest.py: record_fp16_adam_eps(check_update=True)
     snap = next(p for p in info["snapshots"] if p.stem.endswith("-update"))
     res = replay_snapshot(snap)
     assert res.verdict == "underflow" and res.step == info["nan_step"]
@@ -146,10 +145,8 @@ def test_acceptance_update_snapshot_of_the_fp16_adam_eps_run_is_underflow_naming
     assert "`emb.weight`" in res.summary and "eps" in res.summary
 
 
-def test_acceptance_clip_inf_run_update_snapshot_names_clipping_as_where_the_nan_came_from(tmp_path):
-    from tests.update_runs import record_clip_inf
-
-    info = record_clip_inf(tmp_path / "run", check_update=True)
+def test_acceptance_clip_inf_run_update_snapshot_names_clipping_as_where_the_nan_came_from(clip_inf_update_run):
+    info = clip_inf_update_run  # tests/conftest.py: record_clip_inf(check_update=True)
     snap = next(p for p in info["snapshots"] if p.stem.endswith("-update"))
     res = replay_snapshot(snap)
     assert res.verdict == "numerical_bug" and res.step == info["nan_step"]

@@ -164,10 +164,9 @@ def test_update_checks_never_fail_on_odd_update_columns_and_optimizer_meta(bf16_
 
 
 # --- acceptance: the recorded runs of tests/update_runs.py (issue 15) -------------------------------
-def test_acceptance_fp16_adam_eps_run_reports_nonfinite_weights_at_the_broken_update_before_the_nan_loss(tmp_path):
-    from tests.update_runs import record_fp16_adam_eps
-
-    info = record_fp16_adam_eps(tmp_path / "run")
+def test_acceptance_fp16_adam_eps_run_reports_nonfinite_weights_at_the_broken_update_before_the_nan_loss(
+        fp16_adam_eps_run):
+    info = fp16_adam_eps_run  # tests/conftest.py: record_fp16_adam_eps(), once per session
     rep = build_report(info["run_dir"])
     checks = [f.check for f in rep.findings]
     f = _by_check(rep, "nonfinite_weights")[0]
@@ -177,12 +176,10 @@ def test_acceptance_fp16_adam_eps_run_reports_nonfinite_weights_at_the_broken_up
     assert "Adam's eps 1e-08 is 0 in float16" in f.message
 
 
-def test_acceptance_bf16_stall_run_names_the_frozen_layer_and_the_fp32_run_stays_clean(tmp_path):
-    from tests.update_runs import record_bf16_stall, record_fp32_stall
-
-    bf16 = record_bf16_stall(tmp_path / "bf16")
+def test_acceptance_bf16_stall_run_names_the_frozen_layer_and_the_fp32_run_stays_clean(bf16_stall_run, fp32_stall_run):
+    bf16 = bf16_stall_run  # tests/conftest.py: record_bf16_stall() and record_fp32_stall(), once per session
     f = _by_check(build_report(bf16["run_dir"]), "stalled_updates")[0]
     names = [p["name"] for p in f.evidence["params"]]
     assert names == bf16["stalled"] and f.evidence["params"][0]["dtype"] == "bfloat16"
-    fp32 = record_fp32_stall(tmp_path / "fp32")
+    fp32 = fp32_stall_run
     assert not _by_check(build_report(fp32["run_dir"]), "stalled_updates")
