@@ -117,8 +117,9 @@ def _broken_weights(scaler: bool, mode: str, low: str | None) -> list[str]:
                    "torch.autocast(device_type, dtype=torch.float16) with a torch.amp.GradScaler, which skips steps "
                    "with inf/NaN gradients; until then, skip optimizer.step() when the total norm is not finite.")
     elif low == "float16":
-        how = "FSDP computes in param_dtype=float16" if mode == "fsdp_param_dtype" else "This FP16 autocast run"
-        out.append(f"{how} without a GradScaler: add torch.amp.GradScaler (scaler.scale(loss).backward(), "
+        how = ("FSDP computes in param_dtype=float16 and no GradScaler ran" if mode == "fsdp_param_dtype"
+               else "This FP16 autocast run has no GradScaler")
+        out.append(f"{how}: add torch.amp.GradScaler (scaler.scale(loss).backward(), "
                    "scaler.unscale_(optimizer) before clipping, scaler.step(optimizer), scaler.update()); it keeps "
                    "small FP16 gradients from flushing to zero and skips steps with inf/NaN gradients.")
     else:
@@ -239,7 +240,8 @@ def _keep_fp32(module: str) -> str:
         return "Compute the loss in FP32: call the loss function on .float() inputs, outside any autocast block."
     if module.startswith("<"):
         return ""
-    return f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) with its inputs cast by .float()."
+    return (f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) "
+            "with its inputs cast by .float().")
 
 
 def _looks_like_attention(c: dict) -> bool:

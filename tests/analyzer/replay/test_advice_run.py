@@ -7,7 +7,6 @@ depends on whether the run has a GradScaler and how it is low precision.
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -72,7 +71,7 @@ def test_an_fp16_autocast_run_without_a_scaler_is_told_to_add_one_not_to_call_it
     r = _replay(_mlp_step(tmp_path, scaler=False))
     assert r.precision_mode == "autocast" and r.amp_dtype == "float16"
     text = _text(r)
-    assert "This FP16 autocast run without a GradScaler: add torch.amp.GradScaler" in text
+    assert "This FP16 autocast run has no GradScaler: add torch.amp.GradScaler" in text
     assert not [a for a in r.advice if a.startswith(("Lower the learning rate and clip gradients (",
                                                      "Make sure the optimizer steps through"))]
     assert "error_if_nonfinite=True" in text  # clipping an inf norm without a scaler writes NaN
