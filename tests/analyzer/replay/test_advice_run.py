@@ -161,3 +161,17 @@ def test_a_culprit_in_the_loss_function_is_never_told_to_call_float_on_a_module_
     r, _, advice = pure_fp16_overflow
     assert not [a for a in r.advice + [a.text for a in advice] if "`<loss_fn>`" in a]
     assert any(a.text.startswith("Compute the loss in FP32") for a in advice)
+
+
+def test_an_fsdp_bf16_run_with_nan_weights_is_told_to_skip_non_finite_steps_and_never_to_call_a_scaler(
+        tmp_path_factory):
+    from tests import fsdp_runs as fr
+
+    if not fr.fsdp_available():
+        pytest.skip("needs FSDP2, DCP and gloo")
+    runs = fr.shared_fsdp_runs(tmp_path_factory)  # one spawn per session, shared with test_fsdp_replay.py
+    name = f"step{fr.FAULT_STEP:08d}-r{fr.FAULT_RANK:05d}-nonfinite_loss.pt"
+    r = _replay(runs.dirs["synced"] / "snapshots" / name)
+    assert (r.precision_mode, r.precision_dtype) == ("fsdp_param_dtype", "bfloat16")
+    text = _text(r)
+    assert "scaler." not in text and _ADD_SCALER not in text and "a BF16 run needs no GradScaler" in text
