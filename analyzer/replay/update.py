@@ -324,6 +324,18 @@ _ADVICE = {
 }
 
 
+def _advice_for(key: str, snap: Snapshot) -> list[str]:
+    """``_ADVICE[key]``, naming a GradScaler only where one would skip the step: a run that has one,
+    or FP16 autocast (FP16 parameters' gradients are refused by ``unscale_``; BF16/FP32 need none)."""
+    lines = list(_ADVICE.get(key, []))
+    scaler = snap.scaler_state is not None or snap.scale is not None
+    if key == "grad" and not (scaler or snap.amp_dtype == "float16"):
+        lines = ["skip a step whose total gradient norm is non-finite (clip_grad_norm_(..., error_if_nonfinite=True) "
+                 "raises on it, or call optimizer.step() only when torch.isfinite(total_norm)), then find the op that "
+                 "made the infinite gradient: replay that step's nonfinite_grads snapshot"]
+    return lines
+
+
 def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     """A ``ReplayResult`` for an update snapshot: the forensics, no forward/backward replay."""
     f = update_forensics(path, snap)
@@ -352,7 +364,8 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     loss = snap.loss
     low = p["dtype"] if p is not None and p["dtype"] in ("float16", "bfloat16") else None
     return ReplayResult(
-        verdict=verdict, summary=summary, culprit=culprit, runs={}, advice=list(_ADVICE.get(factor if verdict == "numerical_bug" else verdict, [])),
+        verdict=verdict, summary=summary, culprit=culprit, runs={},
+        advice=_advice_for(factor if verdict == "numerical_bug" else verdict, snap),
         snapshot=path, step=snap.step, reason=snap.reason, device="cpu", recorded_device=str(snap.device_type),
         device_note=None, amp_dtype=snap.amp_dtype, scale=float(snap.scale) if snap.scale else 1.0,
         recorded_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,

@@ -175,3 +175,11 @@ def test_an_fsdp_bf16_run_with_nan_weights_is_told_to_skip_non_finite_steps_and_
     assert (r.precision_mode, r.precision_dtype) == ("fsdp_param_dtype", "bfloat16")
     text = _text(r)
     assert "scaler." not in text and _ADD_SCALER not in text and "a BF16 run needs no GradScaler" in text
+
+
+def test_the_fp32_clip_inf_update_is_told_to_skip_the_step_itself_not_to_use_a_gradscaler(clip_inf_update_run):
+    snap = next(p for p in clip_inf_update_run["snapshots"] if p.stem.endswith("-update"))
+    r = replay_snapshot(snap)
+    assert (r.verdict, r.culprit["phase"], r.amp_dtype) == ("numerical_bug", "optimizer", None)
+    text = _text(r)
+    assert "GradScaler" not in text and "error_if_nonfinite=True" in text and "torch.isfinite(total_norm)" in text
