@@ -150,7 +150,8 @@ def main(ctx, debug, max_archive_ratio) -> None:
 @click.option("--dtypes", default=None, metavar="LIST",
               help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="Write a PNG of per-op abs-max along execution order.")
+              help="Write a PNG of per-op abs-max along execution order (for an update snapshot: the update "
+                   "forensics, per parameter).")
 @click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
               help="Ops to show around the culprit.")
 @click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
