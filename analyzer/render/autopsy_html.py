@@ -44,6 +44,11 @@ _REPLAY_CAPTION = ("How to read it: each op's largest |output| in execution orde
                    "the dash-dot line where backward starts; crosses at the top are NaN/Inf outputs. The lower "
                    "panel zooms on the ops around the culprit, by name. For an underflow, purple diamonds count "
                    "the exact zeros of each output and the orange line marks where they appeared.")
+_UPDATE_CAPTION = ("How to read it: the failure is in the optimizer update, so nothing was replayed op by op. "
+                   "Top: each parameter's NaN/Inf elements after the update, split by the factor that explains "
+                   "them. Bottom: the values the update read at the first of them (log |value|; triangles at "
+                   "the bottom are exact zeros, crosses at the top NaN/Inf), with eps and what it rounds to in "
+                   "the optimizer state's dtype.")
 
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.4em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
@@ -184,20 +189,21 @@ def _fixes(a: dict) -> str:
 
 
 def _replay_figures(replays: list) -> str:
-    from .plots import plot_replay_ops, plt
+    from .plots import plt
+    from .replay import replay_figure
 
     out = ["<section id='replay'><h2>Replay</h2>"]
     if not replays:
         out.append("<p>No snapshot was replayed.</p>")
     for r in replays[:_MAX_FIGURES]:
-        fig = plot_replay_ops(r)
+        fig = replay_figure(r)  # an update replay draws its forensics: it has no per-op runs
         try:
             img = _png_b64(fig)
         finally:
             plt.close(fig)
         out.append(f"<h3>{_e(Path(str(r.snapshot)).name)}: {_e(r.verdict)}</h3>"
                    f"<img alt='replay figure of {_e(Path(str(r.snapshot)).name)}' src='data:image/png;base64,{img}'>"
-                   f"<p class='how'>{_e(_REPLAY_CAPTION)}</p>")
+                   f"<p class='how'>{_e(_UPDATE_CAPTION if r.update is not None else _REPLAY_CAPTION)}</p>")
     if len(replays) > _MAX_FIGURES:
         out.append(f"<p>{len(replays) - _MAX_FIGURES} more replay(s) not drawn (--json lists them).</p>")
     out.append("</section>")

@@ -174,3 +174,14 @@ def test_a_forward_backward_replay_of_the_same_run_still_gets_the_per_op_figure(
     fig = figure(r)
     assert _gid(fig, "culprit") and not _gid(fig, "nothing_to_plot")
     assert not [g for g in FACTORS if _gid(fig, f"factor:{g}")]
+
+
+def test_the_autopsy_page_of_an_update_born_nan_shows_the_forensics_figure_with_its_own_caption(
+        fp16_adam_eps_update_run, tmp_path):
+    page = tmp_path / "autopsy.html"
+    res = CliRunner().invoke(main, ["autopsy", str(fp16_adam_eps_update_run["run_dir"]), "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    html = page.read_text()
+    replay = html.split("<section id='replay'>")[1].split("</section>")[0]
+    assert "data:image/png;base64," in replay
+    assert "the failure is in the optimizer update" in replay and "each op's largest |output|" not in replay
