@@ -59,13 +59,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class GradPass:
     """Per-tensor float32 L2 norms and, with ``zeros=True``, non-zero counts (float64, exact).
 
-    Holds a ``CHUNK``-element scratch buffer for the signs (allocated at the first call, touched
-    once: first-touch page faults make a fresh buffer ~3x slower) and the last piece layout.
+    Holds a scratch buffer of ``CHUNK`` elements per torch thread for the signs (allocated at the
+    first call, touched once: first-touch page faults make a fresh buffer ~3x slower) and the
+    last piece layouts.
     """
 
     def __init__(self):
         self._scratch: torch.Tensor | None = None
-        self._layout: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
+        self._layouts: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def __call__(self, tensors: list[torch.Tensor], device: torch.device, single_device: bool,
                  zeros: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,36 +79,75 @@ class GradPass:
         if not tensors:
             empty = torch.empty(0, device=device)
             return empty, (empty.double() if zeros else None)
-        if self._scratch is None:
-            self._scratch = torch.zeros(CHUNK, dtype=torch.float32)
-        pieces: list[torch.Tensor] = []
-        pieces_of: list[int] = []
-        for t in tensors:
-            flat = _flat(t)
-            cut = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
-            pieces.extend(cut)
-            pieces_of.append(len(cut))
-        nnz = None
         if zeros:
-            scratch = self._scratch
-            piece_norms, nonzero = [], []
-            for p in pieces:
-                piece_norms.append(torch.linalg.vector_norm(p))  # the kernel _foreach_norm runs per tensor on CPU
-                # p is in L2 now: the second read costs no memory traffic
-                s = torch.sign(p, out=scratch if p.numel() == CHUNK else scratch[:p.numel()])
-                nonzero.append(torch.dot(s, s))
-            piece_norm = torch.stack(piece_norms)
+            piece_norm, nonzero, groups_of, pieces_of = self._fused(tensors)
+            nnz = torch.segment_reduce(nonzero.double(), "sum", lengths=self._lengths("groups", groups_of),
+                                       unsafe=True)
         else:
-            piece_norm = torch.stack(torch._foreach_norm(pieces))
-        lengths = self._lengths(tuple(pieces_of))
-        if zeros:
-            nnz = torch.segment_reduce(torch.stack(nonzero).double(), "sum", lengths=lengths, unsafe=True)
+            pieces, pieces_of = [], []
+            for t in tensors:
+                flat = _flat(t)
+                cut = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
+                pieces.extend(cut)
+                pieces_of.append(len(cut))
+            piece_norm, nnz = torch.stack(torch._foreach_norm(pieces)), None
         # NB: a float32 squared is exact in float64, so a tensor of one piece keeps its float32 norm bit for bit
-        total = torch.segment_reduce(piece_norm.double().square_(), "sum", lengths=lengths, unsafe=True)
+        total = torch.segment_reduce(piece_norm.double().square_(), "sum", lengths=self._lengths("pieces", pieces_of),
+                                     unsafe=True)
         return total.sqrt_().float(), nnz
 
-    def _lengths(self, key: tuple[int, ...]) -> torch.Tensor:
-        """Pieces per tensor as a tensor, cached: the layout repeats every step."""
-        if self._layout[0] != key:
-            self._layout = (key, torch.tensor(key, dtype=torch.long))
-        return self._layout[1]
+    def _fused(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """(each piece's float32 norm, each group's non-zero count, groups and pieces per tensor).
+
+        One thread: each piece is reduced alone (a group of one). More threads: a tensor's full
+        pieces are the rows of a ``(k, CHUNK)`` view, taken ``threads`` rows at a time, so that
+        each thread reduces its own row into its own L2 (a row norm along ``dim=1`` is the same
+        value as the norm of the row alone, whatever the thread count), then the signs of the
+        same rows are written over the scratch buffer and counted from cache; the rest (under
+        ``CHUNK`` elements, or an empty tensor) is one more piece.
+        """
+        threads = max(1, torch.get_num_threads())
+        if self._scratch is None or self._scratch.numel() < threads * CHUNK:
+            self._scratch = torch.zeros(threads * CHUNK, dtype=torch.float32)
+        scratch = self._scratch
+        if threads == 1:
+            piece_norms, nonzero, pieces_of = [], [], []
+            for t in tensors:
+                flat = _flat(t)
+                cut = flat.split(CHUNK) if flat.numel() > CHUNK else (flat,)
+                pieces_of.append(len(cut))
+                for p in cut:
+                    piece_norms.append(torch.linalg.vector_norm(p))  # the kernel _foreach_norm runs per tensor
+                    # p is in L2 now: the second read costs no memory traffic
+                    signs = torch.sign(p, out=scratch if p.numel() == CHUNK else scratch[:p.numel()])
+                    nonzero.append(torch.dot(signs, signs))
+            return torch.stack(piece_norms), torch.stack(nonzero), pieces_of, pieces_of
+        piece_norms, nonzero, groups_of, pieces_of = [], [], [], []
+        for t in tensors:
+            flat = _flat(t)
+            n = flat.numel()
+            k, rest = divmod(n, CHUNK)
+            groups = 0
+            if k:
+                for block in flat[:k * CHUNK].view(k, CHUNK).split(threads):
+                    piece_norms.append(torch.linalg.vector_norm(block, dim=1))
+                    signs = torch.sign(block, out=scratch[:block.numel()].view(block.shape)).view(-1)
+                    nonzero.append(torch.dot(signs, signs).reshape(1))
+                    groups += 1
+            if rest or not n:
+                tail = flat[k * CHUNK:]
+                piece_norms.append(torch.linalg.vector_norm(tail).reshape(1))
+                signs = torch.sign(tail, out=scratch[:rest])
+                nonzero.append(torch.dot(signs, signs).reshape(1))
+                groups += 1
+            groups_of.append(groups)
+            pieces_of.append(k + (1 if rest or not n else 0))
+        return torch.cat(piece_norms), torch.cat(nonzero), groups_of, pieces_of
+
+    def _lengths(self, kind: str, counts: list[int]) -> torch.Tensor:
+        """Pieces (or groups) per tensor as a tensor, cached: the layout repeats every step."""
+        key = tuple(counts)
+        cached = self._layouts.get(kind)
+        if cached is None or cached[0] != key:
+            cached = self._layouts[kind] = (key, torch.tensor(key, dtype=torch.long))
+        return cached[1]

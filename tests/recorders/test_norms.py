@@ -172,3 +172,18 @@ def test_norms_of_parameters_stay_the_foreach_norm_values():
     model, _ = wide_grads()
     params = [p.detach() for p in model.parameters()]
     assert torch.equal(norms(params, CPU, True), torch.stack(torch._foreach_norm(params, 2, torch.float32)))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_norms_and_counts_do_not_depend_on_the_torch_thread_count(threads):
+    _, grads = wide_grads()
+    one = GradPass()(grads, CPU, True, zeros=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        many = GradPass()(grads, CPU, True, zeros=True)
+        alone, _ = GradPass()(grads, CPU, True, zeros=False)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(many[0], one[0]) and torch.equal(alone, one[0])
+    assert torch.equal(many[1], one[1])
