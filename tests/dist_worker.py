@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["WIDTH", "BATCH", "build_model", "mse_loss", "fsdp_loss", "batch_for", "init_group", "train_rank",
-           "train_unwrapped", "train_fsdp_rank"]
+           "train_unwrapped", "train_bf16_ddp", "BF16_NAN_STEP", "train_fsdp_rank"]
 
 WIDTH = 8
 BATCH = 4
@@ -53,9 +53,11 @@ def init_group(rank: int, world_size: int, init_method: str, timeout_s: float = 
 
 
 def train_rank(rank: int, world_size: int, port: int, runs: dict[str, bool], steps: int,
-               nan_rank: int, nan_step: int, unwrapped: dict[str, bool] | None = None) -> None:
+               nan_rank: int, nan_step: int, unwrapped: dict[str, bool] | None = None,
+               bf16_run: str | None = None) -> None:
     """Join the gloo group, then train one run per ``runs`` entry (run_dir -> sync_failures),
-    then one per ``unwrapped`` entry (``train_unwrapped``), in the same group: one spawn for all.
+    then one per ``unwrapped`` entry (``train_unwrapped``), then ``bf16_run`` (``train_bf16_ddp``),
+    in the same group: one spawn for all.
 
     FP16 autocast with a GradScaler: the all-reduced NaN gradient only makes the other ranks
     *skip* the step (not a failure by itself), so without ``sync_failures`` only the NaN rank
@@ -90,6 +92,9 @@ def train_rank(rank: int, world_size: int, port: int, runs: dict[str, bool], ste
         for run_dir, sync in (unwrapped or {}).items():
             train_unwrapped(rank, run_dir, sync)
             dist.barrier()
+        if bf16_run is not None:
+            train_bf16_ddp(rank, bf16_run, BF16_NAN_STEP)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -110,6 +115,39 @@ def train_unwrapped(rank: int, run_dir: str, sync: bool) -> None:
     with Recorder(run_dir, model, factory="tests.recorders.models:build_mlp",
                   loss_fn="tests.recorders.models:mse_loss", sync_failures=sync) as rec:
         train(model, data, rec=rec)
+
+
+BF16_NAN_STEP = 6
+
+
+def train_bf16_ddp(rank: int, run_dir: str, nan_step: int) -> None:
+    """DDP under BF16 autocast with no GradScaler: one NaN in rank 1's batch at `nan_step`. The
+    all-reduce averages rank 1's NaN gradients into rank 0's, and SGD applies them, so every weight
+    is NaN afterwards and rank 0's own loss is NaN from the next step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from recorders import Recorder
+    from tests.analyzer.report import report_models as rm
+
+    torch.manual_seed(0)
+    model = DDP(rm.build_small_mlp(16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    with Recorder(run_dir, model, factory="tests.analyzer.report.report_models:build_small_mlp",
+                  factory_kwargs={"width": 16}, loss_fn=rm.mlp_loss, amp_dtype=torch.bfloat16,
+                  optimizer=opt, flush_every=5) as rec:
+        for step in range(nan_step + 4):
+            x = torch.randn(32, 16, generator=g)
+            if rank == 1 and step == nan_step:
+                x[3, 5] = float("nan")  # one bad sample in rank 1's local batch
+            batch = {"x": x, "y": torch.randint(0, 4, (32,), generator=g)}
+            rec.begin_step(step, batch)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = rm.mlp_loss(model, batch)
+            loss.backward()
+            rec.end_step(loss)
+            opt.step()
 
 
 # ------------------------------------------------------------------------------------------ FSDP2

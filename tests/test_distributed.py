@@ -3,7 +3,9 @@
 One spawn trains every run in the same process group, to keep the file under ~30 s on a small
 machine: DDP with FP16 autocast and a NaN in rank 1's batch, ``plain`` (default) and ``synced``
 (``sync_failures=True``); then an unwrapped FP32 MLP per rank with an inf in rank 1's target,
-``unwrapped`` and ``unwrapped_synced`` (``dist_worker.train_unwrapped``).
+``unwrapped`` and ``unwrapped_synced`` (``dist_worker.train_unwrapped``); then DDP under BF16
+autocast with no GradScaler, ``bf16`` (``dist_worker.train_bf16_ddp``), where the averaged NaN
+gradient reaches every rank's weights.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from click.testing import CliRunner
 from analyzer.autopsy import run_autopsy
 from analyzer.cli import main
 from analyzer.load import load_snapshot
+from analyzer.report import build_report
 from recorders import schema
 
 from . import dist_worker
@@ -44,7 +47,7 @@ def runs(tmp_path_factory):
     # NB: spawn, not fork: forked children hung in gloo after other tests had run in the parent.
     mp.spawn(dist_worker.train_rank,
              args=(WORLD, _free_port(), {str(plain): False, str(synced): True}, STEPS, NAN_RANK, NAN_STEP,
-                   {str(root / "unwrapped"): False, str(root / "unwrapped_synced"): True}),
+                   {str(root / "unwrapped"): False, str(root / "unwrapped_synced"): True}, str(root / "bf16")),
              nprocs=WORLD, join=True)
     return plain, synced
 
@@ -101,7 +104,6 @@ def test_with_sync_failures_every_rank_snapshots_the_same_step(runs):
 
 
 def test_the_report_names_rank_1_and_the_step_its_loss_went_nan(runs):
-    from analyzer.report import build_report
 
     plain, _ = runs
     rep = build_report(str(plain)).to_dict()
@@ -239,7 +241,6 @@ def test_fsdp2_meta_records_the_mixed_precision_policy_the_mesh_and_where_each_r
 
 
 def test_the_fsdp2_report_names_the_fault_step_the_rank_and_the_parameter(fsdp):
-    from analyzer.report import build_report
 
     rep = build_report(str(fsdp.dirs["synced"]))
     shard = [f for f in rep.findings if f.check == "rank_divergence" and f.severity == "error"]
@@ -254,7 +255,6 @@ def test_the_fsdp2_report_names_the_fault_step_the_rank_and_the_parameter(fsdp):
 
 @pytest.mark.parametrize("rank", [None, 0, 1])
 def test_the_fsdp2_report_s_whole_parameter_norms_equal_the_unsharded_norms(fsdp, rank):
-    from analyzer.report import build_report
 
     frames = build_report(str(fsdp.dirs["synced"]), rank=rank).frames
     rows = frames.layer_rows(0, fr.FAULT_STEP - 1)  # the healthy steps
@@ -311,7 +311,6 @@ def test_without_sync_failures_each_failing_rank_saves_its_own_shards_which_tile
 
 def test_killing_one_fsdp2_rank_mid_run_leaves_every_completed_part_and_snapshot_readable(fsdp, tmp_path):
     from analyzer.load import load_run
-    from analyzer.report import build_report
 
     run_dir = fsdp.dirs["killed"]
     assert "peer_error" in fsdp.results[0]["killed"]  # rank 0 lost its peer at step KILL_STEP
@@ -355,3 +354,19 @@ def test_a_rank_that_takes_no_snapshot_never_leaves_the_failing_rank_waiting_in_
     snap = load_snapshot(sdir / schema.snapshot_name(fr.FAULT_STEP, fr.FAULT_RANK, "nonfinite_loss"))
     assert snap.fsdp["dcp_dir"] is None
     assert snap.fsdp["local_state"][fr.FAULT_PARAM].shape == (4, 8)  # rank 1's rows 4..7
+
+
+def test_bf16_ddp_report_names_the_rank_and_step_of_the_first_nan_and_the_peer_behind_rank_0s_grads(runs):
+    run = runs[0].parent / "bf16"
+    rep = build_report(run)
+    f = next(f for f in rep.findings if f.check == "rank_divergence" and f.severity == "error")
+    # rank 1's local loss is NaN at step 6; the averaged NaN gradient makes every weight NaN,
+    # so rank 0's loss is NaN from step 7
+    assert (f.step, f.rank) == (6, 1)
+    assert f.evidence["first_nonfinite_step_per_rank"] == {0: 7, 1: 6}
+    obj = json.loads(CliRunner().invoke(main, ["report", str(run), "--json", "--rank", "1"]).stdout)
+    assert next(x for x in obj["findings"] if x["check"] == "nonfinite_loss")["step"] == 6
+    # rank 0's own loss is finite at step 6, but DDP averaged rank 1's NaN gradients into its own
+    rep0 = build_report(run, rank=0)
+    g = next(x for x in rep0.findings if x.check == "nonfinite_grads")
+    assert g.step == 6 and g.evidence["peer_nonfinite_loss"] == {1: 6}
