@@ -57,7 +57,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class GradPass:
-    """Per-tensor float32 L2 norms and, with ``zeros=True``, non-zero counts (float64, exact).
+    """Per-tensor float32 L2 norms and, with ``zeros=True``, exact non-zero counts.
+
+    The counts are float64 from the CPU pass and int64 from the fallback (``count_nonzero``).
 
     Holds a scratch buffer of ``CHUNK`` elements per torch thread for the signs (allocated at the
     first call, touched once: first-touch page faults make a fresh buffer ~3x slower) and the
@@ -70,11 +72,11 @@ class GradPass:
 
     def __call__(self, tensors: list[torch.Tensor], device: torch.device, single_device: bool,
                  zeros: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(norms float32 on `device`, non-zero counts float64 on `device` or None)."""
+        """(norms float32 on `device`, non-zero counts on `device` or None)."""
         if not _fast(tensors, device, single_device):
             nnz = None
             if zeros:  # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool)
-                nnz = torch.stack([torch.count_nonzero(t).to(device) for t in tensors]).to(torch.float64)
+                nnz = torch.stack([torch.count_nonzero(t).to(device) for t in tensors])  # int64: MPS has no float64
             return norms(tensors, device, single_device), nnz
         if not tensors:
             empty = torch.empty(0, device=device)
