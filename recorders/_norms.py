@@ -40,10 +40,15 @@ SMALL = 1 << 13  # tensors up to this size: one _foreach_norm for all, and count
 
 
 def norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> torch.Tensor:
-    """Float32 L2 norm of each tensor, stacked on `device`; one fused kernel when possible."""
-    if single_device:
+    """Float32 L2 norm of each tensor, stacked on `device`; one fused kernel when possible.
+
+    NB: a float64 tensor is measured in float64, then rounded: a float32 ``dtype`` would be a
+    narrowing that ``vector_norm`` refuses (it stopped the recording of float64 models).
+    """
+    if single_device and all(t.dtype != torch.float64 for t in tensors):
         return torch.stack(torch._foreach_norm(tensors, 2, torch.float32))
-    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors])
+    return torch.stack([torch.linalg.vector_norm(t, dtype=None if t.dtype == torch.float64 else torch.float32)
+                        .to(device, torch.float32) for t in tensors])
 
 
 def _fast(tensors: list[torch.Tensor], device: torch.device, single_device: bool) -> bool:

@@ -196,3 +196,23 @@ def test_tensors_on_several_devices_keep_the_per_tensor_ops():
     new_norm, new_nnz = GradPass()(grads, CPU, False, zeros=True)
     assert torch.equal(new_norm, torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
     assert torch.equal(new_nnz, torch.stack([torch.count_nonzero(g) for g in grads]))
+
+
+def test_a_float64_model_is_recorded_with_its_norms_rounded_to_float32(tmp_path):
+    """float64 gradients and weights used to stop the recording at the first step (a float32
+    vector_norm dtype is a narrowing torch refuses)."""
+    model, seen = build_mlp().double(), {}
+    data = [{k: v.double() for k, v in b.items()} for b in batches(3)]
+    with Recorder(tmp_path, model, layer_every=1) as rec:
+        for step, batch in enumerate(data):
+            rec.begin_step(step, batch)
+            mse_loss(model, batch).backward()
+            rec.end_step()
+            seen[step] = [(p.grad.norm().float().item(), p.detach().norm().float().item()) for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+    assert not rec.stopped
+    layers = pl.read_parquet(tmp_path / schema.TRACE_DIR / "layers-*.parquet").sort(["step", "layer"])
+    for step, values in seen.items():
+        rows = layers.filter(pl.col("step") == step)
+        assert rows["grad_norm"].to_list() == [g for g, _ in values]
+        assert rows["param_norm"].to_list() == [w for _, w in values]
