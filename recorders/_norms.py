@@ -140,7 +140,8 @@ class GradPass:
         same rows are written over the scratch buffer and counted from cache; the rest (under
         ``CHUNK`` elements, or an empty tensor) is one more piece.
         """
-        threads = max(1, torch.get_num_threads())
+        # at most 64 rows a block: a block's count, up to 2**23, stays an exact float32 sum
+        threads = min(max(1, torch.get_num_threads()), 64)
         if self._scratch is None or self._scratch.numel() < threads * CHUNK:
             self._scratch = torch.zeros(threads * CHUNK, dtype=torch.float32)
         scratch = self._scratch
