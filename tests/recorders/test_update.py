@@ -24,15 +24,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-@pytest.fixture(scope="module")
-def fp16_run(tmp_path_factory):
-    return update_runs.record_fp16_adam_eps(tmp_path_factory.mktemp("fp16") / "run", check_update=True)
+@pytest.fixture
+def fp16_run(fp16_adam_eps_update_run):
+    """The session's pure-FP16 Adam run with check_update=True (tests/conftest.py); read only."""
+    return fp16_adam_eps_update_run
 
 
-@pytest.fixture(scope="module")
-def stall_runs(tmp_path_factory):
-    return (update_runs.record_bf16_stall(tmp_path_factory.mktemp("bf16") / "run"),
-            update_runs.record_fp32_stall(tmp_path_factory.mktemp("fp32") / "run"))
+@pytest.fixture
+def stall_runs(bf16_stall_run, fp32_stall_run):
+    return bf16_stall_run, fp32_stall_run
 
 
 def _by_reason(info) -> dict:
@@ -77,10 +77,11 @@ def test_a_snapshot_carries_the_optimizer_class_state_and_parameter_names_loadab
     assert snaps["nonfinite_loss"].update is None
 
 
-def test_without_check_update_there_is_no_update_snapshot_and_the_trace_shows_nan_weights_after_finite_grads(tmp_path):
-    info = update_runs.record_fp16_adam_eps(tmp_path / "run")
+def test_without_check_update_there_is_no_update_snapshot_and_the_trace_shows_nan_weights_after_finite_grads(
+        fp16_adam_eps_run):
+    info = fp16_adam_eps_run
     assert [load_snapshot(p).reason for p in info["snapshots"]] == ["nonfinite_loss"]
-    run = load_run(tmp_path / "run")
+    run = load_run(info["run_dir"])
     emb = run.params.index("emb.weight")
     rows = run.layers.filter(pl.col("layer") == emb).sort("step").collect()
     by_step = {r["step"]: r for r in rows.iter_rows(named=True)}
@@ -89,8 +90,8 @@ def test_without_check_update_there_is_no_update_snapshot_and_the_trace_shows_na
     assert math.isfinite(by_step[n]["param_norm"]) and math.isnan(by_step[n + 1]["param_norm"])
 
 
-def test_clipping_an_infinite_gradient_is_snapshotted_with_the_clipped_gradients_the_step_used(tmp_path):
-    info = update_runs.record_clip_inf(tmp_path / "run", check_update=True)
+def test_clipping_an_infinite_gradient_is_snapshotted_with_the_clipped_gradients_the_step_used(clip_inf_update_run):
+    info = clip_inf_update_run
     snaps = _by_reason(info)
     assert {r: s.step for r, s in snaps.items()} == {"nonfinite_grads": 4, "update": 4, "nonfinite_loss": 5}
     up = snaps["update"]
