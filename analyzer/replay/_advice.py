@@ -237,7 +237,8 @@ def _keep_fp32(module: str) -> str:
     for the other places outside any module (``<autograd>``, ``<accumulate_grad>``), which no
     autocast region covers."""
     if module == "<loss_fn>":
-        return "Compute the loss in FP32: call the loss function on .float() inputs, outside any autocast block."
+        return ("Compute the loss in FP32: call the loss function on .float() inputs inside "
+                "torch.autocast(device_type, enabled=False), nested in the training step's autocast block.")
     if module.startswith("<"):
         return ""
     return (f"Keep `{module}` in FP32: run it under torch.autocast(device_type, enabled=False) "
