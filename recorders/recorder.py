@@ -21,29 +21,19 @@ import torch
 from . import schema
 from . import triggers as _triggers
 from ._buffers import BufferTracker
-from ._claim import claim_writer, release_writer
 from ._fsdp import FsdpSnapshots, fsdp_meta
-from ._meta import RecorderConfig, amp_dtype_of, build_meta, current_cwd, dist_info
+from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
+from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
-from ._update import UpdateCheck, UpdateSample, optimizer_entry, optimizer_meta, update_entry
+from ._update import UpdateCheck, UpdateSample, optimizer_entry, update_entry
 from .snapshot import build_snapshot, claim_snapshot, write_snapshot
 from .trace import LayerBuffer, TraceWriter
 
 __all__ = ["Recorder", "RecorderWarning"]
 
 
-class RecorderWarning(RuntimeWarning):
-    """The recorder could not write something; training goes on, the record is incomplete."""
-
-
-def _atexit_close(ref: weakref.ref) -> None:
-    rec = ref()
-    if rec is not None:
-        rec.close()
-
-
-class Recorder(FsdpSnapshots, StepStats):
+class Recorder(FsdpSnapshots, StepStats, Lifecycle):
     """Records a mixed-precision training run: a per-step trace and snapshots of failing steps.
 
     Args:
@@ -171,8 +161,8 @@ class Recorder(FsdpSnapshots, StepStats):
 
     # ------------------------------------------------------------------ public API
     # NB: the public methods raise only for misuse of the API (steps out of order, a loss that
-    # is not a scalar). Any other exception inside the recorder is caught by _stop: one warning,
-    # recording stops, training goes on with its numerics untouched.
+    # is not a scalar). Any other exception inside the recorder is caught by _stop (_lifecycle):
+    # one warning, recording stops, training goes on with its numerics untouched.
     def begin_step(self, step: int, batch: Any = None) -> None:
         """Start step `step`: remember the batch (by reference) and capture the RNG state.
 
@@ -280,7 +270,7 @@ class Recorder(FsdpSnapshots, StepStats):
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ step and stop
+    # ------------------------------------------------------------------ step and flush
     def _end_step(self, loss) -> str | None:
         with torch.no_grad():
             row, failure, snap_reason = self._record(loss)
@@ -304,43 +294,6 @@ class Recorder(FsdpSnapshots, StepStats):
         layers = self._layers.drain(self.rank) if len(self._layers) else None
         # NB: rows that fail to write are dropped, not retried: memory stays bounded on a full disk.
         self._guard("write a trace part", self._write_trace, rows, layers)
-
-    def _stop(self, where: str, error: Exception) -> None:
-        """An internal error: warn once, stop recording, keep the rows already written."""
-        self.write_errors += 1
-        if self.strict:
-            raise error
-        self.stopped = True
-        if where != "flush":
-            try:  # keep the complete steps buffered so far
-                self._flush()
-            except Exception:  # noqa: BLE001 - best effort: the warning below says the record ends
-                pass
-        if not self._stop_warned:
-            self._stop_warned = True
-            msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-            warnings.warn(
-                f"amp-autopsy recorder stopped recording {self.run_dir} after an internal error in "
-                f"{where}: {msg}. Training continues, unchanged; the record ends here (please report "
-                "this with the message)", RecorderWarning, stacklevel=3)
-        self._release()
-
-    def _release(self) -> None:
-        """Drop references and device memory; unregister from atexit and the writer claims."""
-        try:
-            atexit.unregister(self._atexit)
-        except AttributeError:  # stopped inside __init__, before atexit registration
-            pass
-        self._batch = self._rng = None
-        self._buffers = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self._update_sample = None
-        if self._layers is not None:
-            self._layers.release()
-        if self._writer is not None:
-            release_writer(self.run_dir, self.rank, self.writer)
 
     # ------------------------------------------------------------------ cold path and I/O
     def _setup(self, model: torch.nn.Module) -> None:
@@ -376,28 +329,6 @@ class Recorder(FsdpSnapshots, StepStats):
                 warnings.warn(f"amp-autopsy recorder: check_update=True needs a torch.optim.Optimizer (its "
                               f"register_step_post_hook); {type(self.optimizer).__name__} has none, so optimizer "
                               "steps are not checked", RecorderWarning, stacklevel=4)
-
-    def _start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        meta = build_meta(model=self.model, rank=self.rank, world_size=self.world_size,
-                          device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
-                          factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
-                          config=self.config, fsdp=self._fsdp,
-                          optimizer=optimizer_meta(self.optimizer, self._params))
-        data = json.dumps(meta, indent=1).encode()
-        self.writer, others = claim_writer(self.run_dir, self.rank, data)
-        # a Recorder dropped without close() gives its slot back too (a notebook cell run again)
-        weakref.finalize(self, release_writer, self.run_dir, self.rank, self.writer)
-        self._writer = TraceWriter(self.run_dir, self.rank, self.writer)
-        if others:
-            who = ", ".join(f"pid {o.get('pid')} on host {o.get('host')}" for o in others)
-            warnings.warn(
-                f"amp-autopsy recorder: rank {self.rank} of {self.run_dir} is already being recorded by "
-                f"{who}; this process (pid {os.getpid()}) records it as writer {self.writer} (its files "
-                f"are named *-r{self.rank:05d}-w{self.writer}-*). If these are processes of one "
-                "multi-GPU launch, initialise torch.distributed before building the Recorder so each "
-                "has its own rank, or give each process its own run directory", RecorderWarning,
-                stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
         self._writer.write(rows, layers)
@@ -461,25 +392,3 @@ class Recorder(FsdpSnapshots, StepStats):
         if written is not None and written not in self.snapshots:
             self.snapshots.append(written)
         return written
-
-    def _guard(self, what: str, fn, *args):
-        """Run the recorder's own I/O: on error warn once and carry on (strict: raise)."""
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - the recorder must never take training down
-            self.write_errors += 1
-            if self.strict:
-                raise
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"amp-autopsy recorder could not {what} in {self.run_dir}: {type(e).__name__}: {e}. "
-                    "Training continues but the record is incomplete (further write errors are "
-                    "counted in rec.write_errors, not warned again; strict=True raises instead)",
-                    RecorderWarning, stacklevel=3,
-                )
-            return None
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"the recorder for {self.run_dir} is closed")
