@@ -6,11 +6,11 @@ queries (``analyzer.report.checks.frames``), runs every registered check and ret
 Real output (an FP16 run whose attention logits overflow)::
 
     amp-autopsy report: attn-fp16 (amp-autopsy run, float16 AMP, 1 rank(s), steps 0..49, 50 steps)
-    Verdict: FAILED: the loss scale fell from 65536 to 1.49e-08 in 16 backoffs and never recovered
-    (scale_collapse, step 1); 2 error(s), 0 warning(s)
+    Verdict: FAILED: the loss scale fell from 65536 to 1 in 16 backoffs by step 23, then to 1.49e-08,
+    and never recovered (scale_collapse, step 1); 2 error(s), 0 warning(s)
 
     errors
-      scale_collapse @ step 1: the loss scale fell from 65536 to 1.49e-08 in 16 backoffs ...
+      scale_collapse @ step 1: the loss scale fell from 65536 to 1 in 16 backoffs by step 23, ...
           evidence: step_start=1 scale_start=6.554e+04 step_reached=23 scale_reached=1 ...
       nonfinite_loss @ step 13: the loss became nan at step 13 (37 non-finite step(s) of 50): the
       scaler was backing off before it (6 skipped step(s) in the previous 13, scale falling): FP16

@@ -8,10 +8,10 @@ settles where about one step per growth interval overflows, after a few skips at
 Real output (``tests/analyzer/report/report_models.build_attn``: attention logits not divided by
 sqrt(d), FP16, Adam at lr=1.0, 50 steps)::
 
-    scale_collapse @ step 1: the loss scale fell from 65536 to 1.49e-08 in 16 backoffs and never
-    recovered (43 of 49 steps skipped since step 1): gradients overflow on every step, even
-    unscaled; usual causes: a learning rate too high, residual connections missing or not scaled,
-    attention logits not divided by sqrt(d_head); run 'analyzer replay' on the snapshot ...
+    scale_collapse @ step 1: the loss scale fell from 65536 to 1 in 16 backoffs by step 23, then
+    to 1.49e-08, and never recovered (43 of 49 steps skipped since step 1): gradients overflow on
+    every step, even unscaled; usual causes: a learning rate too high, residual connections missing
+    or not scaled, attention logits not divided by sqrt(d_head); run 'analyzer replay' on the ...
         evidence: step_start=1 scale_start=6.554e+04 step_reached=23 scale_reached=1 ...
 
 How to read it: ``step_start`` is where the falling scale began (plateaus of up to
@@ -90,11 +90,15 @@ def scale_collapse(frames: Frames) -> list[Finding]:
         return [Finding("scale_collapse", "warning", ev["step_start"],
                         f"the loss scale fell from {ev['scale_start']:g} to {ev['min_scale']:.3g} "
                         f"but recovered to {ev['final_scale']:g}: a burst of overflowing steps; {_CAUSES}", ev)]
+    # `backoffs` counts the halvings down to the first scale <= 1 (step_reached), not to the minimum
+    fell = f"to {ev['scale_reached']:.3g} in {ev['backoffs']} backoffs by step {ev['step_reached']}"
+    if ev["min_scale"] < ev["scale_reached"]:
+        fell += f", then to {ev['min_scale']:.3g},"
     return [Finding(
         "scale_collapse", "error", ev["step_start"],
-        f"the loss scale fell from {ev['scale_start']:g} to {ev['min_scale']:.3g} in {ev['backoffs']} "
-        f"backoffs and never recovered ({ev['skipped_after_start']} of {ev['steps_after_start']} steps "
-        f"skipped since step {ev['step_start']}): gradients overflow on every step, even unscaled; {_CAUSES}",
+        f"the loss scale fell from {ev['scale_start']:g} {fell} and never recovered ({ev['skipped_after_start']} "
+        f"of {ev['steps_after_start']} steps skipped since step {ev['step_start']}): gradients overflow on every "
+        f"step, even unscaled; {_CAUSES}",
         ev)]
 
 

@@ -159,6 +159,23 @@ def test_scale_collapse_starts_where_the_descent_starts(tmp_path):
     assert f.evidence["skipped_after_start"] >= 199  # steps 200..399 all skipped
 
 
+@pytest.mark.parametrize("stop_at_one", [False, True])
+def test_scale_collapse_message_counts_the_backoffs_to_1_and_names_the_minimum_separately(tmp_path, stop_at_one):
+    def collapse(s: Script):
+        _collapse(s)
+        if stop_at_one:  # the scaler stops halving once the scale reaches 1
+            s.scale[s.scale < 1] = 1.0
+
+    findings, s = _findings(tmp_path, {}, collapse)
+    ev = next(f for f in findings if f.check == "scale_collapse").evidence
+    msg = next(f for f in findings if f.check == "scale_collapse").message
+    # halving from the plateau scale reaches exactly 1 after log2(scale) backoffs
+    assert ev["scale_reached"] == 1.0 and ev["backoffs"] == int(np.log2(s.scale[199]))
+    head = f"fell from {s.scale[199]:g} to 1 in {ev['backoffs']} backoffs by step {ev['step_reached']}"
+    assert head in msg
+    assert (f", then to {ev['min_scale']:.3g}," in msg) == (not stop_at_one)
+
+
 def test_nonfinite_loss_with_stable_scale_says_not_overflow_and_names_the_snapshot(tmp_path):
     s = Script()
     _nan_stable(s)
