@@ -216,3 +216,14 @@ def test_a_float64_model_is_recorded_with_its_norms_rounded_to_float32(tmp_path)
         rows = layers.filter(pl.col("step") == step)
         assert rows["grad_norm"].to_list() == [g for g, _ in values]
         assert rows["param_norm"].to_list() == [w for _, w in values]
+
+
+def test_closing_the_recorder_drops_the_gradient_pass_and_its_scratch_buffer(tmp_path):
+    model = nn.Linear(256, 64)  # 16384 weights: above SMALL, so the pass allocates its scratch
+    rec = Recorder(tmp_path, model, layer_every=1)
+    with rec:
+        rec.begin_step(0, None)
+        model(torch.randn(4, 256)).square().mean().backward()
+        rec.end_step()
+        assert rec._grad_pass._scratch is not None and rec._grad_pass._scratch.numel() >= CHUNK
+    assert not rec.stopped and "_grad_pass" not in rec.__dict__
