@@ -131,9 +131,11 @@ def _recompute(cls: str, st: dict, g: dict, grad: torch.Tensor | None, dtype: to
     """(update tensor in `dtype` or None, factors it read, formula text, hyperparameters, eps in dtype)."""
     lr = _num(g.get("lr"))
     if cls in _ADAM and lr is not None and _floating(st.get("exp_avg")) and _floating(st.get("exp_avg_sq")):
-        betas = g.get("betas") if isinstance(g.get("betas"), (list, tuple)) else (None, None)
+        betas = g.get("betas")
+        betas = betas if isinstance(betas, (list, tuple)) and len(betas) == 2 else (None, None)
         b1, b2, eps, t = _num(betas[0]), _num(betas[1]), _num(g.get("eps")), _num(st.get("step"))
-        if None not in (b1, b2, eps, t) and t >= 1:
+        # the values torch's Adam accepts (betas in [0, 1)); others, from a damaged file, get no formula
+        if None not in (b1, b2, eps, t) and 0 <= b1 < 1 and 0 <= b2 < 1 and 1 <= t < math.inf:
             m = st["exp_avg"].to(dtype)
             v = st["max_exp_avg_sq" if g.get("amsgrad") and _floating(st.get("max_exp_avg_sq")) else "exp_avg_sq"]
             eps_d = torch.tensor(eps, dtype=torch.float64).to(dtype)

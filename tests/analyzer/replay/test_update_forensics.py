@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from analyzer.cli import main
@@ -114,6 +114,9 @@ _junk = st.one_of(st.none(), st.integers(-2, 10**19), st.floats(allow_nan=True),
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lr=_junk, eps=_junk, betas=_junk, step=_junk, names=_junk, scale=st.sampled_from([0.0, -1.0, math.inf]))
+@example(lr=0, eps=None, betas=[], step=None, names=None, scale=0.0)  # found by hypothesis: an IndexError
+@example(lr=1e-3, eps=1e-8, betas=[2, 3], step=1, names=None, scale=1.0)  # sqrt(1 - 3**1): a math domain error
+@example(lr=1e-3, eps=1e-8, betas=(0.9, 1.5), step=10**19, names=None, scale=1.0)  # 1.5 ** 1e19 overflows
 def test_hostile_optimizer_entries_give_a_result_or_one_analyzer_error(emb_update, tmp_path_factory, lr, eps, betas,
                                                                       step, names, scale):
     raw = torch.load(snapshots(emb_update, "update")[0], weights_only=True)
