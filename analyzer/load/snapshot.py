@@ -67,6 +67,11 @@ class Snapshot(Mapping):
     update: dict | None = field(repr=False)  # since version 3, reason "update": grads, post_params, nonfinite_params
     _raw: Mapping = field(repr=False)
 
+    @property
+    def has_scaler(self) -> bool:
+        """Whether the run trained with a GradScaler (its state or its scale was recorded)."""
+        return self.scaler_state is not None or self.scale is not None
+
     def __getitem__(self, key: str) -> Any:
         return self._raw[key]
 

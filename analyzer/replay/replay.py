@@ -109,7 +109,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
                            _advice.advice(diag["verdict"], diag["culprit"], inputs=nonfinite_inputs, scale=scale,
                                           masks=masks, sdpa=diag.get("sdpa"),
                                           tried={p: r.finite for p, r in runs.items()},
-                                          scaler=snap.scaler_state is not None or snap.scale is not None,
+                                          scaler=snap.has_scaler,
                                           mode=mode.kind, low=mode.dtype)),
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),

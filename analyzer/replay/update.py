@@ -330,8 +330,7 @@ def _advice_for(key: str, snap: Snapshot) -> list[str]:
     """``_ADVICE[key]``, naming a GradScaler only where one would skip the step: a run that has one,
     or FP16 autocast (FP16 parameters' gradients are refused by ``unscale_``; BF16/FP32 need none)."""
     lines = list(_ADVICE.get(key, []))
-    scaler = snap.scaler_state is not None or snap.scale is not None
-    if key == "grad" and not (scaler or snap.amp_dtype == "float16"):
+    if key == "grad" and not (snap.has_scaler or snap.amp_dtype == "float16"):
         lines = ["skip a step whose total gradient norm is non-finite (clip_grad_norm_(..., error_if_nonfinite=True) "
                  "raises on it, or call optimizer.step() only when torch.isfinite(total_norm)), then find the op that "
                  "made the infinite gradient: replay that step's nonfinite_grads snapshot"]
