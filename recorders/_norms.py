@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK", "SMALL", "norms", "GradPass"]
+__all__ = ["CHUNK", "SMALL", "norms", "nonzero_counts", "GradPass"]
 
 CHUNK = 1 << 17  # elements per piece: 512 KiB of float32, read once from memory, then twice from L2
 SMALL = 1 << 13  # tensors up to this size: one _foreach_norm for all, and count_nonzero (~1 ns per element)
@@ -66,6 +66,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return dense.view(-1) if dense.is_contiguous() else t.reshape(-1)
 
 
+def nonzero_counts(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each tensor's exact non-zero count, int64 on `device` (MPS has no float64), one
+    ``count_nonzero`` per tensor: ~2.5x one L2 norm per element; ``(g == 0).sum()`` is 10-40x (bool)."""
+    return torch.stack([torch.count_nonzero(t).to(device) for t in tensors])
+
+
 class GradPass:
     """Per-tensor float32 L2 norms and, with ``zeros=True``, exact non-zero counts.
 
@@ -84,10 +90,7 @@ class GradPass:
                  zeros: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norms float32 on `device`, non-zero counts on `device` or None)."""
         if not _fast(tensors, device, single_device):
-            nnz = None
-            if zeros:  # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool)
-                nnz = torch.stack([torch.count_nonzero(t).to(device) for t in tensors])  # int64: MPS has no float64
-            return norms(tensors, device, single_device), nnz
+            return norms(tensors, device, single_device), nonzero_counts(tensors, device) if zeros else None
         if not tensors:
             empty = torch.empty(0, device=device)
             return empty, (empty.double() if zeros else None)

@@ -16,7 +16,7 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
-from ._norms import GradPass, norms
+from ._norms import GradPass, nonzero_counts, norms
 
 __all__ = ["StepStats", "local_tensor"]
 
@@ -142,8 +142,7 @@ class StepStats:
         params = [local_tensor(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
         pnorm = norms(params, self._device, self._single_device)
         if nnz is None:
-            # count_nonzero is ~2.5x one L2 norm per element; `(g == 0).sum()` is 10-40x (bool tensor)
-            nnz = torch.stack([torch.count_nonzero(g).to(self._device) for g in grads])
+            nnz = nonzero_counts(grads, self._device)
         where = None if sel is None else self._index(sel)
         numel = self._numel if where is None else self._numel.index_select(0, where)
         zero_frac = (1.0 - nnz.to(self._acc) / numel).float()
