@@ -4,9 +4,10 @@ How: each chunk's bit patterns, sign cleared (``bitwise_and`` into a reused buff
 ``aminmax``. With the sign cleared the integer order is the order of the magnitudes, inf and NaN
 above every finite value (``_stats``), so the two extremes decide everything for a healthy chunk:
 abs-max below FP16's overflow point and least magnitude above its flush point means no NaN, no inf,
-no zero and nothing to count. Only a chunk whose extremes cross a threshold is counted exactly
-(comparisons on the same buffer, still in cache). Integer comparisons are exact on any CPU, and the
-scan never writes to the tensor (it may be the mmap'd file).
+no zero and nothing to count (nor does a chunk wholly below a flush point). Only a chunk whose extremes
+cross a threshold is counted exactly, on the same buffer while it is in cache (``_count_le``: integer
+clamps and wrapping sums, exact on any CPU). The scan never writes to the tensor (it may be the mmap'd
+file).
 
 bfloat16, float16, float32, float64 and float8 are read as their own bit patterns; other float dtypes
 (float8 variants without a fixed layout here) are converted to float32 chunk by chunk, exactly.
@@ -33,7 +34,7 @@ CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as 
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
 _SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
 SPLIT_AT = 1 << 24    # elements: a lone tensor this large is cut into one part per thread
-_ROW = 256            # counts skip rows of this many elements whose least magnitude is above the limit
+_PEEK = 64            # a tensor's first chunk: a sign bit among this many first values skips the read-only try
 
 
 class _Acc:
@@ -60,53 +61,64 @@ class _Acc:
             bf16_overflow=self.bf16_overflow, bf16_flush=self.bf16_flush)
 
 
-def _count_dense(x: torch.Tensor, limit: int, tmp: torch.Tensor) -> int:
-    """How many of x are <= limit. NB: clamp to {limit, limit + 1}, shift to {0, 1} and sum as int32:
-    integer ops at the speed of a sum, where a bool mask and its sum cost ~10x one (measured)."""
-    torch.clamp(x, limit, limit + 1, out=tmp)
-    return x.numel() - int(tmp.sub_(limit).sum(dtype=torch.int32))
+def _count_le(x: torch.Tensor, limit: int, out: torch.Tensor) -> int:
+    """How many of x (magnitude bits, >= 0) are <= limit. `out` is scratch of x's size; it may be x itself
+    when x is ours and no longer needed.
 
-
-def _count_le(mag: torch.Tensor, limit: int, tmp: torch.Tensor) -> int:
-    """How many magnitudes are <= limit. Rows of _ROW whose least value is above it are skipped, so a few
-    odd values in a healthy chunk cost one ``amin``, not a pass over the chunk."""
-    k = mag.numel()
+    NB: x is clamped to {limit, limit + 1} and summed in its own integer width, which wraps: a sum of n
+    such values is n * limit + (how many are above), modulo 2**width, and that count comes back exactly
+    while n < 2**(width - 1). So 32- and 64-bit chunks are summed whole, and 8- and 16-bit ones down
+    columns short enough (a ragged tail of fewer than a row is compared). Two passes at the speed of a
+    sum, on any SIMD width; a bool mask and its sum, or a sum into a wider type, cost several times that
+    (measured)."""
+    k = x.numel()
     if limit < 0:
         return 0
-    if limit >= torch.iinfo(mag.dtype).max:
+    if limit >= torch.iinfo(x.dtype).max:
         return k
-    full = k - k % _ROW
-    if full >= 4 * _ROW:
-        rows = mag[:full].view(-1, _ROW)
-        hit = (rows.amin(1) <= limit).nonzero().view(-1)
-        n_hit = hit.numel()
-        if n_hit * 4 < rows.shape[0]:
-            tail = _count_dense(mag[full:], limit, tmp[full:]) if full < k else 0
-            if n_hit <= 8:  # the usual case in weights: a handful of odd values, one small op per row
-                return tail + sum(_count_dense(rows[i], limit, tmp[:_ROW]) for i in hit.tolist())
-            picked = torch.index_select(rows, 0, hit, out=tmp[:n_hit * _ROW].view(n_hit, _ROW))
-            return tail + _count_dense(picked.view(-1), limit, picked.view(-1))
-    return _count_dense(mag, limit, tmp[:k])
+    width = x.element_size() * 8
+    y = torch.clamp(x, limit, limit + 1, out=out)
+    if width >= 32:
+        return k - (int(y.sum(dtype=y.dtype)) - k * limit) % (1 << width)
+    cols = -(-k // ((1 << (width - 1)) - 1))  # 8/16-bit: each column sums at most 2**(width-1) - 1 values
+    cols = -(-cols // 64) * 64                 # and a row is whole SIMD vectors
+    rows = k // cols
+    above = 0
+    if rows:
+        sums = y[:rows * cols].view(rows, cols).sum(0, dtype=y.dtype)
+        above = int(sums.to(torch.int64).sub_(rows * limit).remainder_(1 << width).sum())
+    if rows * cols < k:
+        above += int((y[rows * cols:] > limit).sum())
+    return k - above
 
 
 def _healthy(acc: _Acc, k: int, lo: int, hi: int) -> bool:
-    """Fold in a chunk of k values whose extremes (as magnitude bits) are lo and hi, if they say that
-    there is nothing to count: no NaN/inf, no overflow, no zero, no flush (fp16_flush >= bf16_flush)."""
-    if hi < acc.b.fp16_over and lo > acc.b.fp16_flush:
-        acc.numel += k
-        acc.hi, acc.lo = max(acc.hi, hi), min(acc.lo, lo)
-        return True
-    return False
+    """Fold in a chunk of k values whose extremes (as magnitude bits) are lo and hi, if they alone give every
+    count: no zero, nothing non-finite or past FP16's max, and each flush threshold above or below the
+    whole chunk (Adam's second moments often lie wholly below FP16's)."""
+    b = acc.b
+    if lo <= 0 or hi >= b.fp16_over:
+        return False
+    f16 = 0 if lo > b.fp16_flush else k if hi <= b.fp16_flush else -1
+    bf = 0 if lo > b.bf16_flush else k if hi <= b.bf16_flush else -1
+    if f16 < 0 or bf < 0:
+        return False
+    acc.numel += k
+    acc.fp16_flush += f16
+    acc.bf16_flush += bf
+    acc.hi, acc.lo = max(acc.hi, hi), min(acc.lo, lo)
+    return True
 
 
-def _fold(acc: _Acc, mag: torch.Tensor, tmp: torch.Tensor, lo: int, hi: int) -> None:
-    """Count one chunk of magnitude bit patterns whose extremes are lo and hi. `tmp` is scratch; `mag` is
-    written to only when it holds a zero or a non-finite value (lo == 0 or hi >= inf)."""
+def _fold(acc: _Acc, mag: torch.Tensor, tmp: torch.Tensor, lo: int, hi: int, own: bool) -> None:
+    """Count one chunk of magnitude bit patterns whose extremes are lo and hi. `tmp` is scratch. `mag` is
+    written to only when `own` (then the last count runs in place), or when it holds a zero or a
+    non-finite value (the caller passes its own copy then)."""
     b, k = acc.b, mag.numel()
     acc.numel += k
 
-    def le(limit: int) -> int:
-        return _count_le(mag, limit, tmp)
+    def le(limit: int, last: bool = False) -> int:
+        return _count_le(mag, limit, mag if last and own else tmp)
 
     junk = 0  # non-finite values, set to 0 below so that they drop out of every other count
     if hi >= b.inf:
@@ -130,10 +142,12 @@ def _fold(acc: _Acc, mag: torch.Tensor, tmp: torch.Tensor, lo: int, hi: int) -> 
         mag.sub_(1).bitwise_and_(b.mask)
         lo, shift = int(mag.min()) + 1, 1
     acc.lo = min(acc.lo, lo)
+    bf16_pass = b.bf16_flush < hi and lo <= b.bf16_flush  # bf16_flush <= fp16_flush: counted second
     for field, limit in (("fp16_flush", b.fp16_flush), ("bf16_flush", b.bf16_flush)):
         if lo > limit:
             continue
-        n = k - zeros if hi <= limit else le(limit - shift)  # all flush: no pass needed
+        last = field == "bf16_flush" or not bf16_pass
+        n = k - zeros if hi <= limit else le(limit - shift, last)  # all flush: no pass needed
         setattr(acc, field, getattr(acc, field) + n)
 
 
@@ -183,22 +197,24 @@ class Scanner:
         bits = x.view(b.view)
         full = k == acc.n
         tmp = acc.tmp if full else acc.tmp[:k]
+        if acc.nonneg and acc.numel == 0 and k > _PEEK and int(bits[:_PEEK].min()) < 0:
+            acc.nonneg = False  # a signed tensor shows it in its first values: skip the read-only try
         if acc.nonneg:  # no sign bit so far: the bits are the magnitudes, one read and no write
             lo, hi = torch.aminmax(bits)
             lo, hi = lo.item(), hi.item()  # NB: a host sync per chunk
             if lo >= 0:
                 if not _healthy(acc, k, lo, hi):
                     if lo > 0 and hi < b.inf:  # counts only, nothing written: read where it lies
-                        _fold(acc, bits, tmp, lo, hi)
+                        _fold(acc, bits, tmp, lo, hi, own=False)
                     else:
-                        _fold(acc, acc.mag[:k].copy_(bits), tmp, lo, hi)
+                        _fold(acc, acc.mag[:k].copy_(bits), tmp, lo, hi, own=True)
                 return
             acc.nonneg = False
         mag = torch.bitwise_and(bits, b.mask, out=acc.mag if full else acc.mag[:k])
         lo, hi = torch.aminmax(mag)
         lo, hi = lo.item(), hi.item()  # NB: a host sync per chunk
         if not _healthy(acc, k, lo, hi):
-            _fold(acc, mag, tmp, lo, hi)
+            _fold(acc, mag, tmp, lo, hi, own=True)
 
     def tensor(self, t: torch.Tensor, on_bytes: Callable[[int], None] | None = None) -> TensorStats:
         """Statistics of one floating-point tensor (CPU or not; never copied whole, never written to)."""

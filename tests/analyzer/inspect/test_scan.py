@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzer.inspect._scan import Scanner, scan_pair, scan_tensor, scanned_numel
+from analyzer.inspect._scan import Scanner, _count_le, scan_pair, scan_tensor, scanned_numel
 
 from .inspect_values import STAT_FIELDS, edge_values, expected
 
@@ -228,6 +228,23 @@ def test_pairs_expanded_alike_compare_distinct_values_and_others_are_not_paired(
     assert scan_pair(a.expand(10**9, 2), torch.ones(10**9, 1).expand(10**9, 2)) is None  # broadcast differently
 
 
+_INTS = [torch.int8, torch.int16, torch.int32, torch.int64]
+
+
+@settings(max_examples=120, deadline=None)
+@given(dtype=st.sampled_from(_INTS), data=st.data())
+def test_count_le_equals_a_compare_and_sum_when_the_clamped_sum_wraps_and_when_it_runs_in_place(dtype, data):
+    top = torch.iinfo(dtype).max
+    vals = data.draw(st.lists(st.integers(0, top), min_size=1, max_size=60))
+    limit = data.draw(st.one_of(st.sampled_from(vals), st.integers(-2, top), st.sampled_from([0, top - 1, top])))
+    reps = data.draw(st.sampled_from([1, 3, 70_001]))  # 70,001 copies: k * limit passes 2**32 many times
+    x = torch.tensor(vals, dtype=dtype).repeat(reps)
+    want = int((x <= limit).sum())
+    assert _count_le(x, limit, torch.empty_like(x)) == want
+    y = x.clone()
+    assert _count_le(y, limit, y) == want
+
+
 # --- determinism and devices -----------------------------------------------------------------
 
 _RUN = """
@@ -238,7 +255,10 @@ i = torch.arange(1_000_003, dtype=torch.float64)
 a = ((i * 0.7548776662466927 % 1.0 - 0.5) * 1e3).float()
 b = a + ((i * 0.5698402909980532 % 1.0 - 0.5) * 1e-2).float()
 sa, sb, c = scan_pair(a, b)
+tiny = (a * 2.0**-40).abs()  # Adam-like moments: ~half flush in FP16, so every chunk is counted
 print(json.dumps([torch.backends.cpu.get_cpu_capability(), int(b.view(torch.int32).long().sum()),
+                  [repr(v) for v in scan_tensor(tiny).__dict__.values()],
+                  [repr(v) for v in scan_tensor(a * 2.0**-40).__dict__.values()],
                   repr(c.rel_change), c.changed,
                   [repr(v) for v in sa.__dict__.values()], [repr(v) for v in scan_tensor(b.bfloat16()).__dict__.values()]]))
 """
