@@ -150,8 +150,7 @@ def main() -> None:
         print(f"{'variant':32} {'threads':>7} {'median s':>9} {'GB/s':>7} {'vs floor':>9}   (ratio min .. max)")
         for (name, n), ts in times.items():
             m = statistics.median(ts)
-            floor_ts = times[floor_name, n] if (floor_name, n) in times else times[floor_name, 1]
-            ratios = [t / f for t, f in zip(ts, floor_ts)]  # each against the floor of its own round
+            ratios = [t / f for t, f in zip(ts, times[floor_name, n])]  # each against its own round's floor
             print(f"{name:32} {n:7} {m:9.3f} {nbytes / m / 1e9:7.2f} {statistics.median(ratios):8.2f}x   "
                   f"({min(ratios):.2f} .. {max(ratios):.2f})")
     finally:
