@@ -157,6 +157,57 @@ def test_any_values_in_any_dtype_and_chunking_give_what_real_casts_give(values, 
     assert s.numel == len(values) and _got(s) == expected(x)
 
 
+def _signed(u: int, width: int) -> int:
+    return u - (1 << width) if u >> (width - 1) else u
+
+
+# NaNs of both signs, quiet and signalling, with the least and the greatest payloads; then -inf, -0.0 and
+# the most negative finite value, which abs must also map to their magnitudes
+_NAN_BITS = {
+    torch.float32: (torch.int32, [_signed(u, 32) for u in (
+        0xFF800001, 0xFFC00000, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800000, 0x80000000,
+        0xFF7FFFFF)]),
+    torch.float64: (torch.int64, [_signed(u, 64) for u in (
+        0xFFF0000000000001, 0xFFF8000000000000, 0xFFFFFFFFFFFFFFFF, 0x7FF0000000000001, 0x7FF8000000000000,
+        0x7FFFFFFFFFFFFFFF, 0xFFF0000000000000, 0x8000000000000000, 0xFFEFFFFFFFFFFFFF)]),
+}
+_NANS = 6  # the first six of each list
+
+_ABS_RUN = """
+import json, torch
+from tests.analyzer.inspect.test_scan import _NAN_BITS
+out = []
+for dtype, (ints, pats) in _NAN_BITS.items():
+    for n in (1, 7, 16, 37, 1000):  # vector bodies and scalar tails
+        bits = torch.tensor(pats, dtype=ints).repeat(n)
+        out.append(int(torch.abs(bits.view(dtype)).view(ints).min()) >= 0)
+print(json.dumps([torch.backends.cpu.get_cpu_capability(), out]))
+"""
+
+
+@pytest.mark.parametrize("cap", ["default", None])
+def test_torch_abs_clears_the_sign_bit_of_nans_infs_and_zeros_on_native_and_portable_kernels(cap):
+    # the scan clears float32/float64 signs with torch.abs and reads the result as magnitude bits
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if cap:
+        env["ATEN_CPU_CAPABILITY"] = cap
+    run = subprocess.run([sys.executable, "-c", _ABS_RUN], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    capability, ok = json.loads(run.stdout)
+    assert all(ok), capability
+
+
+@pytest.mark.parametrize("dtype", list(_NAN_BITS))
+def test_nans_of_either_sign_and_any_payload_are_counted_as_nan_among_healthy_values(dtype):
+    ints, pats = _NAN_BITS[dtype]
+    healthy = torch.linspace(-1.0, 1.0, 4000, dtype=torch.float64).add_(1e-3).to(dtype)
+    x = torch.cat([healthy, torch.tensor(pats, dtype=ints).view(dtype)])
+    for chunk in (64, 1 << 18):
+        s = scan_tensor(x, chunk)
+        assert _got(s) == expected(x) and s.nan == _NANS and s.inf == 1 and s.zeros == 1
+
+
 def test_the_scan_never_writes_to_the_tensor_it_reads():
     x = edge_values()
     before = x.clone()
