@@ -16,7 +16,9 @@ also the scan on the GPU. Ratios are against the floor on the same number of thr
     python bench/inspect_throughput.py --chunk 1048576       # another chunk size (elements)
 
 NB: by default the file is in the page cache (it was just written), so this measures scanning, not
-the disk. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)`` after ``fsync``, nothing
+the disk. How its pages got there matters to the floor: pages torch.save wrote, or that read() brought
+back, map in few page faults, while pages first read through mmap faults cost the floor about as much
+again in faults; ``--reread mmap|read`` evicts the file and reads it back that way first. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)`` after ``fsync``, nothing
 else) before every run of every variant, so both read from disk, as they do for a checkpoint written
 hours ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed.
 """
@@ -111,6 +113,10 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: also time inspect --device cuda")
     ap.add_argument("--chunk", type=int, default=None, help=f"elements per CPU chunk (default {_scan.CHUNK})")
     ap.add_argument("--dir", default=None, help="where to write the temporary checkpoint (default: $TMPDIR)")
+    ap.add_argument("--reread", choices=["mmap", "read"], default=None,
+                    help="warm runs: first evict the file and read it back once, through mmap faults (as an "
+                    "earlier inspect of a cold file leaves it) or read() (as cp or a plain read does), "
+                    "instead of timing the pages torch.save left")
     args = ap.parse_args()
     if args.quick:
         args.size_gb, args.rounds = 0.25, 3
@@ -126,9 +132,14 @@ def main() -> None:
         if args.pair:
             paths.append(tmp / "ckpt_b.pt")
             nbytes += write_checkpoint(paths[1], args.size_gb, getattr(torch, args.dtype), seed=1)
+        if args.reread and not args.cold:
+            for p in paths:
+                evict(p)
+            (floor if args.reread == "mmap" else read_file)(paths, 1)
+        warm = f"warm page cache ({f'read back through {args.reread}' if args.reread else 'as torch.save left it'})"
         print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors in {len(paths)} file(s) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
-              f"{'cold (evicted before each run)' if args.cold else 'warm page cache'}; "
+              f"{'cold (evicted before each run)' if args.cold else warm}; "
               f"chunk {_scan.CHUNK} elements; torch {torch.__version__}, "
               f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
         floor_name = "floor: torch.load(mmap) + sum"
