@@ -18,9 +18,10 @@ also the scan on the GPU. Ratios are against the floor on the same number of thr
 NB: by default the file is in the page cache (it was just written), so this measures scanning, not
 the disk. How its pages got there matters to the floor: pages torch.save wrote, or that read() brought
 back, map in few page faults, while pages first read through mmap faults cost the floor about as much
-again in faults; ``--reread mmap|read`` evicts the file and reads it back that way first. ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)`` after ``fsync``, nothing
-else) before every run of every variant, so both read from disk, as they do for a checkpoint written
-hours ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed.
+again in faults; ``--reread mmap|read`` evicts the file and reads it back that way first.
+``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)`` after ``fsync``, nothing else)
+before every run of every variant, so both read from disk, as they do for a checkpoint written hours
+ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed.
 """
 from __future__ import annotations
 

@@ -174,10 +174,10 @@ _NAN_BITS = {
 _NANS = 6  # the first six of each list
 
 _ABS_RUN = """
-import json, torch
-from tests.analyzer.inspect.test_scan import _NAN_BITS
+import json, sys, torch
 out = []
-for dtype, (ints, pats) in _NAN_BITS.items():
+for dtype, ints, pats in json.loads(sys.argv[1]):
+    dtype, ints = getattr(torch, dtype), getattr(torch, ints)
     for n in (1, 7, 16, 37, 1000):  # vector bodies and scalar tails
         bits = torch.tensor(pats, dtype=ints).repeat(n)
         out.append(int(torch.abs(bits.view(dtype)).view(ints).min()) >= 0)
@@ -185,16 +185,21 @@ print(json.dumps([torch.backends.cpu.get_cpu_capability(), out]))
 """
 
 
-@pytest.mark.parametrize("cap", ["default", None])
-def test_torch_abs_clears_the_sign_bit_of_nans_infs_and_zeros_on_native_and_portable_kernels(cap):
-    # the scan clears float32/float64 signs with torch.abs and reads the result as magnitude bits
+def _run_on_kernels(cap: str | None, code: str, *args: str):
+    """`code`'s JSON output, run in a fresh interpreter on ATen's `cap` kernels (None: the native ones)."""
     env = dict(os.environ)
     env.pop("ATEN_CPU_CAPABILITY", None)
     if cap:
         env["ATEN_CPU_CAPABILITY"] = cap
-    run = subprocess.run([sys.executable, "-c", _ABS_RUN], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
-    capability, ok = json.loads(run.stdout)
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("cap", ["default", None])
+def test_torch_abs_clears_the_sign_bit_of_nans_infs_and_zeros_on_native_and_portable_kernels(cap):
+    # the scan clears float32/float64 signs with torch.abs and reads the result as magnitude bits
+    pats = [[str(d).removeprefix("torch."), str(i).removeprefix("torch."), p] for d, (i, p) in _NAN_BITS.items()]
+    capability, ok = _run_on_kernels(cap, _ABS_RUN, json.dumps(pats))
     assert all(ok), capability
 
 
@@ -316,15 +321,7 @@ print(json.dumps([torch.backends.cpu.get_cpu_capability(), int(b.view(torch.int3
 
 
 def test_results_are_bit_identical_whatever_simd_the_cpu_kernels_use():
-    out = []
-    for cap in ("default", None):
-        env = dict(os.environ)
-        env.pop("ATEN_CPU_CAPABILITY", None)
-        if cap:
-            env["ATEN_CPU_CAPABILITY"] = cap
-        run = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, check=True)
-        out.append(json.loads(run.stdout))
-    (cap0, *rest0), (cap1, *rest1) = out
+    (cap0, *rest0), (cap1, *rest1) = (_run_on_kernels(cap, _RUN) for cap in ("default", None))
     if cap0 == cap1:
         pytest.skip(f"this CPU has no SIMD beyond {cap0!r} to compare against")
     assert rest0 == rest1
