@@ -22,6 +22,8 @@ class RecorderConfig:
     min_scale: float = 1.0
     overflow_streak: int = 8
     max_snapshots: int = 3
+    step_numbering: str = "loop"  # a key of schema.STEP_NUMBERINGS (framework adapters set it)
+    micro_batches: int | None = None  # forwards accumulated into one recorded step, when declared
 
     def __post_init__(self):
         for name in ("layer_every", "flush_every", "overflow_streak"):
@@ -33,6 +35,12 @@ class RecorderConfig:
             raise ValueError(f"max_snapshots must be an int >= 0, got {self.max_snapshots!r}")
         if not isinstance(self.min_scale, (int, float)) or not self.min_scale >= 0:
             raise ValueError(f"min_scale must be a number >= 0, got {self.min_scale!r}")
+        if self.step_numbering not in schema.STEP_NUMBERINGS:
+            raise ValueError(f"step_numbering must be one of {sorted(schema.STEP_NUMBERINGS)}, "
+                             f"got {self.step_numbering!r}")
+        mb = self.micro_batches
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            raise ValueError(f"micro_batches must be None or an int >= 1, got {mb!r}")
 
 
 def dist_info() -> tuple[int, int]:
@@ -126,6 +134,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "cwd": current_cwd(),
         "fsdp": fsdp,
         "optimizer": optimizer,
+        "step_numbering": config.step_numbering,
+        "micro_batches": config.micro_batches,
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -63,6 +63,12 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             snapshotted at once (reason ``"update"``, before ``zero_grad``: its gradients, the
             optimizer state and the post-update weights). Costs one fused norm over the weights
             and one more small host sync per optimizer step.
+        step_numbering: whose numbering the ``step`` passed to ``begin_step`` follows, written to
+            meta.json (``schema.STEP_NUMBERINGS``): ``"loop"`` (yours), or ``"hf_trainer"`` /
+            ``"lightning"`` as the framework callbacks set it.
+        micro_batches: with gradient accumulation, the number of forwards (micro-batches) whose
+            gradients one step sums, written to meta.json; ``begin_step``'s batch is then the
+            first of them only, which the report takes into account. None: not declared.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -101,6 +107,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         enabled: bool = True,
         sync_failures: bool = False,
         check_update: bool = False,
+        step_numbering: str = "loop",
+        micro_batches: int | None = None,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -125,7 +133,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         except (TypeError, ValueError) as e:
             raise ValueError(f"factory_kwargs must be JSON-serialisable (the analyzer rebuilds the model "
                              f"from meta.json): {e}") from e
-        self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots)
+        self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots,
+                                     step_numbering, micro_batches)
         self.model = model
         self.factory = None if factory is None else to_ref(factory, "factory")
         self.loss_fn = None if loss_fn is None else to_ref(loss_fn, "loss_fn")

@@ -37,6 +37,10 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 3 also records the optimizer (meta.json and snapshot key ``optimizer``), ``update`` snapshots
 (``check_update=True``: the step whose update made weights non-finite) and the layer columns
 ``update_rms`` and ``unchanged_frac`` (``COLUMNS_ADDED``: trace columns older parts lack, read as null).
+4 adds ``step_numbering`` and ``micro_batches`` to meta.json: whose numbering the ``step`` column uses
+(``STEP_NUMBERINGS``: the loop's own, HF Trainer's ``global_step``, Lightning's ``trainer.global_step``)
+and how many forwards of accumulated micro-batches one recorded step sums (older runs: read as
+``"loop"`` and None).
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ __all__ = [
     "KEYS_ADDED",
     "SDPA_BACKENDS",
     "META_KEYS_ADDED",
+    "STEP_NUMBERINGS",
     "COLUMNS_ADDED",
     "DCP_RE",
     "dcp_dir_name",
@@ -74,7 +79,7 @@ __all__ = [
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -130,10 +135,23 @@ META_KEYS = (
     "optimizer",  # since version 3: None | {"class": "torch.optim.adam.Adam", "param_groups": [{"lr", "eps",
                   #   "betas", "weight_decay", ... every JSON-able hyperparameter, "params": [index into
                   #   params, None for a tensor not in the model]}]}, recorded at setup
+    "step_numbering",  # since version 4: a key of STEP_NUMBERINGS, whose numbers the step column holds
+    "micro_batches",  # since version 4: int >= 1, forwards (accumulated micro-batches) per recorded step,
+                      #   as the loop or framework declared it; None when not declared
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
 META_KEYS_ADDED["optimizer"] = 3  # the optimizer's class and hyperparameters (recorders/_update.py)
+META_KEYS_ADDED["step_numbering"] = 4  # older runs: "loop"
+META_KEYS_ADDED["micro_batches"] = 4  # older runs: None
+# meta.json "step_numbering": what a recorded step number means.
+STEP_NUMBERINGS: dict[str, str] = {
+    "loop": "the number the training loop passed to begin_step",
+    "hf_trainer": ("HF Trainer's global_step after the step: 1 for the first optimizer step, as in "
+                   "trainer_state.json's log_history, the logged 'step' and checkpoint-N"),
+    "lightning": ("Lightning's trainer.global_step when the step starts: 0 for the first optimizer "
+                  "step, as in the step column of metrics.csv and the loggers"),
+}
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"

@@ -22,6 +22,8 @@ from typing import Any
 
 import polars as pl
 
+from recorders import schema
+
 from ._limits import check_nesting
 from ..errors import BadInputError
 
@@ -104,6 +106,12 @@ def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     if scaler is not None and not isinstance(scaler, dict):
         raise _bad_meta(path, f"scaler is a {type(scaler).__name__}, not a dict")
     _validate_optimizer(meta.get("optimizer"), path)
+    numbering = meta.get("step_numbering")  # since version 4
+    if numbering is not None and numbering not in schema.STEP_NUMBERINGS:
+        raise _bad_meta(path, f"step_numbering {str(numbering)[:40]!r} is not one of {sorted(schema.STEP_NUMBERINGS)}")
+    mb = meta.get("micro_batches")  # since version 4
+    if mb is not None and not _whole(mb, 1, 2**31):
+        raise _bad_meta(path, f"micro_batches {mb!r} is not an integer in [1, 2**31)")
     params = meta.get("params")
     if params is None:
         return

@@ -8,15 +8,33 @@ Trainer event                     what the callback does
 ================================  ===========================================================
 ``on_train_begin``                builds the Recorder (model, optimizer, GradScaler, AMP dtype
                                   are only known once the Trainer has prepared them)
-``on_step_begin``                 remembers ``state.global_step`` as the step number
+``on_step_begin``                 takes ``state.global_step + 1`` as the step number: HF's own
+                                  numbering (below)
 first training forward of a step  a forward pre-hook (``with_kwargs=True``) calls
                                   ``begin_step(step, inputs)``: the Trainer calls
-                                  ``model(**inputs)``, so the keyword arguments *are* the batch;
-                                  a forward hook keeps ``outputs.loss``
-``on_pre_optimizer_step``         ``end_step(loss)``: after backward (and after gradient
-                                  clipping), before ``optimizer.step()``
+                                  ``model(**inputs)``, so the keyword arguments *are* the batch
+every training forward            a forward hook keeps ``outputs.loss`` of each micro-batch
+end of the step's last backward   ``end_step(loss)``: an autograd callback queued from a hook on
+                                  the last micro-batch's loss runs once its backward is done,
+                                  *before* the Trainer clips the gradients
+``on_pre_optimizer_step``         ``end_step(loss)`` only when the backward did not pass
+                                  through the model's loss (a custom ``compute_loss``): the
+                                  gradients are then read after clipping, with a warning
 ``on_train_end``                  ``close()``: flushes the trace, removes the hooks
 ================================  ===========================================================
+
+Step numbers are HF's: the optimizer step that ends with ``state.global_step == N`` is step N
+(1 for the first), the number ``trainer_state.json``'s ``log_history``, the logged ``step`` and
+``checkpoint-N`` use. meta.json says so (``"step_numbering": "hf_trainer"``).
+
+Gradient norms are the raw ones: measured when the last micro-batch's backward is done, before
+``max_grad_norm`` clipping, so the recorded total is the ``grad_norm`` HF logs.
+
+The loss is the step's loss as HF logs it: with ``gradient_accumulation_steps=N`` the sum of the
+N micro-batch losses when the model normalised them by the step's item count
+(``num_items_in_batch``, recent transformers), else their mean, as ``Trainer.training_step``
+scales them. NB: HF's ``logging_nan_inf_filter`` (on by default) logs a NaN/Inf loss as the
+running mean; the trace keeps the real value.
 
 The snapshot has to rebuild the model offline. For a ``PreTrainedModel`` the callback fills
 ``factory`` / ``loss_fn`` itself with the two helpers below, so nothing needs to be written::
@@ -36,7 +54,8 @@ The callback records such a run as FP32 (``amp_dtype=None``) and warns once.
 
 NB: gradient accumulation. ``begin_step`` sees the first micro-batch of each optimizer step, so
 with ``gradient_accumulation_steps > 1`` the snapshot holds that micro-batch only and a replay
-re-runs it alone. Use ``gradient_accumulation_steps=1`` (the default) for exact replays.
+re-runs it alone (meta.json's ``micro_batches`` tells the report). Use
+``gradient_accumulation_steps=1`` (the default) for exact replays.
 
 Example:
     >>> from transformers import Trainer, TrainingArguments
@@ -44,7 +63,7 @@ Example:
     >>> trainer = Trainer(model=model, args=TrainingArguments("out", bf16=True, use_cpu=True),
     ...                   train_dataset=ds, callbacks=[AmpAutopsyCallback("runs/exp1")])
     >>> trainer.train()            # doctest: +SKIP
-    >>> # analyzer report runs/exp1 ; analyzer replay runs/exp1/snapshots/step00000003-r00000-nonfinite_loss.pt
+    >>> # analyzer report runs/exp1 ; analyzer replay runs/exp1/snapshots/step00000004-r00000-nonfinite_loss.pt
 """
 from __future__ import annotations
 
@@ -57,7 +76,7 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback
 
 from .. import schema
-from ..recorder import Recorder
+from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
 
 __all__ = ["AmpAutopsyCallback", "build_pretrained", "pretrained_loss", "pretrained_factory_kwargs"]
@@ -140,9 +159,16 @@ class AmpAutopsyCallback(TrainerCallback):
         self.recorder: Recorder | None = None
         self._handles: list = []
         self._step: int | None = None  # set by on_step_begin, consumed by the first forward
-        self._loss: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, on the device
+        self._normalized = False  # the model divided its loss by the step's num_items_in_batch
         self._in_step = False
+        self._step_number: int | None = None  # the current step's number, once begin_step ran
+        self._queued = False  # the end-of-backward callback of this step is queued
         self._warned_args = False
+        self._warned_clip = False
+        self._accum = 1
+        self._token_scale = 1
+        self._clips = False
 
     # ---------------------------------------------------------------- Trainer events
 
@@ -152,14 +178,20 @@ class AmpAutopsyCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer holds it
         inner = getattr(optimizer, "optimizer", optimizer)
         amp_dtype = self._amp_dtype(args, scaler, model)
-        if getattr(args, "gradient_accumulation_steps", 1) > 1:
+        self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+        self._clips = (getattr(args, "max_grad_norm", 0) or 0) > 0
+        world = int(getattr(args, "world_size", 1) or 1)
+        # Trainer.compute_loss multiplies a num_items_in_batch-normalised loss by the process count
+        self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
+        if self._accum > 1:
             warnings.warn(
                 "amp-autopsy: gradient_accumulation_steps > 1: snapshots hold the first micro-batch "
-                "of each step only, so a replay re-runs that micro-batch alone", stacklevel=2)
+                "of each step only, so a replay re-runs that micro-batch alone", RecorderWarning, stacklevel=2)
         factory, factory_kwargs, loss_fn = self._refs(model)
         self.recorder = Recorder(
             self.run_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
-            scaler=scaler, amp_dtype=amp_dtype, optimizer=inner, **self.recorder_kwargs,
+            scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
+            **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
         )
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -167,14 +199,22 @@ class AmpAutopsyCallback(TrainerCallback):
         ]
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._step = state.global_step  # optimizer steps done so far: this step's 0-based number
-        self._loss = None
+        # HF's numbering: the global_step this optimizer step ends with (log_history, checkpoint-N)
+        self._step = state.global_step + 1
+        self._losses = []
+        self._queued = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.recorder is not None and self._in_step:
+        if self.recorder is not None and self._in_step:  # the backward never reached the model's loss
             self._in_step = False
-            self.recorder.end_step(self._loss)
-            self._loss = None
+            if self._clips and not self._warned_clip:
+                self._warned_clip = True
+                warnings.warn(
+                    f"amp-autopsy: step {self._step_number}'s backward did not run through the model's loss output "
+                    "(a custom compute_loss or label smoothing?), so its gradients were read after HF clipped "
+                    "them to max_grad_norm: the recorded gradient norms are post-clip", RecorderWarning,
+                    stacklevel=2)
+            self.recorder.end_step(self._step_loss())
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -201,15 +241,60 @@ class AmpAutopsyCallback(TrainerCallback):
             warnings.warn("amp-autopsy: the model was called with positional inputs; only keyword "
                           "inputs are recorded as the batch", stacklevel=2)
         self.recorder.begin_step(self._step, dict(kwargs))
+        self._step_number = self._step
         self._step = None
         self._in_step = True
         return None
 
     def _after_forward(self, module, args, kwargs, output):
-        if self._in_step and self._loss is None:
-            loss = _loss_of(output)
-            self._loss = None if loss is None else loss.detach()
+        if not self._in_step or not module.training:
+            return None
+        loss = _loss_of(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return None
+        self._losses.append(loss.detach())
+        self._normalized = "num_items_in_batch" in kwargs
+        if loss.requires_grad and not self._queued and self._last_micro_batch():
+            loss.register_hook(self._on_loss_grad)
         return None
+
+    def _last_micro_batch(self) -> bool:
+        """Whether this forward's backward is the last before the optimizer step (accelerate says
+        so while the Trainer accumulates; without it, the count of forwards does)."""
+        try:
+            from accelerate.state import GradientState
+
+            return bool(GradientState().sync_gradients)
+        except Exception:  # noqa: BLE001 - an accelerate without GradientState: count the forwards
+            return len(self._losses) >= self._accum
+
+    def _on_loss_grad(self, grad):
+        # Runs inside the backward: queue the recording for when the whole backward is done.
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        return None
+
+    def _after_backward(self) -> None:
+        """End of the last micro-batch's backward: the gradients are final and not yet clipped."""
+        if self.recorder is None or not self._in_step:
+            return
+        self._in_step = False
+        try:
+            self.recorder.end_step(self._step_loss())
+        except Exception as e:  # noqa: BLE001 - raised inside the Trainer's backward: never take it down
+            warnings.warn(f"amp-autopsy: step {self._step_number} not recorded ({type(e).__name__}: {e})",
+                          RecorderWarning, stacklevel=2)
+
+    def _step_loss(self) -> torch.Tensor | None:
+        """The step's loss as Trainer.training_step returns and logs it, summed over micro-batches."""
+        if not self._losses:
+            return None
+        # in the losses' own dtype: a BF16/FP16 loss (one computed outside autocast) stays visible
+        total = self._losses[0] if len(self._losses) == 1 else torch.stack([x.reshape(()) for x in self._losses]).sum()
+        if self._normalized:  # each micro-batch's loss is already a share of the step's mean
+            return total * self._token_scale if self._token_scale != 1 else total
+        return total / len(self._losses)  # the Trainer divides each by the micro-batch count
 
     # ---------------------------------------------------------------- helpers
 
