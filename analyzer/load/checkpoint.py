@@ -151,12 +151,35 @@ class _Walker:
             return
         elif isinstance(obj, dict):
             self.seen.add(id(obj))
-            for k, v in obj.items():
+            for k, v in zip(_key_names(obj), obj.values()):
                 self.walk(v, _join(path, k), role, depth + 1)
         elif isinstance(obj, (list, tuple)):
             self.seen.add(id(obj))
             for i, v in enumerate(obj):
                 self.walk(v, _join(path, i), role, depth + 1)
+
+
+# Lightning's callback state keys are the callback's class and a repr of its arguments:
+# "ModelCheckpoint{'monitor': None, 'mode': 'min', ...}". A tensor is named by the class instead.
+_STATE_KEY = re.compile(r"^([A-Za-z_][\w.]*)\{.*\}$", re.DOTALL)
+
+
+def _key_names(d: dict) -> list:
+    """The path element of each key of `d`: the key, or for a repr-like state key its class name
+    (``ModelCheckpoint``; ``ModelCheckpoint[1]`` for a second one in the same dict)."""
+    out, taken = [], set(k for k in d if isinstance(k, str) and not _STATE_KEY.match(k))
+    for k in d:
+        m = _STATE_KEY.match(k) if isinstance(k, str) else None
+        if m is None:
+            out.append(k)
+            continue
+        name, i = m[1], 0
+        while name in taken:
+            i += 1
+            name = f"{m[1]}[{i}]"
+        taken.add(name)
+        out.append(name)
+    return out
 
 
 def _params(sd: dict) -> list[tuple[str, torch.Tensor]]:

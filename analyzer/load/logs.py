@@ -3,9 +3,12 @@
 Supported (detected by file name, then content):
 
 - HF Trainer ``trainer_state.json``: ``log_history`` entries with ``loss``, ``grad_norm``,
-  ``learning_rate``, ``step``. NB: HF's ``logging_nan_inf_filter`` (on by default) replaces a
-  NaN/Inf loss by the running average before logging; a non-finite ``grad_norm`` next to a
-  finite loss is the trace it leaves.
+  ``learning_rate``, ``step``; or the Trainer's ``output_dir``, whose newest ``trainer_state.json``
+  (the highest ``global_step``, in ``checkpoint-N/`` or beside them) is read. A NaN/Inf
+  ``grad_norm`` is a step with non-finite gradients. NB: HF's ``logging_nan_inf_filter`` (on by
+  default) logs a NaN/Inf loss as the running mean (0.0 right after a log), so at a step whose
+  ``grad_norm`` is NaN/Inf the logged loss is not trusted: it is read as unknown (null) and the
+  row is marked ``loss_filtered``.
 - Lightning ``CSVLogger`` ``metrics.csv``: ``step`` plus a loss column (``train_loss_step``,
   ``train_loss``, ``loss``...), optional ``lr-*`` and ``grad_*norm*`` columns.
 - DeepSpeed text logs: ``[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: X,
@@ -148,12 +151,15 @@ def _import_hf(path: Path) -> Run:
     # only "loss": the end-of-training summary entry carries "train_loss" (a run average)
     rows = _generic_rows([e for e in state["log_history"] if isinstance(e, dict)], path, ("loss",))
     notes = []
-    hidden = rows.filter(pl.col("loss").is_finite() & pl.col("grad_norm").is_not_null()
-                         & ~pl.col("grad_norm").is_finite())
-    if hidden.height:
-        notes.append(f"HF logged a finite loss but a non-finite grad_norm at step {hidden['step'][0]}: "
-                     "logging_nan_inf_filter (on by default) hides NaN losses; "
-                     "set logging_nan_inf_filter=False to see them")
+    gn = pl.col("grad_norm")
+    hidden = pl.col("loss").is_finite() & gn.is_not_null() & ~gn.is_finite()
+    first = rows.filter(hidden)
+    if first.height:
+        notes.append(f"HF logged a finite loss but a non-finite grad_norm at {first.height} step(s), the first "
+                     f"{first['step'][0]}: logging_nan_inf_filter (on by default) logs a NaN/Inf loss as the "
+                     "running mean, so those losses are read as unknown; set logging_nan_inf_filter=False to "
+                     "log the real ones")
+    rows = rows.with_columns(loss_filtered=hidden, loss=pl.when(hidden).then(None).otherwise(pl.col("loss")))
     return _run(path, "hf_trainer_state", rows, notes=notes)
 
 
@@ -279,15 +285,47 @@ def _import_tensorboard(path: Path) -> Run:
     return _run(path, "tensorboard", _generic_rows(list(by_step.values()), path))
 
 
+_MAX_STATES = 10_000  # trainer_state.json files weighed to find the newest; past that, by mtime only
+
+
+def _global_step(path: Path) -> int:
+    """A trainer_state.json's global_step (-1 when unreadable or absent), read to rank candidates."""
+    try:
+        if path.stat().st_size > _MAX_LINE:
+            return -1
+        v = json.loads(path.read_bytes()).get("global_step")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return -1
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _I64 else -1
+
+
+def _newest(hits: list[Path], by_step: bool) -> Path:
+    """The newest file: the highest global_step (HF), then the latest mtime; never name order
+    (checkpoint-10 sorts before checkpoint-9, version_10 before version_9)."""
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return -1.0
+    if by_step and len(hits) <= _MAX_STATES:
+        return max(hits, key=lambda p: (_global_step(p), mtime(p), str(p)))
+    return max(hits, key=lambda p: (mtime(p), str(p)))
+
+
 def import_dir(path: Path, *, progress: bool = False) -> Run:
     """A directory without meta.json: an HF output dir, a Lightning log dir or TensorBoard events."""
     for name in ("trainer_state.json", "metrics.csv"):
         hits = sorted(path.rglob(name))
         if hits:
-            progress_line(progress, f"importing {hits[-1]}")
-            return import_file(hits[-1])
+            newest = _newest(hits, by_step=name == "trainer_state.json")
+            progress_line(progress, f"importing {newest}")
+            return import_file(newest)
     if any(path.glob("**/events.out.tfevents*")):
         return _import_tensorboard(path)
+    if (path / "training_args.bin").exists() or any(path.glob("checkpoint-*")):
+        raise BadInputError("an HF Trainer output directory without a trainer_state.json", path=path,
+                            fix="HF writes trainer_state.json into each checkpoint-N/ (save_strategy='steps') and "
+                                "with trainer.save_state(); or record the run with the amp-autopsy callback")
     raise BadInputError(f"not a run directory: no {schema.META_FILE}", path=path, fix=_FIX)
 
 

@@ -92,5 +92,6 @@ def step_frame(df: pl.DataFrame) -> pl.DataFrame:
     out = []
     for c, t in schema.STEP_COLUMNS.items():
         out.append(pl.col(c).cast(t, strict=False) if c in df.columns else pl.lit(None, dtype=t).alias(c))
-    extra = [pl.col(c) for c in ("n_iter", "n_skipped") if c in df.columns]
+    # n_iter/n_skipped: rows covering several iterations; loss_filtered: HF's logging_nan_inf_filter
+    extra = [pl.col(c) for c in ("n_iter", "n_skipped", "loss_filtered") if c in df.columns]
     return df.select(out + extra).sort("rank", "step")

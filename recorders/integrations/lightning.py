@@ -8,13 +8,21 @@ Lightning hook                 what the callback does
 =============================  ================================================================
 ``on_train_start``             builds the Recorder: the LightningModule, the first optimizer,
                                the precision plugin's GradScaler and AMP dtype
-``on_train_batch_start``       ``begin_step(trainer.global_step, batch)`` (the batch is already
-                               on the device; the RNG state is the one ``training_step`` uses)
-``on_before_backward``         keeps the loss, unscaled (the plugin hands over ``scale * loss``)
-``on_before_optimizer_step``   ``end_step(loss)``: after backward, before ``optimizer.step()``
+``on_train_batch_start``       ``begin_step(trainer.global_step, batch)`` at the first
+                               micro-batch of each optimizer step (the batch is already on the
+                               device; the RNG state is the one ``training_step`` uses)
+``on_before_backward``         adds up the step's loss, unscaled (the plugin hands over
+                               ``scale * loss / accumulate_grad_batches``)
+``on_before_optimizer_step``   ``end_step(loss)``: after the last backward, before gradient
+                               clipping and ``optimizer.step()``
 ``on_train_end``,              ``close()``: flushes the trace
 ``on_exception``
 =============================  ================================================================
+
+Step numbers are Lightning's ``trainer.global_step`` when the step starts (0 for the first),
+the number the loggers write in ``metrics.csv``'s ``step`` column; meta.json says so
+(``"step_numbering": "lightning"``). The loss is the step's: the mean of its micro-batches'
+losses, what their backwards sum.
 
 NB: with ``precision="16-mixed"`` the plugin calls ``scaler.unscale_(optimizer)`` *before*
 ``on_before_optimizer_step``. The Recorder reads the GradScaler's per-optimizer stage and does
@@ -28,8 +36,8 @@ below, which need the LightningModule to call ``self.save_hyperparameters()`` in
     loss_fn        = "recorders.integrations.lightning:training_step_loss"  # module.training_step(batch, 0)
 
 Pass ``factory=`` / ``factory_kwargs=`` / ``loss_fn=`` to override. ``training_step_loss`` calls
-``training_step`` outside a Trainer, where ``self.log`` only warns; a ``training_step`` that uses
-``self.trainer`` needs a plain ``loss_fn`` of your own.
+``training_step`` outside a Trainer, where ``self.log`` has nowhere to log (its warning is
+silenced); a ``training_step`` that uses ``self.trainer`` needs a plain ``loss_fn`` of your own.
 
 NB: AMP on CPU. ``Trainer(accelerator="cpu", precision="16-mixed")`` is silently turned into
 ``"bf16-mixed"`` by Lightning (it warns "AMP with fp16 is not supported on CPU"). Real FP16 with
@@ -37,7 +45,8 @@ a GradScaler on CPU works with an explicit plugin:
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``.
 
 NB: gradient accumulation. With ``accumulate_grad_batches=N > 1`` the snapshot holds the first
-micro-batch of the step only, and the recorded loss is that micro-batch's loss.
+micro-batch of the step only (the callback warns once; meta.json's ``micro_batches`` tells the
+report), so a replay re-runs that micro-batch alone.
 
 Example:
     >>> import lightning as L
@@ -48,13 +57,14 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from .. import schema
-from ..recorder import Recorder
+from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
 
 __all__ = ["AmpAutopsyCallback", "build_module", "training_step_loss", "module_factory_kwargs"]
@@ -63,6 +73,8 @@ __all__ = ["AmpAutopsyCallback", "build_module", "training_step_loss", "module_f
 _LIBRARIES = schema.BUILDER_CLASS_ARGS["recorders.integrations.lightning:build_module"][2]
 
 _AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+# LightningModule.log outside a Trainer: "You are trying to `self.log()` but the `self.trainer` reference ..."
+_NO_TRAINER_LOG = r"You are trying to `self\.log\(\)` but the `self\.trainer` reference is not registered"
 
 
 def build_module(module_class: str, hparams: dict) -> pl.LightningModule:
@@ -77,8 +89,13 @@ def build_module(module_class: str, hparams: dict) -> pl.LightningModule:
 
 
 def training_step_loss(model: pl.LightningModule, batch: Any) -> torch.Tensor:
-    """The loss ``training_step`` returns (a tensor, or the ``"loss"`` of a dict)."""
-    out = model.training_step(batch, 0)
+    """The loss ``training_step`` returns (a tensor, or the ``"loss"`` of a dict).
+
+    Outside a Trainer ``self.log`` has no logger; Lightning's warning about it is silenced.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_TRAINER_LOG)
+        out = model.training_step(batch, 0)
     return out["loss"] if isinstance(out, dict) else out
 
 
@@ -123,6 +140,12 @@ class AmpAutopsyCallback(pl.Callback):
         scaler = getattr(plugin, "scaler", None)
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
         amp_dtype = _AMP_DTYPES.get(getattr(plugin, "precision", None))
+        accum = max(1, int(trainer.accumulate_grad_batches or 1))
+        if accum > 1:
+            warnings.warn(
+                f"amp-autopsy: accumulate_grad_batches={accum}: snapshots hold the first micro-batch of each "
+                "step only, so a replay re-runs that micro-batch alone (the recorded loss and gradients are "
+                "the whole step's)", RecorderWarning, stacklevel=2)
         factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn
         if factory is None:
             factory = build_module
@@ -131,7 +154,7 @@ class AmpAutopsyCallback(pl.Callback):
             self.run_dir, pl_module, factory=factory, factory_kwargs=dict(factory_kwargs or {}),
             loss_fn=training_step_loss if loss_fn is None else loss_fn,
             scaler=self._scaler, amp_dtype=amp_dtype, optimizer=trainer.optimizers[0],
-            **self.recorder_kwargs,
+            **{"step_numbering": "lightning", "micro_batches": accum, **self.recorder_kwargs},
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -142,15 +165,16 @@ class AmpAutopsyCallback(pl.Callback):
         self._loss = None
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        if not self._in_step or self._loss is not None:
+        if not self._in_step:
             return
         loss = loss.detach()
         if self._scaler is not None and self._scaler._scale is not None:
             # The plugin scaled the loss before this hook. Dividing by the scale tensor keeps it on
             # the device (no host sync); NaN/Inf stay NaN/Inf.
             loss = loss / self._scaler._scale.to(loss.device)
-        n = trainer.accumulate_grad_batches
-        self._loss = loss * n if n > 1 else loss  # undo Lightning's 1/N for accumulation
+        # Lightning divided each micro-batch's loss by accumulate_grad_batches: their sum is the
+        # step's mean loss (one micro-batch: its loss as it is)
+        self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.recorder is not None and self._in_step:

@@ -19,7 +19,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ...findings import Finding
 from .frames import Frames
 
-__all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss"]
+__all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss", "micro_batches", "precision_unknown"]
 
 STABLE_WINDOW = 50   # steps looked at before the first non-finite loss
 RECENT = 5           # a skip this close before the failure means the scaler was backing off
@@ -39,6 +39,17 @@ def snapshot_for(frames: Frames, step: int, rank: int | None) -> str | None:
 def _first_rank(frames: Frames) -> tuple[int | None, int | None]:
     r = frames.ranks.filter(pl.col("first_nonfinite_step").is_not_null()).sort("first_nonfinite_step", "rank")
     return (int(r["rank"][0]), int(r["first_nonfinite_step"][0])) if r.height else (None, None)
+
+
+def precision_unknown(frames: Frames) -> bool:
+    """An imported log that does not say which precision ran (a recorder run always does)."""
+    return frames.source_format != "amp-autopsy" and frames.amp_dtype is None
+
+
+def micro_batches(frames: Frames) -> int:
+    """meta.json's micro_batches (format 4): forwards accumulated into one recorded step; 1 if unknown."""
+    mb = (frames.meta or {}).get("micro_batches")
+    return mb if isinstance(mb, int) and not isinstance(mb, bool) and mb > 1 else 1
 
 
 def nonfinite_loss(frames: Frames) -> list[Finding]:
@@ -86,8 +97,16 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
                 f"fault (log(0), division by zero, a NaN in the batch); {replay} to tell which")
     elif frames.amp_dtype == "bfloat16":
         body = f"in BF16 (FP32's range) any NaN is a numerical problem, not a range issue: {replay}"
+    elif precision_unknown(frames):
+        body = ("the log does not say which precision ran, so an FP16 overflow and a numerical fault (log(0), "
+                f"division by zero, a NaN in the batch) are both possible: {replay}")
     else:
         body = f"a numerical fault, not a precision range issue: {replay}"
+    micro = micro_batches(frames)
+    if micro > 1:
+        ev["micro_batches"] = micro
+        body += (f"; NB: the step accumulates {micro} micro-batches and its snapshot holds the first only, "
+                 "so a replay re-runs that one alone and may not reproduce the failure")
     return [Finding("nonfinite_loss", "error", step, f"{head}: {body}", ev, rank=rank)]
 
 

@@ -32,7 +32,7 @@ import polars as pl
 
 from ...findings import Finding
 from .frames import Frames
-from .loss import snapshot_for
+from .loss import micro_batches, precision_unknown, snapshot_for
 
 __all__ = ["nonfinite_grads"]
 
@@ -44,8 +44,11 @@ def _first_bad_step(frames: Frames) -> dict | None:
     loss = pl.col("loss")
     # no scaler, or a scaler that did not skip; a null `skipped` beside a scale is unknown: not flagged
     unabsorbed = pl.col("scale").is_null() | ~pl.col("skipped")
-    hit = s.filter((pl.col("nonfinite_grads").fill_null(0) > 0) & (loss.is_finite() | loss.is_null())
-                   & unabsorbed.fill_null(False))
+    # an imported log has no element count: a NaN/Inf logged grad_norm (HF's log_history) says as much
+    gn = pl.col("grad_norm")
+    counted = pl.col("nonfinite_grads").fill_null(0) > 0
+    logged = pl.col("nonfinite_grads").is_null() & gn.is_not_null() & ~gn.is_finite()
+    hit = s.filter((counted | logged) & (loss.is_finite() | loss.is_null()) & unabsorbed.fill_null(False))
     return hit.row(0, named=True) if hit.height else None
 
 
@@ -87,15 +90,29 @@ def nonfinite_grads(frames: Frames) -> list[Finding]:
     replay = (f"replay it: analyzer replay {snap}" if snap else
               "record the run with the Recorder to get a snapshot of this step, then run analyzer replay")
     loss = row["loss"]
+    filtered = bool(row.get("loss_filtered"))  # HF's logging_nan_inf_filter may have replaced it
+    micro = micro_batches(frames)
     ev = {"step": step, "params": names[:20], "n_params": len(names),
           "nearest_output": names[-1] if names else None, "loss": loss, "loss_finite": loss is not None,
           "first_nonfinite_loss_step": loss_bad_at, "nonfinite_elements": row["nonfinite_grads"],
           "amp_dtype": frames.amp_dtype, "scaler": scaler, "skipped": row["skipped"],
-          "snapshot": snap, "rank": rank}
+          "snapshot": snap, "rank": rank, "grad_norm": row["grad_norm"]}
+    if filtered:
+        ev["loss_filtered"] = True
+    if micro > 1:
+        ev["micro_batches"] = micro
     shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-    who = (f"the gradients of {len(names)} parameter(s)" if names else
-           "gradients" + ("" if have_rows else " (the per-layer trace has no row for this step)"))
-    stayed = f"the loss stayed finite at {loss:.4g}" if loss is not None else "the loss was not recorded"
+    if names:
+        who = f"the gradients of {len(names)} parameter(s)"
+    elif frames.layer_rows is None and row["nonfinite_grads"] is None:  # an imported log: its grad_norm
+        who = "the logged gradient norm"
+    else:
+        who = "gradients" + ("" if have_rows else " (the per-layer trace has no row for this step)")
+    if filtered:
+        stayed = ("the real loss is unknown, since HF's logging_nan_inf_filter (on by default) logs a NaN/Inf "
+                  "loss as the running mean")
+    else:
+        stayed = f"the loss stayed finite at {loss:.4g}" if loss is not None else "the loss was not recorded"
     head = f"{who} went non-finite at step {step} while {stayed}" + (f" ({shown})" if names else "")
     if frames.amp_dtype == "float16" and not scaler:
         why = ("this FP16 run has no GradScaler, and an unscaled FP16 backward can overflow (a gradient "
@@ -104,6 +121,14 @@ def nonfinite_grads(frames: Frames) -> list[Finding]:
     elif scaler:
         why = ("a GradScaler was active but did not skip this step, so the optimizer stepped on them: "
                "call scaler.step(optimizer) (not optimizer.step()) and scaler.update() every step")
+    elif micro > 1:
+        why = (f"the step's gradients sum {micro} accumulated micro-batches and the recorder saw the first one's "
+               "batch only, so the NaN/Inf may come from any of them, in the forward (a NaN in a batch, an "
+               "overflow) as well as in backward or the loss; replaying the first micro-batch may not reproduce it")
+    elif precision_unknown(frames):
+        why = ("the log does not say which precision ran: in FP16 without a GradScaler a gradient past 65504 "
+               "overflows; in BF16 or FP32 it is a numerical fault (sqrt or norm at 0, division by zero, log(0), "
+               "a NaN in the batch)")
     else:
         rng = "in BF16 (FP32's range)" if frames.amp_dtype == "bfloat16" else "in FP32"
         why = (f"{rng} any NaN/Inf is a real numerical bug in backward or in the loss (sqrt or norm at 0, "
