@@ -318,8 +318,8 @@ def autopsy(run, as_json, html_path, out_dir, rank, device, ops, factory, loss_f
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=str))
-@click.argument("checkpoint_b", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.argument("checkpoint", type=click.Path(path_type=str))  # a file, or an HF checkpoint-N/ directory
+@click.argument("checkpoint_b", required=False, type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, None), help="Tensors to list per finding.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,

@@ -71,7 +71,7 @@ class FileReport:
             "step": c.step, "step_key": c.step_key, "models": c.model_paths,
             "optimizers": [{"path": o.path, "params": o.n_params, "mapping": o.mapping, "guess": o.mapping == "order",
                             "note": o.note, "stateless": list(o.stateless)} for o in c.optimizers],
-            "scaler": c.scaler, "metadata": c.metadata, "non_floating_tensors": c.non_floating,
+            "scaler": c.scaler, "metadata": c.metadata, "non_floating_tensors": c.non_floating, "notes": list(c.notes),
             "tensors": [t.to_dict() for t in self.tensors],
         }
 

@@ -1,7 +1,8 @@
 """Open a checkpoint of any accepted layout and list its tensors with their roles.
 
 Accepted: a ``torch.save``d state_dict or tensor, a training-checkpoint dict (model / optimizer /
-scaler entries found wherever they sit), a ``.safetensors`` file, and amp-autopsy snapshots.
+scaler entries found wherever they sit), a ``.safetensors`` file, amp-autopsy snapshots, and HF
+Trainer ``checkpoint-N/`` directories (``hf_checkpoint``).
 Loading is ``weights_only=True`` (and ``mmap=True`` for zip-format files): nothing in the file runs,
 and tensor bytes are read only when scanned.
 
@@ -80,6 +81,7 @@ class Checkpoint:
     scaler: dict[str, Any] | None = None
     non_floating: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # files read briefly or skipped (an HF checkpoint directory)
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -355,6 +357,13 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
     """
     path = Path(path)
+    if path.is_dir():
+        from .hf_checkpoint import is_hf_checkpoint_dir, load_hf_checkpoint
+
+        if is_hf_checkpoint_dir(path):
+            return load_hf_checkpoint(path)
+        raise BadInputError("is a directory without model.safetensors, pytorch_model.bin or optimizer.pt",
+                            path=path, fix="pass an HF checkpoint-N/ directory or one checkpoint file")
     obj, fmt = _read(path)
     ckpt = Checkpoint(path=os.fspath(path), format=fmt, layout="training_checkpoint", nbytes=path.stat().st_size)
     walker = _Walker(ckpt)

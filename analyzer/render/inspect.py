@@ -44,19 +44,21 @@ def _header(fr) -> list[str]:
     fmt = "" if c.format == c.layout else f", {c.format.replace('-', ' ')}"
     lines = [f"inspect {c.path}: {kind}{fmt}, {_size(c.nbytes)}{step}"]
     parts = []
-    if c.model_paths and c.layout not in ("state_dict", "safetensors"):
+    if c.model_paths and c.layout not in ("state_dict", "safetensors", "hf_checkpoint"):
         parts.append("model " + ", ".join(repr(p) for p in c.model_paths))
     for o in c.optimizers:
         how = {"param_names": "names exact (param_names)", "order": "names by order (a guess)",
-               "none": "ids not mapped to names"}[o.mapping]
+               "none": "ids not mapped to names",
+               "hf_trainer": "names exact (HF Trainer's parameter groups)"}.get(o.mapping, o.mapping)
         parts.append(f"optimizer {o.path!r}: {o.n_params} params, {how}")
     if c.scaler:
         parts.append(f"scaler scale {c.scaler['scale']:g}")
     if parts:
         lines.append("  " + "; ".join(parts))
     for o in c.optimizers:
-        if o.mapping != "param_names":
+        if o.mapping not in ("param_names", "hf_trainer"):
             lines.append(f"  NB optimizer {o.path!r}: {o.note}")
+    lines += [f"  note: {n}" for n in getattr(c, "notes", ())]
     n = c.non_floating
     skipped = f", {n} integer/bool/sparse tensor{'s' if n > 1 else ''} skipped" if n else ""
     lines.append(f"  {len(fr.tensors)} floating-point tensors scanned{skipped}")
