@@ -64,3 +64,30 @@ def fp32_stall_run(tmp_path_factory) -> dict:
     from tests import update_runs
 
     return _recorded(tmp_path_factory, "fp32_stall", update_runs.record_fp32_stall)
+
+
+# ---------------------------------------------------------------- HF Trainer runs (tests/hf_runs.py)
+def _hf_run(factory: pytest.TempPathFactory, name: str, **kwargs) -> dict:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tests import hf_runs
+
+    return hf_runs.train_hf(factory.mktemp(name), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hf_blowup_run(tmp_path_factory) -> dict:
+    """``hf_runs.train_hf``: a tiny Llama at learning_rate=1e5 with the amp-autopsy callback."""
+    return _hf_run(tmp_path_factory, "hf_blowup")
+
+
+@pytest.fixture(scope="session")
+def hf_blowup_accum_run(tmp_path_factory) -> dict:
+    """The same with gradient_accumulation_steps=2."""
+    return _hf_run(tmp_path_factory, "hf_blowup_accum", accumulation=2)
+
+
+@pytest.fixture(scope="session")
+def hf_plain_run(tmp_path_factory) -> dict:
+    """The same run without the recorder: only HF's own output_dir (checkpoints, trainer_state.json)."""
+    return _hf_run(tmp_path_factory, "hf_plain", record=False)

@@ -85,6 +85,15 @@ def _report_only(autopsy: AutopsyResult) -> list[str]:
     return lines
 
 
+def _micro_batch_note(autopsy: AutopsyResult) -> list[str]:
+    """A replay that found nothing, in a run that accumulates micro-batches the snapshot lacks."""
+    mb = (autopsy.report.frames.meta or {}).get("micro_batches")
+    if not (isinstance(mb, int) and not isinstance(mb, bool) and mb > 1):
+        return []
+    return [f"NB: each step of this run accumulates {mb} micro-batches and a snapshot holds the first only "
+            "(meta.json micro_batches): the failure may be in a micro-batch the replay did not see"]
+
+
 def answer_lines(autopsy: AutopsyResult) -> list[str]:
     """Root cause, where, the fixes with their status, then the other picked snapshots in one line each."""
     infos = {str(p["file"]): p for p in autopsy.picked}
@@ -94,6 +103,7 @@ def answer_lines(autopsy: AutopsyResult) -> list[str]:
             f"root cause: unknown: no picked snapshot could be replayed; the report says {autopsy.report.verdict}"]
     elif primary.culprit is None:
         lines = [f"root cause: {primary.verdict}: {primary.summary}"]
+        lines += _micro_batch_note(autopsy)
         lines += _fix_lines(autopsy, primary.snapshot)
     else:
         lines = [f"root cause: {primary.verdict}: {primary.summary}",

@@ -10,7 +10,8 @@ import torch
 
 from recorders import schema
 
-NAN_STEP = 2      # the optimizer step whose batch carries a NaN
+NAN_STEP = 2      # the optimizer step (0-based) whose batch carries a NaN
+HF_NAN_STEP = NAN_STEP + 1  # its number as HF counts steps (global_step after it), which the trace uses
 BATCH = 2
 STEPS = 4
 EMBD, SEQ, VOCAB = 16, 8, 32
@@ -72,7 +73,7 @@ def _steps(run_dir) -> pl.DataFrame:
 def test_a_bf16_trainer_run_records_one_row_per_optimizer_step_with_the_nan_step_kept(bf16_run):
     run_dir, _ = bf16_run
     steps = _steps(run_dir)
-    assert steps["step"].to_list() == list(range(STEPS))
+    assert steps["step"].to_list() == list(range(1, STEPS + 1))
     loss = steps["loss"].to_list()
     assert all(math.isfinite(v) for v in loss[:NAN_STEP])
     assert math.isnan(loss[NAN_STEP])  # the NaN embedding reaches the loss; the trace keeps it
@@ -97,7 +98,7 @@ def test_the_nan_step_is_snapshotted_with_the_batch_the_trainer_fed_the_model(bf
     from analyzer.load import load_snapshot
 
     run_dir, cb = bf16_run
-    path = run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss")
+    path = run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(HF_NAN_STEP, 0, "nonfinite_loss")
     assert path in cb.recorder.snapshots
     snap = load_snapshot(path)
     emb = snap["batch"]["inputs_embeds"]
@@ -110,7 +111,7 @@ def test_the_snapshot_rebuilds_the_model_and_reproduces_the_nan_loss(bf16_run):
     from recorders.integrations.hf import build_pretrained, pretrained_loss
 
     run_dir, _ = bf16_run
-    snap = torch.load(run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss"),
+    snap = torch.load(run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(HF_NAN_STEP, 0, "nonfinite_loss"),
                       weights_only=True)
     model = build_pretrained(**snap["factory_kwargs"])
     model.load_state_dict(snap["model_state"])
@@ -128,7 +129,7 @@ def test_replay_of_the_trainer_snapshot_blames_the_nan_in_the_batch(bf16_run):
     from analyzer.replay import replay_snapshot
 
     run_dir, _ = bf16_run
-    path = run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss")
+    path = run_dir / schema.SNAPSHOT_DIR / schema.snapshot_name(HF_NAN_STEP, 0, "nonfinite_loss")
     result = replay_snapshot(str(path), device="cpu").to_dict()
     assert result["verdict"] == "nonfinite_input"
     assert result["culprit"]["input"] == "batch:inputs_embeds"  # the batch leaf, not a weight

@@ -1,0 +1,76 @@
+"""The HF callback records a real Trainer run as HF itself reports it: its step numbers, its
+pre-clip gradient norm, its loss under accumulation (tiny Llama, BF16, learning_rate=1e5)."""
+from __future__ import annotations
+
+import json
+import math
+
+import polars as pl
+import pytest
+
+from recorders import schema
+from recorders.recorder import RecorderWarning
+from tests.hf_runs import first_nonfinite_grad_step, logged_steps
+
+
+def _steps(run: dict) -> pl.DataFrame:
+    return pl.read_parquet(run["run_dir"] / schema.TRACE_DIR / schema.STEPS_GLOB).sort("step")
+
+
+def test_recorded_steps_carry_hf_global_step_numbers(hf_blowup_run):
+    steps = _steps(hf_blowup_run)
+    # HF logs an optimizer step under the global_step it ends with: 1, 2, ...; so does the trace
+    assert steps["step"].to_list() == [e["step"] for e in logged_steps(hf_blowup_run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_first_nonfinite_gradient_step_is_the_one_hf_logs_and_is_snapshotted_under_it(hf_blowup_run):
+    steps = _steps(hf_blowup_run)
+    hf_step = first_nonfinite_grad_step(hf_blowup_run)
+    assert hf_step is not None and hf_step > 1  # the blow-up needs one update first
+    recorded = steps.filter(pl.col("nonfinite_grads") > 0)["step"][0]
+    assert recorded == hf_step
+    snap = hf_blowup_run["run_dir"] / schema.SNAPSHOT_DIR / schema.snapshot_name(hf_step, 0, "nonfinite_grads")
+    assert snap in hf_blowup_run["callback"].recorder.snapshots
+
+
+def test_the_step_one_gradient_norm_is_hfs_pre_clip_norm(hf_blowup_run):
+    hf = logged_steps(hf_blowup_run)[0]
+    assert hf["grad_norm"] > 1.0  # above max_grad_norm=1.0: HF clipped this step, so a post-clip read shows 1.0
+    assert _steps(hf_blowup_run)["grad_norm"][0] == pytest.approx(hf["grad_norm"], rel=0.02)
+
+
+@pytest.mark.parametrize("fixture", ["hf_blowup_run", "hf_blowup_accum_run"])
+def test_the_recorded_loss_is_the_loss_hf_logs_for_the_step(fixture, request):
+    run = request.getfixturevalue(fixture)
+    steps = _steps(run)
+    for e in logged_steps(run):
+        if math.isfinite(e["grad_norm"]):  # at a NaN step HF's logging_nan_inf_filter logs a stand-in
+            rec = steps.filter(pl.col("step") == e["step"])["loss"][0]
+            assert rec == pytest.approx(e["loss"], abs=1e-4), e  # HF rounds logged losses to 4 decimals
+
+
+def test_accumulated_steps_record_the_whole_steps_gradient_norm(hf_blowup_accum_run):
+    hf = logged_steps(hf_blowup_accum_run)[0]
+    assert _steps(hf_blowup_accum_run)["grad_norm"][0] == pytest.approx(hf["grad_norm"], rel=0.02)
+    assert first_nonfinite_grad_step(hf_blowup_accum_run) == \
+        _steps(hf_blowup_accum_run).filter(pl.col("nonfinite_grads") > 0)["step"][0]
+
+
+def test_meta_json_names_hf_numbering_and_the_micro_batch_count(hf_blowup_run, hf_blowup_accum_run):
+    for run, micro in ((hf_blowup_run, 1), (hf_blowup_accum_run, 2)):
+        meta = json.loads((run["run_dir"] / schema.META_FILE).read_text())
+        assert meta["format_version"] == schema.FORMAT_VERSION == 4
+        assert meta["step_numbering"] == "hf_trainer" and meta["micro_batches"] == micro
+
+
+def test_accumulation_warns_once_as_a_recorder_warning(hf_blowup_run, hf_blowup_accum_run):
+    def ours(run):
+        return [w for w in run["warnings"] if "gradient_accumulation_steps" in str(w.message)]
+
+    assert ours(hf_blowup_run) == []
+    [w] = ours(hf_blowup_accum_run)
+    assert w.category is RecorderWarning
+
+
+def test_no_post_clip_warning_when_the_backward_runs_through_the_models_loss(hf_blowup_run):
+    assert not [w for w in hf_blowup_run["warnings"] if "post-clip" in str(w.message)]
