@@ -155,8 +155,8 @@ def _import_hf(path: Path) -> Run:
     hidden = pl.col("loss").is_finite() & gn.is_not_null() & ~gn.is_finite()
     first = rows.filter(hidden)
     if first.height:
-        notes.append(f"HF logged a finite loss but a non-finite grad_norm at {first.height} step(s), the first "
-                     f"{first['step'][0]}: logging_nan_inf_filter (on by default) logs a NaN/Inf loss as the "
+        notes.append(f"HF logged a finite loss but a non-finite grad_norm at {first.height} step(s), first at "
+                     f"step {first['step'][0]}: logging_nan_inf_filter (on by default) logs a NaN/Inf loss as the "
                      "running mean, so those losses are read as unknown; set logging_nan_inf_filter=False to "
                      "log the real ones")
     rows = rows.with_columns(loss_filtered=hidden, loss=pl.when(hidden).then(None).otherwise(pl.col("loss")))
