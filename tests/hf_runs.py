@@ -48,7 +48,7 @@ class TokenData(torch.utils.data.IterableDataset):
 
 
 def train_hf(root: Path, *, record: bool = True, accumulation: int = 1, lr: float = LR_BLOWUP,
-             steps: int = STEPS, **callback_kwargs) -> dict:
+             steps: int = STEPS, trainer_cls=None, **callback_kwargs) -> dict:
     """Train the tiny Llama with the Trainer (with the amp-autopsy callback unless `record` is False)."""
     from transformers import Trainer, TrainingArguments
 
@@ -64,7 +64,7 @@ def train_hf(root: Path, *, record: bool = True, accumulation: int = 1, lr: floa
     callbacks = [AmpAutopsyCallback(run_dir, **callback_kwargs)] if record else []
     with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng():
         warnings.simplefilter("always")
-        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(steps * BATCH * accumulation),
+        trainer = (trainer_cls or Trainer)(model=tiny_llama(), args=args, train_dataset=TokenData(steps * BATCH * accumulation),
                           callbacks=callbacks)
         trainer.train()
     names = {id(p): n for n, p in trainer.model.named_parameters()}

@@ -169,6 +169,7 @@ class AmpAutopsyCallback(TrainerCallback):
         self._accum = 1
         self._token_scale = 1
         self._clips = False
+        self._gradient_state = None
 
     # ---------------------------------------------------------------- Trainer events
 
@@ -180,6 +181,12 @@ class AmpAutopsyCallback(TrainerCallback):
         amp_dtype = self._amp_dtype(args, scaler, model)
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         self._clips = (getattr(args, "max_grad_norm", 0) or 0) > 0
+        try:  # a shared-state singleton: the Trainer sets sync_gradients before each micro-batch
+            from accelerate.state import GradientState
+
+            self._gradient_state = GradientState()
+        except Exception:  # noqa: BLE001 - no usable accelerate: count the forwards instead
+            self._gradient_state = None
         world = int(getattr(args, "world_size", 1) or 1)
         # Trainer.compute_loss multiplies a num_items_in_batch-normalised loss by the process count
         self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
@@ -259,14 +266,11 @@ class AmpAutopsyCallback(TrainerCallback):
         return None
 
     def _last_micro_batch(self) -> bool:
-        """Whether this forward's backward is the last before the optimizer step (accelerate says
-        so while the Trainer accumulates; without it, the count of forwards does)."""
-        try:
-            from accelerate.state import GradientState
-
-            return bool(GradientState().sync_gradients)
-        except Exception:  # noqa: BLE001 - an accelerate without GradientState: count the forwards
-            return len(self._losses) >= self._accum
+        """Whether this forward's backward is the last before the optimizer step (accelerate's
+        GradientState says so while the Trainer accumulates; without it, the count of forwards)."""
+        if self._gradient_state is not None:
+            return bool(self._gradient_state.sync_gradients)
+        return len(self._losses) >= self._accum
 
     def _on_loss_grad(self, grad):
         # Runs inside the backward: queue the recording for when the whole backward is done.

@@ -74,3 +74,26 @@ def test_accumulation_warns_once_as_a_recorder_warning(hf_blowup_run, hf_blowup_
 
 def test_no_post_clip_warning_when_the_backward_runs_through_the_models_loss(hf_blowup_run):
     assert not [w for w in hf_blowup_run["warnings"] if "post-clip" in str(w.message)]
+
+
+def test_a_compute_loss_outside_the_models_loss_records_post_clip_norms_and_says_so(tmp_path):
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from transformers import Trainer
+
+    from tests.hf_runs import train_hf
+
+    class LogitsLoss(Trainer):
+        """A custom compute_loss: the model gets no labels, so its output carries no loss."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+    run = train_hf(tmp_path, steps=1, trainer_cls=LogitsLoss)
+    [w] = [w for w in run["warnings"] if "post-clip" in str(w.message)]
+    assert w.category is RecorderWarning
+    hf = logged_steps(run)[0]["grad_norm"]
+    recorded = _steps(run)["grad_norm"][0]
+    assert hf > 1.0 and recorded == pytest.approx(1.0, rel=1e-3)  # clipped to max_grad_norm: the warning is true
