@@ -126,6 +126,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "cwd": current_cwd(),
         "fsdp": fsdp,
         "optimizer": optimizer,
+        "exception": None,  # Recorder.__exit__ fills it in when the loop raises (recorders/_exception.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta
