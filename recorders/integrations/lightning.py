@@ -12,8 +12,10 @@ Lightning hook                 what the callback does
                                on the device; the RNG state is the one ``training_step`` uses)
 ``on_before_backward``         keeps the loss, unscaled (the plugin hands over ``scale * loss``)
 ``on_before_optimizer_step``   ``end_step(loss)``: after backward, before ``optimizer.step()``
-``on_train_end``,              ``close()``: flushes the trace
-``on_exception``
+``on_train_end``               ``close()``: flushes the trace
+``on_exception``               ``record_exception``: a step the exception interrupted gets an
+                               ``exception`` snapshot and its trace row; meta.json records the
+                               exception; then ``close()``
 =============================  ================================================================
 
 NB: with ``precision="16-mixed"`` the plugin calls ``scaler.unscale_(optimizer)`` *before*
@@ -54,6 +56,7 @@ import lightning.pytorch as pl
 import torch
 
 from .. import schema
+from .._exception import record_exception
 from ..recorder import Recorder
 from ..refs import import_class
 
@@ -162,6 +165,19 @@ class AmpAutopsyCallback(pl.Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.record_exception(exception)
+
+    def record_exception(self, exception: BaseException) -> None:
+        """Keep the step `exception` interrupted, then close (``Recorder.__exit__``'s record).
+
+        Raised inside a step (``training_step``, backward, a NaN check), the step gets an ``exception``
+        snapshot of its pre-step state and batch, and a trace row with the loss if backward was reached;
+        meta.json records the exception in any case. Never raises: Lightning re-raises `exception` itself.
+        """
+        loss, self._loss = (self._loss if self._in_step else None), None
+        self._in_step = False
+        if self.recorder is not None:
+            record_exception(self.recorder, exception, loss=loss)
         self.close()
 
     def close(self) -> None:
