@@ -31,10 +31,13 @@ def clip_batches(steps: int, crash_step: int | None, seed: int = 3) -> list[dict
 
 
 def clip_loop(run_dir: Path, *, crash_step: int | None = CRASH_STEP, steps: int = 8, init_scale: float | None = 256.0,
-              amp_dtype: torch.dtype | None = torch.float16, **recorder_kwargs) -> None:
+              amp_dtype: torch.dtype | None = torch.float16, batches: list[dict] | None = None,
+              keep: dict | None = None, on_start=None, **recorder_kwargs) -> None:
     """Train build_overflow with unscale_ + clip_grad_norm_(error_if_nonfinite=True); raises at the bad step.
 
     `init_scale` None: no GradScaler (the gradients are clipped as the backward left them).
+    `batches` replaces the default data; `keep` receives the model and the recorder (``keep["model"]``);
+    ``on_start(run_dir)`` runs once the Recorder has started, before the first step.
     """
     from recorders import Recorder
     from tests.recorders.models import build_overflow, mse_loss
@@ -45,7 +48,11 @@ def clip_loop(run_dir: Path, *, crash_step: int | None = CRASH_STEP, steps: int 
     with Recorder(run_dir, model, factory="tests.recorders.models:build_overflow",
                   loss_fn="tests.recorders.models:mse_loss", scaler=scaler, amp_dtype=amp_dtype, optimizer=opt,
                   **recorder_kwargs) as rec:
-        for step, batch in enumerate(clip_batches(steps, crash_step)):
+        if keep is not None:
+            keep.update(model=model, recorder=rec, optimizer=opt)
+        if on_start is not None:
+            on_start(Path(run_dir))
+        for step, batch in enumerate(batches if batches is not None else clip_batches(steps, crash_step)):
             rec.begin_step(step, batch)
             with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
                 loss = mse_loss(model, batch)
