@@ -63,4 +63,5 @@ def raised_text(entry: dict[str, Any], limit: int = 300) -> str:
     frames = entry.get("frames") or []
     frame = next((f for f in reversed(frames) if "/torch/" not in f and "site-packages" not in f),
                  frames[-1] if frames else None)
-    return f"{entry.get('type')}: {message}" + (f" (at {' '.join(str(frame).split())})" if frame else "")
+    kind = " ".join(str(entry.get("type")).split())[:200]
+    return f"{kind}: {message}" + (f" (at {' '.join(str(frame).split())})" if frame else "")

@@ -31,7 +31,8 @@ below, which need the LightningModule to call ``self.save_hyperparameters()`` in
 
 Pass ``factory=`` / ``factory_kwargs=`` / ``loss_fn=`` to override. ``training_step_loss`` calls
 ``training_step`` outside a Trainer, where ``self.log`` only warns; a ``training_step`` that uses
-``self.trainer`` needs a plain ``loss_fn`` of your own.
+``self.trainer``, or raises on a non-finite loss (replay would stop at that check), needs a plain
+``loss_fn`` of your own.
 
 NB: AMP on CPU. ``Trainer(accelerator="cpu", precision="16-mixed")`` is silently turned into
 ``"bf16-mixed"`` by Lightning (it warns "AMP with fp16 is not supported on CPU"). Real FP16 with
