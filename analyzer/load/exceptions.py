@@ -64,4 +64,4 @@ def raised_text(entry: dict[str, Any], limit: int = 300) -> str:
     frame = next((f for f in reversed(frames) if "/torch/" not in f and "site-packages" not in f),
                  frames[-1] if frames else None)
     kind = " ".join(str(entry.get("type")).split())[:200]
-    return f"{kind}: {message}" + (f" (at {' '.join(str(frame).split())})" if frame else "")
+    return (f"{kind}: {message}" if message else kind) + (f" (at {' '.join(str(frame).split())})" if frame else "")

@@ -45,7 +45,6 @@ __all__ = ["NAME", "plans", "scaler_skip"]
 
 NAME = "scaler_skip"
 _CLIP = "is non-finite, so it cannot be clipped"  # torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True)
-_NAMES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
 _WITHOUT = ("without a GradScaler, clip only finite steps: norm = clip_grad_norm_(params, max_norm, "
             "error_if_nonfinite=False), and call optimizer.step() only when torch.isfinite(norm)")
 

@@ -30,7 +30,7 @@ def test_any_json_value_is_read_as_an_entry_or_refused_with_one_value_error(valu
     assert all(isinstance(f, str) for f in entry["frames"])
     assert entry["step"] is None or isinstance(entry["step"], int) and not isinstance(entry["step"], bool)
     line = raised_text(entry)
-    assert "\n" not in line and line.startswith(" ".join(entry["type"].split())[:200] + ":")
+    assert "\n" not in line and line.startswith(" ".join(entry["type"].split())[:200])
 
 
 def test_raised_text_names_the_innermost_user_frame_not_torchs():
