@@ -136,6 +136,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "optimizer": optimizer,
         "step_numbering": config.step_numbering,
         "micro_batches": config.micro_batches,
+        "exception": None,  # Recorder.__exit__ fills it in when the loop raises (recorders/_exception.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

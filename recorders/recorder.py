@@ -21,6 +21,7 @@ import torch
 from . import schema
 from . import triggers as _triggers
 from ._buffers import BufferTracker
+from ._exception import record_exception
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
@@ -277,7 +278,14 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        """Close; when the block raised, first keep the step it raised in (``recorders._exception``).
+
+        The exception always propagates as it is: the recorder's own errors here only warn.
+        """
+        if exc_type is None:
+            self.close()
+        else:
+            record_exception(self, exc if exc is not None else exc_type())
 
     # ------------------------------------------------------------------ step and flush
     def _end_step(self, loss) -> str | None:
@@ -360,8 +368,9 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
             self._stop("the optimizer step post hook (check_update)", e)
 
-    def _snapshot(self, reason: str, update: dict | None = None) -> Path | None:
-        """Snapshot the current step. With `update` (reason "update"): the weights after the step."""
+    def _snapshot(self, reason: str, update: dict | None = None, exception: dict | None = None) -> Path | None:
+        """Snapshot the current step. With `update` (reason "update"): the weights after the step.
+        With `exception` (reason "exception"): the entry of the exception the step raised."""
         last = self._last or {}
         scale = last.get("scale")
         if not last and self.scaler is not None and self.scaler._scale is not None:
@@ -390,7 +399,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
-                optimizer=optim, update=update,
+                optimizer=optim, update=update, exception=exception,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

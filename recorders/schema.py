@@ -40,7 +40,9 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 4 adds ``step_numbering`` and ``micro_batches`` to meta.json: whose numbering the ``step`` column uses
 (``STEP_NUMBERINGS``: the loop's own, HF Trainer's ``global_step``, Lightning's ``trainer.global_step``)
 and how many forwards of accumulated micro-batches one recorded step sums (older runs: read as
-``"loop"`` and None).
+``"loop"`` and None). It also adds ``exception`` to meta.json and snapshots: a loop that raised
+inside the Recorder's ``with`` block (``EXCEPTION_KEYS``); a step that raised between ``begin_step``
+and ``end_step`` gets a snapshot of reason ``exception`` (``REASON_EXCEPTION``).
 """
 from __future__ import annotations
 
@@ -77,6 +79,8 @@ __all__ = [
     "dcp_dir_name",
     "dtype_name",
     "dtype_from_name",
+    "REASON_EXCEPTION",
+    "EXCEPTION_KEYS",
 ]
 
 FORMAT_VERSION = 4
@@ -138,6 +142,8 @@ META_KEYS = (
     "step_numbering",  # since version 4: a key of STEP_NUMBERINGS, whose numbers the step column holds
     "micro_batches",  # since version 4: int >= 1, forwards (accumulated micro-batches) per recorded step,
                       #   as the loop or framework declared it; None when not declared
+    "exception",  # since version 4: None, or the exception the loop raised inside the Recorder's `with`
+                  #   block: EXCEPTION_KEYS (step: the open step it raised in, None outside any step)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -152,6 +158,7 @@ STEP_NUMBERINGS: dict[str, str] = {
     "lightning": ("Lightning's trainer.global_step when the step starts: 0 for the first optimizer "
                   "step, as in the step column of metrics.csv and the loggers"),
 }
+META_KEYS_ADDED["exception"] = 4  # the exception the loop raised (recorders/_exception.py)
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -164,7 +171,8 @@ SNAPSHOT_KEYS = (
     "created",           # unix seconds
     "host", "rank", "world_size",
     "step",              # int
-    "reason",            # "nonfinite_loss" | "nonfinite_grads" | "scale_collapse" | "overflow_streak" | "manual" | ...
+    "reason",            # "nonfinite_loss" | "nonfinite_grads" | "scale_collapse" | "overflow_streak" | "manual"
+                         #   | "peer_failure" | "update" | "exception" (REASON_EXCEPTION) | a user's own name
     "device_type",       # "cpu" | "cuda" (where the step ran)
     "amp_dtype",         # "float16" | "bfloat16" | None (FP32)
     "scale",             # float | None: the loss scale the failing backward used
@@ -197,6 +205,8 @@ SNAPSHOT_KEYS = (
     "update",            # since version 3: None | on reason "update" (check_update=True) only:
                          #   {"grads": {name: tensor} (the gradients the step used), "post_params": {name:
                          #    tensor} (every parameter after it), "nonfinite_params": [names it made NaN/Inf]}
+    "exception",         # since version 4: None | on reason "exception" only: the exception the step raised
+                         #   before end_step, EXCEPTION_KEYS (strings, and the step as an int)
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -205,6 +215,19 @@ KEYS_ADDED["sdpa"] = 3  # the SDPA backend switches (recorders/_sdpa.py)
 KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_fsdp.py)
 KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter names (recorders/_update.py)
 KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
+KEYS_ADDED["exception"] = 4  # the exception a step raised before end_step (recorders/_exception.py)
+
+# The reason of the snapshot Recorder.__exit__ writes when the loop raised inside an open step
+# (begin_step ran, end_step did not): the pre-step state, the batch and the RNG of that step.
+REASON_EXCEPTION = "exception"
+# The exception entry of meta.json and of an "exception" snapshot, in this order:
+#   type: "RuntimeError" (qualified when not a builtin: "torch.OutOfMemoryError"); message: str(exc),
+#   at most 2000 characters; frames: the last user frames, innermost last, at most 8, as
+#   "path/to/train.py:42 in main: clip_grad_norm_(...)" strings (torch's and amp-autopsy's own frames
+#   left out); step: int | None (None: raised outside any open step); last_step: the last step
+#   begin_step saw, or None; failure: True for an Exception, False for a KeyboardInterrupt/SystemExit
+#   (an interruption: never snapshotted).
+EXCEPTION_KEYS = ("type", "message", "frames", "step", "last_step", "failure")
 # The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).
 DCP_RE = re.compile(r"^step(\d+)-([A-Za-z0-9_]+)\.dcp$")
 # The snapshot's names of the SDPA backends: the keys of snapshot["sdpa"]["enabled"].

@@ -78,6 +78,7 @@ def build_snapshot(
     fsdp: dict[str, Any] | None = None,
     optimizer: dict[str, Any] | None = None,
     update: dict[str, Any] | None = None,
+    exception: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -90,6 +91,7 @@ def build_snapshot(
     `optimizer`: ``recorders._update.optimizer_entry`` (class, CPU state_dict, parameter names) or
     None. `update`: ``recorders._update.update_entry`` on an ``update`` snapshot, whose
     ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
+    `exception`: ``recorders._exception.exception_entry`` on an ``exception`` snapshot (strings and ints).
     """
     from . import __version__
 
@@ -130,6 +132,7 @@ def build_snapshot(
         "fsdp": fsdp,
         "optimizer": optimizer,
         "update": update,
+        "exception": None if exception is None else dict(exception),
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -32,6 +32,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..load.exceptions import raised_text
+
 if TYPE_CHECKING:
     from .autopsy import AutopsyResult
 
@@ -108,6 +110,8 @@ def answer_lines(autopsy: AutopsyResult) -> list[str]:
     else:
         lines = [f"root cause: {primary.verdict}: {primary.summary}",
                  _where(primary, infos.get(primary.snapshot))]
+        if primary.exception:  # an exception snapshot: what the loop raised at that step
+            lines.append(f"raised: {raised_text(primary.exception)}")
         lines += _fix_lines(autopsy, primary.snapshot)
     shared = dict(autopsy.shared)
     for r in (r for r in autopsy.replays if r is not primary):

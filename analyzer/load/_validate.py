@@ -239,6 +239,16 @@ def _check_update(update: Any, path) -> None:
         raise _bad("update", "nonfinite_params should be a list of parameter names", path)
 
 
+def _check_exception(entry: Any, path) -> None:
+    """None, or on reason "exception" (version 4) the exception the step raised (``load/exceptions.py``)."""
+    from .exceptions import read_exception
+
+    try:
+        read_exception(entry)
+    except ValueError as e:
+        raise _bad("exception", str(e), path) from e
+
+
 def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     """Check every key of a loaded snapshot (``schema.SNAPSHOT_KEYS``); raise BadInputError."""
     for key in ("torch_version", "amp_autopsy_version", "host", "reason", "device_type"):
@@ -264,5 +274,6 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_fsdp(snap.get("fsdp"), path)
     _check_optimizer(snap.get("optimizer"), path)
     _check_update(snap.get("update"), path)
+    _check_exception(snap.get("exception"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

@@ -66,6 +66,7 @@ class Snapshot(Mapping):
     optimizer: dict | None = field(repr=False)  # since version 3: class, state_dict, param_names
     update: dict | None = field(repr=False)  # since version 3, reason "update": grads, post_params, nonfinite_params
     _raw: Mapping = field(repr=False)
+    exception: dict | None = None  # since version 4, reason "exception": type, message, frames, step (load/exceptions.py)
 
     @property
     def has_scaler(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 
+from ..load.exceptions import raised_text
 from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay", "replay_figure"]
@@ -26,6 +27,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     lines = [f"verdict: {r.verdict}", f"  {r.summary}"]
     head = f"snapshot: {r.snapshot} (step {r.step}, {r.reason})" if r.step is not None else f"snapshot: {r.snapshot}"
     lines.append(head)
+    if r.exception:  # an exception snapshot: what the step raised before end_step
+        lines.append(f"raised: {raised_text(r.exception)}")
     lines.append(f"replayed on {r.device} (recorded on {r.recorded_device}), amp dtype {r.amp_dtype or 'none'}, "
                  f"loss scale {r.scale:g}")
     if r.precision_mode != "autocast" and r.precision_note:  # autocast: the amp dtype above says it

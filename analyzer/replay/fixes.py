@@ -130,8 +130,9 @@ def try_fixes(path, result: ReplayResult, *, device: str = "auto", factory: str 
                            "with other settings, and no fix of the forward or backward applies")]
     ctx = result.context if result.context is not None else _rebuild(path, device, factory, loss_fn, paths)
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    from ._scaler_skip import plans as exception_plans  # the exception snapshot's GradScaler-skip fix
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
-        return [fix for plan in _plan(result) if (fix := plan(ctx, result)) is not None]
+        return [fix for plan in exception_plans(result) + _plan(result) if (fix := plan(ctx, result)) is not None]
 
 
 def advice_with_status(result: ReplayResult, fixes: list[Fix]) -> list[Advice]:

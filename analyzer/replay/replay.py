@@ -122,6 +122,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         sdpa_backend=_sdpa_backend(diag, runs), backends=(diag.get("sdpa") or {}).get("backends"),
         traces=runs, culprit_trace=diag.get("trace"), context=ctx,
         precision_mode=mode.kind, precision_dtype=mode.dtype, precision_note=mode.describe(),
+        exception=snap.exception, scaler_state=snap.scaler_state,
     )
 
 

@@ -88,6 +88,9 @@ class ReplayResult:
     sdpa_backend: str | None = None
     backends: dict[str, str] | None = None
     update: dict | None = None  # update forensics (analyzer.replay.update); None for a forward/backward replay
+    # reason "exception" (format 4): the exception the step raised (type, message, frames, step), else None
+    exception: dict | None = None
+    scaler_state: dict | None = field(default=None, repr=False)  # the snapshot's GradScaler state_dict, if any
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -128,4 +131,5 @@ class ReplayResult:
             "sdpa_backend": self.sdpa_backend,
             "backends": None if self.backends is None else dict(self.backends),
             "update": self.update,
+            "exception": self.exception,
         })

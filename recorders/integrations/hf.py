@@ -21,6 +21,9 @@ end of the step's last backward   ``end_step(loss)``: an autograd callback queue
                                   through the model's loss (a custom ``compute_loss``): the
                                   gradients are then read after clipping, with a warning
 ``on_train_end``                  ``close()``: flushes the trace, removes the hooks
+``with callback.guard():``        an exception out of ``trainer.train()``: the step it
+                                  interrupted gets an ``exception`` snapshot and its trace row,
+                                  meta.json records it, then ``close()``; re-raised unchanged
 ================================  ===========================================================
 
 Step numbers are HF's: the optimizer step that ends with ``state.global_step == N`` is step N
@@ -60,13 +63,16 @@ re-runs it alone (meta.json's ``micro_batches`` tells the report). Use
 Example:
     >>> from transformers import Trainer, TrainingArguments
     >>> from recorders.integrations.hf import AmpAutopsyCallback
+    >>> callback = AmpAutopsyCallback("runs/exp1")
     >>> trainer = Trainer(model=model, args=TrainingArguments("out", bf16=True, use_cpu=True),
-    ...                   train_dataset=ds, callbacks=[AmpAutopsyCallback("runs/exp1")])
-    >>> trainer.train()            # doctest: +SKIP
+    ...                   train_dataset=ds, callbacks=[callback])
+    >>> with callback.guard():     # doctest: +SKIP
+    ...     trainer.train()
     >>> # analyzer report runs/exp1 ; analyzer replay runs/exp1/snapshots/step00000004-r00000-nonfinite_loss.pt
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -76,6 +82,7 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback
 
 from .. import schema
+from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
 
@@ -226,11 +233,43 @@ class AmpAutopsyCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
 
+    @contextlib.contextmanager
+    def guard(self):
+        """``with callback.guard(): trainer.train()``: keep the step an exception interrupts.
+
+        The Trainer has no exception event. Inside ``guard()``, an exception raised by
+        ``trainer.train()`` inside a step (the forward, ``compute_loss``, backward, gradient
+        clipping, a NaN check of your own) gives that step an ``exception`` snapshot (pre-step
+        weights, the batch, the RNG) and a trace row; meta.json records the exception in any case;
+        the Recorder is closed. The exception is then re-raised unchanged.
+
+        Example:
+            >>> callback = AmpAutopsyCallback("runs/exp1")
+            >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])  # doctest: +SKIP
+            >>> with callback.guard():  # doctest: +SKIP
+            ...     trainer.train()
+        """
+        try:
+            yield self
+        except BaseException as e:
+            self.record_exception(e)
+            raise
+
+    def record_exception(self, exception: BaseException) -> None:
+        """Keep the step `exception` interrupted (``Recorder.__exit__``'s record), then close. Never raises."""
+        loss = self._step_loss() if self._in_step else None  # the micro-batches the forward hook kept
+        self._losses = []
+        self._in_step = False
+        if self.recorder is not None:
+            record_exception(self.recorder, exception, loss=loss)
+        self.close()
+
     def close(self) -> None:
         """Remove the hooks and close the Recorder (flushes the trace). Safe to call twice.
 
-        NB: the Trainer has no exception event: if ``trainer.train()`` raises, call
-        ``callback.close()`` in a ``finally`` to flush the steps not yet written.
+        NB: the Trainer has no exception event: run ``trainer.train()`` inside ``with
+        callback.guard():`` (or call ``callback.close()`` in a ``finally``) to keep the steps not
+        yet written, and the step an exception interrupted.
         """
         for h in self._handles:
             h.remove()

@@ -15,8 +15,10 @@ Lightning hook                 what the callback does
                                ``scale * loss / accumulate_grad_batches``)
 ``on_before_optimizer_step``   ``end_step(loss)``: after the last backward, before gradient
                                clipping and ``optimizer.step()``
-``on_train_end``,              ``close()``: flushes the trace
-``on_exception``
+``on_train_end``               ``close()``: flushes the trace
+``on_exception``               ``record_exception``: a step the exception interrupted gets an
+                               ``exception`` snapshot and its trace row; meta.json records the
+                               exception; then ``close()``
 =============================  ================================================================
 
 Step numbers are Lightning's ``trainer.global_step`` when the step starts (0 for the first),
@@ -37,7 +39,8 @@ below, which need the LightningModule to call ``self.save_hyperparameters()`` in
 
 Pass ``factory=`` / ``factory_kwargs=`` / ``loss_fn=`` to override. ``training_step_loss`` calls
 ``training_step`` outside a Trainer, where ``self.log`` has nowhere to log (its warning is
-silenced); a ``training_step`` that uses ``self.trainer`` needs a plain ``loss_fn`` of your own.
+silenced); a ``training_step`` that uses ``self.trainer``, or raises on a non-finite loss (replay
+would stop at that check), needs a plain ``loss_fn`` of your own.
 
 NB: AMP on CPU. ``Trainer(accelerator="cpu", precision="16-mixed")`` is silently turned into
 ``"bf16-mixed"`` by Lightning (it warns "AMP with fp16 is not supported on CPU"). Real FP16 with
@@ -64,6 +67,7 @@ import lightning.pytorch as pl
 import torch
 
 from .. import schema
+from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
 
@@ -186,6 +190,19 @@ class AmpAutopsyCallback(pl.Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.record_exception(exception)
+
+    def record_exception(self, exception: BaseException) -> None:
+        """Keep the step `exception` interrupted, then close (``Recorder.__exit__``'s record).
+
+        Raised inside a step (``training_step``, backward, a NaN check), the step gets an ``exception``
+        snapshot of its pre-step state and batch, and a trace row with the loss if backward was reached;
+        meta.json records the exception in any case. Never raises: Lightning re-raises `exception` itself.
+        """
+        loss, self._loss = (self._loss if self._in_step else None), None
+        self._in_step = False
+        if self.recorder is not None:
+            record_exception(self.recorder, exception, loss=loss)
         self.close()
 
     def close(self) -> None:

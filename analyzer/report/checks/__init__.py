@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...findings import Finding
+from .exceptions import exception
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
@@ -36,6 +37,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "rank_divergence": rank_divergence,
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
+    "exception": exception,
 }
 
 
