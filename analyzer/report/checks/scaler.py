@@ -8,23 +8,24 @@ settles where about one step per growth interval overflows, after a few skips at
 Real output (``tests/analyzer/report/report_models.build_attn``: attention logits not divided by
 sqrt(d), FP16, Adam at lr=1.0, 50 steps)::
 
-    scale_collapse @ step 1: the loss scale fell from 65536 to 1 in 16 backoffs by step 23, then
-    to 1.49e-08, and never recovered (43 of 49 steps skipped since step 1): gradients overflow on
-    every step, even unscaled; usual causes: a learning rate too high, residual connections missing
-    or not scaled, attention logits not divided by sqrt(d_head); run 'analyzer replay' on the ...
-        evidence: step_start=1 scale_start=6.554e+04 step_reached=23 scale_reached=1 ...
+    scale_collapse @ step 1: the loss scale fell from 65536 to 1 in 16 backoffs by step 24, then
+    to 5.96e-08, and never recovered (41 of 49 steps skipped since step 1): 25 of the 26 steps at a
+    scale of 1 or below were still skipped: on those the gradients overflow even unscaled; usual
+    causes: a learning rate too high, or activations or gradients that grow past FP16's range; ...
+        evidence: step_start=1 scale_start=6.554e+04 step_reached=24 scale_reached=1 ...
 
 ``startup_calibration`` names the skips GradScaler makes at the start of a run while the scale
 backs off from ``init_scale`` to one the gradients fit: the leading skipped steps, before the first
 step taken at a settled scale (the recorder's ``overflow_streak`` trigger ignores them the same way).
-Real output (FP16, ``GradScaler("cpu")`` at its default 65536)::
+Real output (``tests/analyzer/autopsy/gnll_models``, FP16, ``GradScaler("cpu")`` at its default 65536)::
 
-    startup_calibration @ step 0: steps 0-11 were skipped while GradScaler backed off from 65536 to 16
-    in 12 backoffs before its first finite step: GradScaler's start-up calibration, normal for FP16 ...
+    startup_calibration @ step 0: steps 0-10 were skipped while GradScaler backed off from 65536 to 32
+    in 11 backoffs before its first finite step: GradScaler's start-up calibration, normal for FP16 ...
 
 How to read it: ``step_start`` is where the falling scale began (plateaus of up to
-``MAX_PLATEAU`` clean steps inside the descent are crossed), ``step_reached`` where it passed 1. A scale that keeps halving below 1 means even *unscaled* gradients are inf/NaN:
-no loss scale can help, the forward itself overflows.
+``MAX_PLATEAU`` clean steps inside the descent are crossed), ``step_reached`` where it passed 1.
+A step still skipped at a scale of 1 or below has inf/NaN gradients even *unscaled*: no loss
+scale helps it, the forward or backward itself overflows.
 """
 from __future__ import annotations
 
