@@ -67,6 +67,7 @@ def test_autopsy_heads_its_answer_with_the_later_failure_and_names_the_backoffs_
     answer = a.answer()
     assert answer[0].startswith("root cause: overflow: aten.exp in `std` (forward, float16)")
     assert f"step {FAIL_STEP}" in answer[1]
+    assert any(line.startswith("untested advice: log(1 + exp(x)) is a hand-written softplus") for line in answer)
     [cal] = [f for f in a.report.findings if f.check == "startup_calibration"]
     assert (cal.severity, cal.step) == ("info", 0)
     assert cal.message.startswith("steps 0-10 were skipped while GradScaler backed off from 65536 to 32 in 11 "
