@@ -17,6 +17,7 @@ from .nonfinite import nonfinite_grads
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
+from .weights import weights_exploded
 
 __all__ = ["CHECKS", "CHECK_FAILED", "Frames", "build_frames", "run_checks"]
 
@@ -37,6 +38,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "rank_divergence": rank_divergence,
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
+    "weights_exploded": weights_exploded,
 }
 
 
