@@ -68,7 +68,16 @@ class Triggers:
     Each reason fires on the step its condition becomes true and re-arms once it is false
     again, so a run that stays NaN for 1000 steps gives one ``nonfinite_loss`` snapshot (its
     first step), not ``max_snapshots`` copies of the same state. ``overflow_streak`` fires
-    on the step where the run of consecutive overflowing (skipped) steps reaches ``streak``.
+    on the step where the run of consecutive overflowing (skipped) steps reaches ``streak``,
+    counted only once the scale has settled.
+
+    NB: GradScaler's start-up calibration is not a failure. Its default ``init_scale`` (65536) is
+    above FP16's max, so an FP16 run usually skips its first steps while the scale backs off to
+    one its gradients fit; ten or more such skips are normal. The scale has *settled* at the
+    first step that is not skipped, or once it falls to 1 or below (no calibration goes that low: the
+    gradients overflow unscaled). Skips before that never count toward ``overflow_streak``, so
+    start-up calibration spends no snapshot; ``scale_collapse`` and the non-finite reasons fire
+    during it as always.
 
     Example:
         >>> t = Triggers(min_scale=1.0, streak=2, max_snapshots=3)
@@ -81,6 +90,7 @@ class Triggers:
     max_snapshots: int = 3
     fired: int = 0
     overflow_run: int = 0
+    settled: bool = False  # a step was not skipped, or the scale fell to 1 or below (see the NB above)
     holding: list = field(default_factory=list)  # reasons whose condition holds at the last step
     _active: set = field(default_factory=set)
 
@@ -94,7 +104,9 @@ class Triggers:
 
     def conditions(self, h: StepHealth) -> list[str]:
         """Every reason whose condition holds for this step (no edge logic, no limit)."""
-        self.overflow_run = self.overflow_run + 1 if h.overflowed else 0
+        if h.has_scaler and (not h.overflowed or h.scale <= 1.0):
+            self.settled = True
+        self.overflow_run = self.overflow_run + 1 if h.overflowed and self.settled else 0
         out = []
         if not _finite(h.loss):
             out.append(NONFINITE_LOSS)

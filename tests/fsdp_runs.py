@@ -11,6 +11,9 @@ One spawn of two processes trains, in one process group and in this order (``RUN
 - ``batch_nan``: ``sync_failures=True``, the fault is a NaN in rank ``FAULT_RANK``'s batch instead:
   only its loss fails, the reduce-scatter spreads NaN gradients to the other rank (which fails
   for ``nonfinite_grads``), and the one DCP directory is named after ``nonfinite_loss``;
+- ``batch_nan_local``: like ``batch_nan`` but ``sync_failures=False``, as most runs are recorded:
+  each rank writes its own shards under its own reason (``nonfinite_loss`` on the fault rank,
+  ``nonfinite_grads`` on the other);
 - ``uneven``: like ``batch_nan``, but rank 0 may take no snapshot (``max_snapshots=0``): the
   ranks do not all snapshot, so the fault rank writes its local shards, with no collective;
 - ``killed``: like ``synced``, but the fault rank SIGKILLs itself at ``KILL_STEP`` (mid-step,
@@ -48,7 +51,7 @@ FAULT_RANK, FAULT_STEP, FAULT_PARAM = 1, 2, "0.weight"
 FAULT_GLOBAL_INDEX = (4, 3)  # rank 1 holds rows 4..7 of the [8, 8] weight: its local [0, 3]
 KILL_STEP = 4
 FAULT = {"rank": FAULT_RANK, "step": FAULT_STEP, "param": FAULT_PARAM, "local_index": [0, 3]}
-RUNS = ("plain", "synced", "local", "batch_nan", "uneven", "killed")
+RUNS = ("plain", "synced", "local", "batch_nan", "batch_nan_local", "uneven", "killed")
 
 
 def fsdp_available() -> bool:
@@ -88,6 +91,7 @@ def record_fsdp_runs(root: str | Path, timeout_s: float = 240.0) -> FsdpRuns:
         "synced": {"run_dir": str(dirs["synced"]), "sync": True, "reference": True},
         "local": {"run_dir": str(dirs["local"]), "sync": False},
         "batch_nan": {"run_dir": str(dirs["batch_nan"]), "sync": True, "batch_nan": True},
+        "batch_nan_local": {"run_dir": str(dirs["batch_nan_local"]), "sync": False, "batch_nan": True},
         "uneven": {"run_dir": str(dirs["uneven"]), "sync": True, "batch_nan": True, "max_snapshots": {"0": 0}},
         "killed": {"run_dir": str(dirs["killed"]), "sync": True, "kill_step": KILL_STEP},
     }

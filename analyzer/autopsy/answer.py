@@ -94,10 +94,33 @@ def _micro_batch_note(autopsy: AutopsyResult) -> list[str]:
         return []
     return [f"NB: each step of this run accumulates {mb} micro-batches and a snapshot holds the first only "
             "(meta.json micro_batches): the failure may be in a micro-batch the replay did not see"]
+# Report findings that are a cause, not a symptom: when one comes no later than the replayed step,
+# the answer leads with it and the replay's first non-finite op follows as what it led to.
+_CAUSE_CHECKS = ("weights_exploded",)
+
+
+def _report_cause(autopsy: AutopsyResult) -> Any:
+    primary = autopsy.primary
+    for f in autopsy.report.errors:
+        if f.check in _CAUSE_CHECKS and f.step is not None and (
+                primary is None or primary.step is None or f.step <= primary.step):
+            return f
+    return None
 
 
 def answer_lines(autopsy: AutopsyResult) -> list[str]:
     """Root cause, where, the fixes with their status, then the other picked snapshots in one line each."""
+    lines = _replay_lines(autopsy)
+    cause = _report_cause(autopsy)
+    if cause is None:
+        return lines
+    head = f"root cause: {cause.check}: {cause.message}"
+    if lines and lines[0].startswith("root cause: ") and autopsy.primary is not None:
+        lines[0] = f"then, at step {autopsy.primary.step}: " + lines[0][len("root cause: "):]
+    return [head] + lines
+
+
+def _replay_lines(autopsy: AutopsyResult) -> list[str]:
     infos = {str(p["file"]): p for p in autopsy.picked}
     primary = autopsy.primary
     if primary is None:

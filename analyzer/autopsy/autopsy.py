@@ -6,7 +6,8 @@ stages and returns one frozen ``AutopsyResult``:
 
 1. the report, exactly as ``analyzer report`` builds it (``build_report``);
 2. the snapshots worth replaying (``pick_snapshots``: the earliest failure of each rank, and
-   the earliest of each trigger kind), usually one;
+   the earliest of each trigger kind, never GradScaler's start-up calibration), usually one; the
+   answer leads with the one the report's first error finding points at (``_primary_first``);
 3. the replay of each (``replay_snapshot``, the precisions ``analyzer replay`` uses by default);
 4. the counterfactual fixes tried on each replay's culprit (``analyzer.replay.fixes``). Two
    snapshots that blame the same op in the same module and phase share one set of fixes: trying
@@ -133,14 +134,33 @@ def _culprit_key(result: ReplayResult) -> tuple | None:
     return (result.verdict, c.op, c.module, c.phase, c.precision)
 
 
-def _primary_first(replays: list) -> tuple:
-    """The earliest replay (lowest rank on a tie) that is not healthy first, the others after in order.
+def _first_error(report: Report) -> Any:
+    """The report's first error finding in time (a trace failure, not a check that crashed), or None."""
+    from ..report.checks import CHECK_FAILED
+
+    errors = [f for f in report.errors if f.check != CHECK_FAILED and f.step is not None]
+    return min(errors, key=lambda f: (f.step, f.rank or 0), default=None)
+
+
+def _primary_first(replays: list, report: Report, ranks: dict[str, Any]) -> tuple:
+    """The replay of the failure that killed the run first, the others after in order.
+
+    The primary is the earliest replay that is not healthy of a snapshot the report's first error
+    finding points at: the first at or after that finding's step (and of its rank, when it names one).
+    So the first non-finite loss, non-finite gradients or broken weights head the answer, and an
+    earlier loss-scale overflow heads it only when the report's first error is that overflow
+    (``scale_collapse``, ``frequent_overflow``). Without such a replay: the earliest that is not healthy.
 
     NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy; the
     rank that holds the fault is the answer even when the healthy one has the lower rank. When
     every replay is healthy, the earliest comes first.
     """
-    first = next((r for r in replays if r.verdict != "healthy"), replays[0] if replays else None)
+    failing = [r for r in replays if r.verdict != "healthy"]
+    first_error = _first_error(report)
+    pointed = [] if first_error is None else [
+        r for r in failing if r.step is not None and r.step >= first_error.step
+        and (first_error.rank is None or ranks.get(r.snapshot) in (None, first_error.rank))]
+    first = next(iter(pointed or failing), replays[0] if replays else None)
     return tuple([first] + [r for r in replays if r is not first]) if first is not None else ()
 
 
@@ -165,10 +185,13 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     from ..replay import replay_snapshot
     from ..replay.fixes import advice_with_status, try_fixes
     from ..report import build_report
+    from ..report.checks.scaler import calibration_end
 
     say = on_stage or (lambda _line: None)
     report = build_report(run, rank=rank, progress=progress)
-    picked = pick_snapshots(report.frames.snapshots, rank=rank)
+    calibration = calibration_end(report.frames)
+    picked = pick_snapshots(report.frames.snapshots, rank=rank,
+                            calibrated_until=None if calibration is None else calibration["last_step"])
     replays: list = []
     fixes: list = []
     advice: list = []
@@ -200,6 +223,8 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
             fixed[key] = snap
         fixes += [(snap, f) for f in tried]
         advice += [(snap, a) for a in advice_with_status(result, tried)]
-    return AutopsyResult(run=str(run), report=report, picked=tuple(picked), replays=_primary_first(replays),
+    ranks = {str(p["file"]): p.get("rank") for p in picked}
+    return AutopsyResult(run=str(run), report=report, picked=tuple(picked),
+                         replays=_primary_first(replays, report, ranks),
                          fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
                          failures=tuple(failures))

@@ -7,6 +7,8 @@ The rule: the earliest failing snapshot of every rank (two ranks can fail for di
 reasons), plus the earliest snapshot of every trigger kind not already picked (an
 ``overflow_streak`` may point at a backward overflow where the first ``nonfinite_loss`` points
 at the forward). ``manual`` snapshots are the user's own checkpoints, not failures: never picked.
+Neither are ``overflow_streak`` snapshots of GradScaler's start-up calibration (``calibrated_until``:
+the last step of the leading skips, which older recorders counted as a streak).
 
 The input is the report's snapshot list (``Report.frames.snapshots``: dicts with ``file``,
 ``step``, ``rank``, ``reason``, ``writer`` parsed from the file names, already restricted to
@@ -28,6 +30,7 @@ from typing import Any
 __all__ = ["MANUAL", "is_failure", "pick_snapshots"]
 
 MANUAL = "manual"  # recorders.triggers.MANUAL: Recorder.snapshot()'s default reason, not a failure
+OVERFLOW_STREAK = "overflow_streak"  # recorders.triggers.OVERFLOW_STREAK
 
 
 def is_failure(info: Mapping[str, Any]) -> bool:
@@ -40,19 +43,27 @@ def _order(info: Mapping[str, Any]) -> tuple:
     return (info["step"], -1 if rank is None else rank, info.get("writer") or 0, str(info.get("file")))
 
 
-def pick_snapshots(snapshots: Iterable[Mapping[str, Any]], *, rank: int | None = None) -> list[dict[str, Any]]:
+def _calibration(info: Mapping[str, Any], calibrated_until: int | None) -> bool:
+    return (calibrated_until is not None and info.get("reason") == OVERFLOW_STREAK
+            and info["step"] <= calibrated_until)
+
+
+def pick_snapshots(snapshots: Iterable[Mapping[str, Any]], *, rank: int | None = None,
+                   calibrated_until: int | None = None) -> list[dict[str, Any]]:
     """The snapshots worth replaying, earliest first (ties: lowest rank first).
 
     Args:
         snapshots: snapshot descriptions as ``Report.frames.snapshots`` lists them.
         rank: only this rank's snapshots (``--rank``).
+        calibrated_until: the last step of GradScaler's start-up calibration (the report's
+            ``startup_calibration``), or None: ``overflow_streak`` snapshots up to it are not failures.
 
     Returns:
         Copies of the chosen descriptions, each with ``why``: ``"first failure of rank R"`` and/or
         ``"first REASON"``. Empty when no snapshot records a failure.
     """
-    failing = sorted((dict(s) for s in snapshots if is_failure(s) and (rank is None or s.get("rank") == rank)),
-                     key=_order)
+    failing = sorted((dict(s) for s in snapshots if is_failure(s) and (rank is None or s.get("rank") == rank)
+                      and not _calibration(s, calibrated_until)), key=_order)
     picked: dict[str, dict[str, Any]] = {}
     seen_ranks: set = set()
     seen_reasons: set = set()

@@ -44,6 +44,10 @@ __all__ = ["load_sharded_state", "sibling_snapshot"]
 
 _RERECORD = ("record with Recorder(..., sync_failures=True) so that every rank writes the step's "
              "shards into one DCP directory, then replay that snapshot")
+# recorders.triggers.REASONS (the recorder's priority order), then the other automatic reasons
+_REASON_ORDER = ("nonfinite_loss", "nonfinite_grads", "scale_collapse", "overflow_streak", "exception",
+                 "peer_failure", "update")
+_MANUAL = "manual"
 _MAX_METADATA = 64 << 20  # a DCP .metadata of 64 MiB describes millions of tensors
 _META = "torch.distributed.checkpoint.metadata"
 # The globals a DCP .metadata pickle names (torch 2.x); anything else is refused unloaded.
@@ -58,21 +62,34 @@ _ALLOWED = {
 
 
 def sibling_snapshot(path: str | os.PathLike, rank: int) -> Path:
-    """The snapshot file of the same step, writer and reason written by `rank` (``--rank``)."""
+    """The snapshot file of the same step and writer written by `rank` (``--rank``, the FSDP2 join).
+
+    The sibling need not share the reason: without ``sync_failures`` the rank whose batch went NaN
+    writes ``nonfinite_loss`` while the rank that only received NaN gradients through the
+    reduce-scatter writes ``nonfinite_grads``. The same reason is preferred, then the automatic
+    reasons in the recorder's priority order; a ``manual`` snapshot stands in only for a manual one.
+    """
     path = Path(path)
     m = schema.SNAPSHOT_RE.match(path.name)
     if m is None:
         raise BadInputError("the file name is not a recorder snapshot's (stepNNNNNNNN-rNNNNN-REASON.pt), so "
                             "its rank's siblings cannot be found", path=path, fix="pass the rank's file itself")
     step, _, writer, reason = m.groups()
-    name = f"step{step}-r{rank:05d}{'' if writer is None else f'-w{writer}'}-{reason}.pt"
-    sib = path.with_name(name)
-    if not sib.is_file():
-        found = (schema.SNAPSHOT_RE.match(p.name) for p in path.parent.iterdir() if p.is_file())
-        have = sorted(int(g[2]) for g in found if g and (g[1], g[3], g[4]) == (step, writer, reason))
-        raise BadInputError(f"no snapshot of rank {rank} for step {int(step)} ({name})", path=path.parent,
-                            fix=f"pick one of the ranks that wrote this step: {have}" if have else _RERECORD)
-    return sib
+    same = path.with_name(f"step{step}-r{rank:05d}{'' if writer is None else f'-w{writer}'}-{reason}.pt")
+    if same.is_file():
+        return same
+    found = [(g, p) for p in path.parent.iterdir() if p.is_file() and (g := schema.SNAPSHOT_RE.match(p.name))]
+    of_step = [(g, p) for g, p in found if (g[1], g[3]) == (step, writer)]
+    mine = [(g[4], p) for g, p in of_step if int(g[2]) == rank and (g[4] != _MANUAL or reason == g[4])]
+    if mine:
+        order = {r: i for i, r in enumerate(_REASON_ORDER)}
+        return min(mine, key=lambda rp: (order.get(rp[0], len(order)), rp[0]))[1]
+    have = sorted({int(g[2]) for g, _ in of_step})
+    raise BadInputError(
+        f"rank {rank} wrote no snapshot of step {int(step)}: no trigger fired on that rank at this step (its "
+        "gradients and loss stayed finite, or its max_snapshots was spent)", path=path.parent,
+        fix=(f"pick one of the ranks that wrote this step ({have}); to have every rank snapshot a failing "
+             "step, record with Recorder(..., sync_failures=True)" if have else _RERECORD))
 
 
 def load_sharded_state(path: str | os.PathLike, snap: Mapping) -> dict[str, torch.Tensor] | None:
@@ -241,8 +258,9 @@ def _from_local_shards(path, snap: Mapping) -> dict[str, torch.Tensor]:
         try:
             f = Path(path) if rank == snap.get("rank") else sibling_snapshot(path, rank)
         except BadInputError as e:
-            raise BadInputError(f"this snapshot holds only rank {snap.get('rank')}'s shards, and rank {rank}'s "
-                                f"snapshot of step {snap.get('step')} is missing: the whole model needs every rank's",
+            raise BadInputError(f"this snapshot holds only rank {snap.get('rank')}'s shards, and rank {rank} wrote "
+                                f"no snapshot of step {snap.get('step')} (no trigger fired on that rank, or its "
+                                "max_snapshots was spent): the whole model needs every rank's shards",
                                 path=path, fix="copy every rank's snapshot of this step beside it, or " + _RERECORD
                                 ) from e
         other = snap if f == Path(path) else load_snapshot(f)

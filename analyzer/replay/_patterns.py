@@ -30,6 +30,45 @@ def _producer(run, i: int | None) -> int | None:
     return None
 
 
+def _consumer(run, i: int | None) -> int | None:
+    """The first forward op after op `i` that reads its output, looking through casts and views."""
+    if i is None:
+        return None
+    seen = {i}
+    for rec in run.records[i + 1:]:
+        if rec.phase != "forward":
+            return None
+        if any(p in seen for _, p in rec.inputs):
+            if rec.name not in _THROUGH:
+                return rec.index
+            seen.add(rec.index)
+    return None
+
+
+def _exp_advice(run, i: int) -> str | None:
+    """Advice for a hand-written exp whose result feeds a log: softplus, logaddexp, logsumexp, log_softmax."""
+    c1 = _consumer(run, i)
+    n1 = run.records[c1].name if c1 is not None else None
+    c2 = _consumer(run, c1) if c1 is not None else None
+    n2 = run.records[c2].name if c2 is not None else None
+    why = "exp(x) overflows once x passes the dtype's log(max) (11.09 in FP16, 88.7 in BF16 and FP32)"
+    if n1 == "aten.log1p" or (n1 in ("aten.add", "aten.add_") and len(run.records[c1].inputs) == 1
+                              and n2 == "aten.log"):
+        return (f"log(1 + exp(x)) is a hand-written softplus, and {why}: use torch.nn.functional.softplus(x), "
+                "which computes it stably (x itself where x is large).")
+    if n1 in ("aten.add", "aten.add_") and n2 == "aten.log":
+        return f"log(exp(a) + b) is hand-written, and {why}: use torch.logaddexp(a, log(b)) or torch.logsumexp."
+    if n1 == "aten.sum" and n2 == "aten.log":
+        return f"log(sum(exp(x))) is a hand-written logsumexp, and {why}: use torch.logsumexp(x, dim)."
+    if n1 == "aten.div" and (n2 == "aten.log" or _consumer(run, c2) is not None
+                             and run.records[_consumer(run, c2)].name == "aten.log"):
+        return (f"log(exp(x) / sum(exp(x))) is a hand-written log-softmax, and {why}: use "
+                "torch.nn.functional.log_softmax(x, dim), or cross_entropy on the logits.")
+    if n1 == "aten.log" or n2 == "aten.log":
+        return f"exp feeds a log here, and {why}: compute the pair in log space (torch.logsumexp, log_softmax, softplus)."
+    return None
+
+
 def _forward_op(run, c) -> int | None:
     """The culprit's own op in forward, or the forward op whose backward node failed."""
     if c["phase"] == "forward":
@@ -64,6 +103,10 @@ def patterns(result) -> list[str]:
     elif name == "aten.log" and src in ("aten._softmax", "aten.softmax"):
         out.append("log(softmax(x)) is log(0) once a probability rounds to 0: use "
                    "torch.nn.functional.log_softmax(x, dim), or cross_entropy on the logits.")
+    if name == "aten.exp" and c["phase"] == "forward":
+        exp = _exp_advice(run, i)
+        if exp:
+            out.append(exp)
     if name in ("aten.sqrt", "aten.rsqrt") and src == "aten.sum" and _squares(run, _producer(run, p)):
         out.append("sqrt(sum(x**2)) has an infinite derivative where x is all zeros: use "
                    "torch.linalg.vector_norm(x, dim=...) or put an eps inside the sqrt: sqrt(sum(x**2) + eps).")

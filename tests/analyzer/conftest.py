@@ -91,7 +91,7 @@ def scaled_sum_mse_step(tmp_path_factory) -> Path:
     batch = {"x": torch.randn(4, 4, generator=g), "y": torch.randn(4, 1, generator=g) + 3}
     return _seeded(lambda: rm.record_step(
         tmp_path_factory.mktemp("scaled_sum_mse") / "run", factory="build_mlp", loss_fn="sum_mse", batch=batch,
-        amp_dtype=torch.float16, init_scale=65536.0, overflow_streak=1))
+        amp_dtype=torch.float16, init_scale=65536.0, manual=True))
 
 
 @pytest.fixture(scope="session")

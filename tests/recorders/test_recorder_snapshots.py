@@ -122,23 +122,42 @@ def test_nonfinite_gradients_without_a_scaler_trigger_a_snapshot_even_with_a_fin
     assert steps["nonfinite_grads"][0] == nonfinite[0]
 
 
-def test_a_streak_of_skipped_steps_with_a_finite_loss_snapshots_when_it_reaches_overflow_streak(tmp_path):
-    # A scale of 2**40 makes the FP16 backward overflow although the loss is finite: GradScaler
-    # skips and halves the scale every step (2**40 .. 2**36 all still overflow).
+def test_a_streak_of_skipped_steps_after_the_scale_settled_snapshots_when_it_reaches_overflow_streak(tmp_path):
+    # Steps 0-1 fit at a scale of 1024 (it settles there); from step 2 the targets are 1e3 away, so
+    # d mse / d out ~ 500 and the scaled FP16 backward overflows although the loss is finite:
+    # GradScaler skips and halves the scale every step (1024 .. 64 all still overflow).
+    model = build_mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = sgd(model)
+    data = batches(2) + [{**b, "y": b["y"] + 1e3} for b in batches(5, seed=2)]
+    with Recorder(tmp_path, model, factory="tests.recorders.models:build_mlp", loss_fn=mse_loss,
+                  scaler=scaler, amp_dtype=torch.float16, optimizer=opt, overflow_streak=3) as rec:
+        losses = train(model, data, rec=rec, opt=opt, scaler=scaler, amp_dtype=torch.float16)
+    assert all(math.isfinite(v) for v in losses)
+    steps = pl.read_parquet(tmp_path / "trace" / schema.STEPS_GLOB).sort("step")
+    assert steps["skipped"].to_list() == [False, False] + [True] * 5
+    [path] = snapshot_files(tmp_path)
+    snap = load_snapshot(path)
+    assert (snap["step"], snap["reason"], snap["scale"]) == (4, "overflow_streak", 256.0)
+    assert math.isfinite(snap["loss"])
+
+
+def test_gradscaler_start_up_calibration_writes_no_snapshot(tmp_path):
+    # A scale of 2**40 makes the first FP16 backwards overflow although the loss is finite: GradScaler
+    # skips and halves the scale from the start (2**40 .. 2**29 all still overflow) until the gradients
+    # fit. That is its start-up calibration, however long: it spends none of the snapshot slots.
     model = build_mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     opt = sgd(model)
     with Recorder(tmp_path, model, factory="tests.recorders.models:build_mlp", loss_fn=mse_loss,
                   scaler=scaler, amp_dtype=torch.float16, optimizer=opt, overflow_streak=3) as rec:
-        losses = train(model, batches(5), rec=rec, opt=opt, scaler=scaler, amp_dtype=torch.float16)
+        losses = train(model, batches(12), rec=rec, opt=opt, scaler=scaler, amp_dtype=torch.float16)
+        assert not rec.snapshots
     assert all(math.isfinite(v) for v in losses)
     steps = pl.read_parquet(tmp_path / "trace" / schema.STEPS_GLOB).sort("step")
-    assert steps["skipped"].to_list() == [True] * 5
-    assert steps["scale"].to_list() == [2.0**e for e in (40, 39, 38, 37, 36)]
-    [path] = snapshot_files(tmp_path)
-    snap = load_snapshot(path)
-    assert (snap["step"], snap["reason"], snap["scale"]) == (2, "overflow_streak", 2.0**38)
-    assert math.isfinite(snap["loss"])
+    assert steps["skipped"].to_list() == [True] * 12
+    assert steps["scale"].to_list() == [2.0**e for e in range(40, 28, -1)]
+    assert snapshot_files(tmp_path) == []
 
 
 def test_a_scale_falling_below_min_scale_snapshots_with_the_scaler_state(tmp_path):

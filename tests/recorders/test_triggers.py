@@ -40,13 +40,29 @@ def test_each_reason_fires_on_the_step_its_condition_starts(steps, expected):
     assert [t.check(h) for h in steps] == expected
 
 
-def test_overflow_streak_fires_when_the_run_of_skipped_steps_reaches_its_length():
+def test_overflow_streak_fires_when_the_run_of_skipped_steps_after_the_scale_settled_reaches_its_length():
     t = Triggers(streak=3, max_snapshots=10)
-    seq = [overflow(), overflow(), overflow(), overflow(), ok(), overflow(), overflow(), overflow()]
-    # the 3rd consecutive overflow (index 2) fires; the 4th continues the same streak; after a
-    # healthy step the count restarts, so index 7 is the next 3rd-in-a-row.
-    assert [t.check(h) for h in seq] == [None, None, "overflow_streak", None, None, None, None,
+    seq = [ok(65536.0), overflow(), overflow(), overflow(), overflow(), ok(65536.0), overflow(), overflow(), overflow()]
+    # the 3rd consecutive overflow (index 3) fires; the 4th continues the same streak; after a
+    # healthy step the count restarts, so index 8 is the next 3rd-in-a-row.
+    assert [t.check(h) for h in seq] == [None, None, None, "overflow_streak", None, None, None, None,
                                          "overflow_streak"]
+
+
+def test_start_up_calibration_skips_never_count_toward_overflow_streak():
+    # GradScaler's default 65536 backing off 12 times before its first clean step (scale 16), then
+    # three real overflows: only the streak after the scale settled counts.
+    t = Triggers(streak=3, max_snapshots=10)
+    calibration = [overflow(2.0 ** (16 - i)) for i in range(12)]
+    seq = calibration + [ok(16.0), overflow(16.0), overflow(8.0), overflow(4.0)]
+    assert [t.check(h) for h in seq] == [None] * 15 + ["overflow_streak"]
+
+
+def test_skips_at_a_scale_of_one_or_below_are_not_calibration():
+    # from the first step at scale <= 1 the gradients overflow unscaled: a failure, whatever came before
+    t = Triggers(min_scale=0.0, streak=2, max_snapshots=10)
+    seq = [overflow(4.0), overflow(2.0), overflow(1.0), overflow(0.5)]
+    assert [t.check(h) for h in seq] == [None, None, None, "overflow_streak"]
 
 
 def test_at_most_max_snapshots_fire_per_run():

@@ -16,8 +16,9 @@ from .gradients import exploding_gradients, grad_underflow, stalled_layers, vani
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .nonfinite import nonfinite_grads
 from .ranks import rank_divergence
-from .scaler import frequent_overflow, scale_collapse
+from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
+from .weights import weights_exploded
 
 __all__ = ["CHECKS", "CHECK_FAILED", "Frames", "build_frames", "run_checks"]
 
@@ -26,6 +27,7 @@ CHECK_FAILED = "check_failed"  # the finding a check that raised becomes (not a 
 CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "scale_collapse": scale_collapse,
     "frequent_overflow": frequent_overflow,
+    "startup_calibration": startup_calibration,
     "nonfinite_loss": nonfinite_loss,
     "nonfinite_grads": nonfinite_grads,
     "loss_spike": loss_spike,
@@ -38,6 +40,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
     "exception": exception,
+    "weights_exploded": weights_exploded,
 }
 
 

@@ -18,6 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ...findings import Finding
 from .frames import Frames
+from .scaler import calibration_end
 
 __all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss", "micro_batches", "precision_unknown"]
 
@@ -60,10 +61,15 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
         return []
     step, loss = int(bad["step"][0]), float(bad["loss"][0])
     rank, _ = _first_rank(frames) if frames.rank is None else (frames.rank, None)
-    before = df.filter((pl.col("step") < step)).tail(STABLE_WINDOW)
+    before_all = df.filter((pl.col("step") < step)).tail(STABLE_WINDOW)
+    # GradScaler's start-up calibration is no sign of overflow at the failure: judge the steps after it
+    cal = calibration_end(frames)
+    cal_last = cal["last_step"] if cal is not None and cal["settled"] and cal["last_step"] < step else None
+    before = before_all if cal_last is None else before_all.filter(pl.col("step") > cal_last)
     skipped = before["skipped"].fill_null(False)
     skips = int(skipped.sum()) if before.height else 0
     scales = before["scale"].drop_nulls()
+    all_scales = before_all["scale"].drop_nulls()
     # one skip per growth interval is the scaler's normal rhythm (grow, overflow, back off);
     # backing off means two or more net backoffs, or skips right before the failure
     fell = bool(scales.len() > 1 and scales[-1] <= scales.max() / 4)
@@ -72,27 +78,28 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
     replay = (f"replay it: analyzer replay {snap}" if snap else
               "record the run with the Recorder to get a snapshot of this step, then run analyzer replay")
     ev = {"loss": loss, "nonfinite_steps": bad.height, "steps": df.height,
-          "last_finite_loss": float(before["loss"][-1]) if before.height else None,
+          "last_finite_loss": float(before_all["loss"][-1]) if before_all.height else None,
           "skipped_before": skips, "window": before.height, "scale_fell_before": fell,
-          "scale_before": float(scales[-1]) if scales.len() else None, "amp_dtype": frames.amp_dtype,
-          "snapshot": snap, "rank": rank}
+          "scale_before": float(all_scales[-1]) if all_scales.len() else None, "amp_dtype": frames.amp_dtype,
+          "snapshot": snap, "rank": rank, "calibration_last_step": cal_last}
     where = f" on rank {rank}" if rank is not None and frames.n_ranks > 1 else ""
     head = f"the loss became {loss} at step {step}{where} ({bad.height} non-finite step(s) of {df.height})"
-    if before.height == 0:
+    after_cal = "" if cal_last is None else f" since GradScaler's start-up calibration ended at step {cal_last}"
+    if before_all.height == 0:
         body = ("it is the first step with a recorded loss, so nothing before it says how the run got there: the "
                 "model or the loss is broken from the start (a bad init, an FP16 overflow on the first "
                 f"batch, a log(0) or division by zero in the loss, a NaN in the batch); {replay} to tell which")
-    elif frames.amp_dtype == "float16" and scales.len() == 0:
+    elif frames.amp_dtype == "float16" and all_scales.len() == 0:
         body = ("no GradScaler scale was recorded, so FP16 gradients ran unscaled: either a forward "
                 "activation passed FP16's 65504 or a numerical fault (log(0), division by zero, a NaN in "
                 f"the batch); {replay} to tell which, and train FP16 with a GradScaler")
     elif frames.amp_dtype == "float16" and not stable:
         body = (f"the scaler was backing off before it ({skips} skipped step(s) in the previous "
-                f"{before.height}, scale {'falling' if fell else 'unsteady'}): FP16 overflow; see "
+                f"{before.height}{after_cal}, scale {'falling' if fell else 'unsteady'}): FP16 overflow; see "
                 f"scale_collapse / frequent_overflow, and {replay}")
     elif frames.amp_dtype == "float16":
         body = (f"the scale was stable ({ev['scale_before']:g}, {skips} skipped step(s) in the previous "
-                f"{before.height}, the scaler's normal rhythm), so this is not a gradient overflow that "
+                f"{before.height}{after_cal}, the scaler's normal rhythm), so this is not a gradient overflow that "
                 "loss scaling absorbs: either a forward activation passed FP16's 65504 or a numerical "
                 f"fault (log(0), division by zero, a NaN in the batch); {replay} to tell which")
     elif frames.amp_dtype == "bfloat16":

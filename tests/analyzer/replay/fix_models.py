@@ -136,3 +136,31 @@ def build_softplus_net(gain: float = 20.0) -> nn.Module:
 
 def mse(model, batch):
     return torch.nn.functional.mse_loss(model(batch["x"]).float(), batch["y"])
+
+
+# -- a hand-written logsumexp whose FP16 exp overflows ---------------------------------------------
+class HandLogSumExp(nn.Module):
+    """Scores, then ``log(sum(exp(s)))`` written out by hand: FP16's exp overflows once s passes 11.09."""
+
+    def __init__(self, gain: float = 4.0):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.fill_(gain)
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        s = self.proj(x)
+        return torch.log(torch.exp(s).sum(-1))
+
+
+def build_hand_logsumexp(gain: float = 4.0) -> nn.Module:
+    return HandLogSumExp(gain)
+
+
+def logsumexp_loss(model, batch):
+    return model(batch["x"]).float().mean()
+
+
+def logsumexp_batch() -> dict:
+    return {"x": torch.ones(2, 4)}  # every score is 16: exp(16) ~ 8.9e6 fits FP32, not FP16

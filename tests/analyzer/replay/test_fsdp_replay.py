@@ -111,6 +111,29 @@ def test_cli_replay_rank_without_a_file_for_that_rank_is_one_error_line(runs):
     assert "rank 7" in res.output and "[0, 1]" in res.output
 
 
+# -- without sync_failures: each rank's snapshot of the step under its own reason ------------------
+def test_a_nan_batch_without_sync_failures_replays_in_one_process_to_nonfinite_input_naming_the_batch(runs):
+    # rank 1's NaN batch fails its loss (nonfinite_loss); rank 0 only received NaN gradients through
+    # the reduce-scatter (nonfinite_grads): the two local-shard snapshots join whatever their reasons
+    sdir = runs.dirs["batch_nan_local"] / "snapshots"
+    names = sorted(p.name for p in sdir.glob(f"step{fr.FAULT_STEP:08d}-*.pt"))
+    assert names == [f"step{fr.FAULT_STEP:08d}-r00000-nonfinite_grads.pt", NAME.format(rank=fr.FAULT_RANK)]
+    r = replay_snapshot(sdir / NAME.format(rank=fr.FAULT_RANK))
+    assert r.verdict == "nonfinite_input"
+    assert r.culprit["input"] == "batch:x" and r.nonfinite_inputs == ["batch:x"]
+    assert r.culprit["phase"] == "forward"
+    # --rank 0 finds rank 0's file of the step under its other reason
+    r0 = replay_snapshot(sdir / NAME.format(rank=fr.FAULT_RANK), rank=0)
+    assert r0.snapshot.endswith(f"step{fr.FAULT_STEP:08d}-r00000-nonfinite_grads.pt")
+
+
+def test_a_rank_that_wrote_no_snapshot_of_the_step_is_named_with_sync_failures_as_the_fix(runs):
+    # the uneven run: rank 0 took no snapshot (max_snapshots=0), so rank 1's shards are all there is
+    out = _cli_error(runs.dirs["uneven"] / "snapshots" / NAME.format(rank=fr.FAULT_RANK))
+    assert f"rank 0 wrote no snapshot of step {fr.FAULT_STEP}" in out
+    assert "sync_failures=True" in out
+
+
 # -- damaged, missing and hostile inputs ---------------------------------------------------------
 def _copy(runs, dest: Path, kind: str = "synced", with_dcp: bool = True) -> Path:
     src = runs.dirs[kind] / "snapshots"
@@ -246,6 +269,18 @@ def test_fsdp_output_dtype_is_emulated_so_the_loss_reads_only_float32_in_the_flo
 def test_fsdp_float16_advice_keeps_the_module_in_fp32_under_its_own_policy(fsdp_fp16):
     text = " ".join(fsdp_fp16[1].advice)
     assert "MixedPrecisionPolicy(param_dtype=torch.float32" in text and "Keep `1` in FP32: run it under" not in text
+
+
+def test_a_sibling_of_another_reason_is_found_preferring_the_same_reason_then_the_recorders_order(tmp_path):
+    names = ["step00000003-r00001-nonfinite_loss.pt", "step00000003-r00000-overflow_streak.pt",
+             "step00000003-r00000-nonfinite_grads.pt", "step00000003-r00000-manual.pt",
+             "step00000004-r00002-nonfinite_loss.pt", "step00000003-r00002-manual.pt"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert sibling_snapshot(tmp_path / names[0], 0).name == "step00000003-r00000-nonfinite_grads.pt"
+    assert sibling_snapshot(tmp_path / names[3], 0).name == "step00000003-r00000-manual.pt"
+    with pytest.raises(BadInputError, match=r"rank 2 wrote no snapshot of step 3.*\[0, 1, 2\].*sync_failures=True"):
+        sibling_snapshot(tmp_path / names[0], 2)  # rank 2's manual snapshot stands in for no failure
 
 
 def test_the_sibling_of_a_second_writers_snapshot_keeps_its_writer_number(tmp_path):

@@ -39,7 +39,7 @@ def results(tmp_path_factory):
         batch={"x": torch.randn(2, 8, 8, generator=g) * 10, "y": torch.randn(2, 8, 1, generator=g)}))
     out["loss_scale_overflow"] = replay_snapshot(rm.record_step(
         tmp_path_factory.mktemp("s"), factory="build_mlp", loss_fn="sum_mse", batch={"x": x, "y": y + 3},
-        amp_dtype=torch.float16, init_scale=65536.0, overflow_streak=1))
+        amp_dtype=torch.float16, init_scale=65536.0, manual=True))
     out["healthy"] = replay_snapshot(rm.record_step(
         tmp_path_factory.mktemp("h"), factory="build_mlp", loss_fn="mse", batch={"x": x, "y": y},
         amp_dtype=torch.float16, manual=True))

@@ -259,7 +259,30 @@ def test_a_long_growth_interval_makes_the_same_skips_frequent(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["scaler"]["growth_interval"] = 2000
     meta_path.write_text(json.dumps(meta))
-    assert [f.check for f in run_checks(build_frames(load_run(tmp_path / "a")))] == ["frequent_overflow"]
+    assert [f.check for f in run_checks(build_frames(load_run(tmp_path / "a"))) if f.severity != "info"] \
+        == ["frequent_overflow"]
+
+
+def test_the_start_up_skips_are_named_gradscaler_calibration_and_are_not_an_error(tmp_path):
+    s = Script()  # 65536 and 32768 overflow at steps 0 and 1; 16384 fits
+    findings = run_checks(build_frames(load_run(s.write(tmp_path / "run"))))
+    [cal] = [f for f in findings if f.check == "startup_calibration"]
+    assert (cal.severity, cal.step) == ("info", 0)
+    assert cal.evidence["last_step"] == 1 and cal.evidence["settled_scale"] == 16384.0
+    assert cal.evidence["backoffs"] == 2
+    assert cal.message.startswith("steps 0-1 were skipped while GradScaler backed off from 65536 to 16384 in 2 "
+                                  "backoffs before its first finite step: GradScaler's start-up calibration")
+    assert not [f for f in findings if f.severity != "info"]
+
+
+def test_leading_skips_that_reach_a_scale_of_one_are_a_collapse_not_calibration(tmp_path):
+    s = Script()
+    s.skipped[:] = True  # every step overflows from the start: 65536 halves past 1 by step 17
+    s.scale[:] = 65536.0 / 2.0 ** np.arange(s.n)
+    findings = run_checks(build_frames(load_run(s.write(tmp_path / "run"))))
+    assert not [f for f in findings if f.check == "startup_calibration"]
+    [col] = [f for f in findings if f.check == "scale_collapse"]
+    assert col.severity == "error" and "every one of the" in col.message and "overflow even unscaled" in col.message
 
 
 def test_findings_are_strict_json(tmp_path):
