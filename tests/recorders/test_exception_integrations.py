@@ -123,6 +123,9 @@ def test_the_lightning_report_and_autopsy_name_the_exception_the_overflow_and_th
 
 # ------------------------------------------------------------------------------------------ HF Trainer
 HF_SEQ, HF_EMBD, HF_VOCAB, HF_BATCH = 8, 16, 32, 2
+# the crash is in HF's third optimizer step (state.global_step == CRASH while it runs), recorded in
+# HF's own numbering: the global_step that step would end with (docs/recorder.md, step numbers)
+HF_CRASH = CRASH + 1
 
 
 class _Embeds(torch.utils.data.IterableDataset):
@@ -173,24 +176,24 @@ def test_an_hf_run_under_guard_still_fails_with_its_own_exception_and_is_closed(
 
 def test_hf_guard_keeps_the_step_with_the_loss_the_forward_returned(hf_run):
     run_dir, _, _ = hf_run
-    snap = torch.load(run_dir / "snapshots" / schema.snapshot_name(CRASH, 0, "exception"), weights_only=True)
+    snap = torch.load(run_dir / "snapshots" / schema.snapshot_name(HF_CRASH, 0, "exception"), weights_only=True)
     assert snap["exception"]["type"] == "FloatingPointError" and snap["amp_dtype"] is None
     assert torch.isnan(snap["batch"]["inputs_embeds"]).any()
     rows = pl.read_parquet(run_dir / "trace" / schema.STEPS_GLOB).sort("step")
-    assert rows["step"].to_list() == list(range(CRASH + 1))
-    loss = rows["loss"][CRASH]
+    assert rows["step"].to_list() == list(range(1, HF_CRASH + 1))
+    loss = rows["loss"][HF_CRASH - 1]
     assert loss is not None and loss != loss  # NaN: the callback's forward hook kept it
-    assert rows["grad_norm"][CRASH] is None  # it raised in compute_loss, before backward
+    assert rows["grad_norm"][HF_CRASH - 1] is None  # it raised in compute_loss, before backward
 
 
 def test_the_hf_report_and_autopsy_name_the_exception_and_the_nan_batch(hf_run):
     run_dir, _, _ = hf_run
     f = _exception_finding(run_dir)
-    assert f.step == CRASH and "FloatingPointError: NaN loss at step 2" in f.message
+    assert f.step == HF_CRASH and "FloatingPointError: NaN loss at step 2" in f.message
     assert "its loss was nan" in f.message and "no gradients existed yet" in f.message
-    assert f.evidence["first_nonfinite_loss_step"] == CRASH
+    assert f.evidence["first_nonfinite_loss_step"] == HF_CRASH
     a = run_autopsy(str(run_dir), device="cpu")
-    assert a.verdict == "nonfinite_input" and a.primary.step == CRASH
+    assert a.verdict == "nonfinite_input" and a.primary.step == HF_CRASH
     assert a.primary.nonfinite_inputs == ["batch:inputs_embeds"]
     # FP32 is non-finite too: no GradScaler skip is offered for a NaN that is in the data
     assert not [fx for _, fx in a.fixes if fx.name == "scaler_skip" and fx.status == "verified"]

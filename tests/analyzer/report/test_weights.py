@@ -68,3 +68,21 @@ def test_a_tiny_initialised_bias_growing_to_an_ordinary_size_is_not_weights_expl
     with Recorder(tmp_path / "run", model, optimizer=opt) as rec:
         train(model, batches(6), rec=rec, opt=opt)
     assert not [f for f in build_report(tmp_path / "run").findings if f.check == "weights_exploded"]
+
+
+def test_an_hf_trainer_run_at_lr_1e5_is_weights_exploded_at_hfs_step_1_with_its_lr(hf_blowup_run):
+    # tests/hf_runs.py: a tiny Llama, BF16, learning_rate=1e5; HF logs grad_norm nan from step 4
+    rep = build_report(hf_blowup_run["run_dir"])
+    [f] = [f for f in rep.findings if f.check == "weights_exploded"]
+    assert (f.step, f.evidence["lr"]) == (1, pytest.approx(1e5))
+    assert f.evidence["factor"] > 1e4
+    assert min(rep.errors, key=lambda e: e.step) is f
+
+
+@pytest.mark.slow
+def test_the_hf_autopsy_leads_with_the_exploded_update_before_the_nan_gradients(hf_blowup_run):
+    a = run_autopsy(hf_blowup_run["run_dir"], device="cpu")
+    answer = a.answer()
+    assert answer[0].startswith("root cause: weights_exploded: the update of step 1 multiplied")
+    assert "at lr 1e+05" in answer[0]
+    assert answer[1].startswith("then, at step 4: ")
