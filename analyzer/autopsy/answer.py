@@ -44,7 +44,7 @@ def _where(result: Any, info: dict[str, Any] | None) -> str:
     c = result.culprit
     rank = info.get("rank") if info else None
     bits = [f"{c['op']} in {c['module'] or '(no module)'}" + (f" at {c['source']}" if c["source"] else ""),
-            c["phase"], c["precision"], f"step {result.step}"]
+            c["phase"], c["precision"]] + ([f"step {result.step}"] if result.step is not None else [])
     if rank is not None:
         bits.append(f"rank {rank}")
     return "where: " + ", ".join(str(b) for b in bits) + f" ({Path(result.snapshot).name})"
@@ -90,8 +90,9 @@ def answer_lines(autopsy: AutopsyResult) -> list[str]:
     infos = {str(p["file"]): p for p in autopsy.picked}
     primary = autopsy.primary
     if primary is None:
+        said = f"the report says {autopsy.report.verdict}" if autopsy.report is not None else "there is no report"
         lines = _report_only(autopsy) if not autopsy.failures else [
-            f"root cause: unknown: no picked snapshot could be replayed; the report says {autopsy.report.verdict}"]
+            f"root cause: unknown: no picked snapshot could be replayed; {said}"]
     elif primary.culprit is None:
         lines = [f"root cause: {primary.verdict}: {primary.summary}"]
         lines += _fix_lines(autopsy, primary.snapshot)

@@ -63,7 +63,8 @@ class AutopsyResult:
 
     Attributes:
         run: the run as given.
-        report: the ``Report`` (``analyzer report``'s object).
+        report: the ``Report`` (``analyzer report``'s object); None for a checkpoint and a batch
+            without a training log of their own.
         picked: the snapshot descriptions picked, earliest first, each with ``why``.
         replays: the ``ReplayResult`` of each picked snapshot that replayed: the primary first,
             then the others in ``picked`` order.
@@ -74,7 +75,7 @@ class AutopsyResult:
     """
 
     run: str
-    report: Report
+    report: Report | None  # None: a checkpoint replayed with no training log of its own
     picked: tuple[dict[str, Any], ...] = ()
     replays: tuple[ReplayResult, ...] = ()
     fixes: tuple[tuple[str, Fix], ...] = ()
@@ -92,7 +93,7 @@ class AutopsyResult:
         """The primary replay's verdict; without one, ``healthy`` (no error finding) or ``no_snapshot``."""
         if self.primary is not None:
             return self.primary.verdict
-        return NO_SNAPSHOT if self.report.errors else "healthy"
+        return NO_SNAPSHOT if self.report is not None and self.report.errors else "healthy"
 
     @property
     def culprit(self) -> Any:
@@ -105,7 +106,9 @@ class AutopsyResult:
 
     def exit_status(self, fail_on: str | None = None) -> int:
         """1 when a picked snapshot failed to replay, else the report's status (3 check_failed, 4 --fail-on)."""
-        return 1 if self.failures else self.report.exit_status(fail_on)
+        if self.failures:
+            return 1
+        return self.report.exit_status(fail_on) if self.report is not None else 0
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` object: ``report`` and each of ``replays`` exactly as their own commands print them."""
@@ -116,7 +119,7 @@ class AutopsyResult:
             "verdict": self.verdict,
             "culprit": culprit.to_dict() if culprit is not None else None,
             "answer": self.answer(),
-            "report": self.report.to_dict(),
+            "report": self.report.to_dict() if self.report is not None else None,
             "replays": [r.to_dict() for r in self.replays],
             "fixes": [{"snapshot": s, **f.to_dict()} for s, f in self.fixes],
             "advice": [{"snapshot": s, **a.to_dict()} for s, a in self.advice],
@@ -144,13 +147,25 @@ def _primary_first(replays: list) -> tuple:
     return tuple([first] + [r for r in replays if r is not first]) if first is not None else ()
 
 
+def _checkpoint_report(snap, progress: bool):
+    """The report of a checkpoint's own training log (``logs``: an HF trainer_state.json), or None; the pick."""
+    from ..report import build_report
+
+    report = build_report(snap.logs, progress=progress) if getattr(snap, "logs", None) else None
+    picked = [{"file": snap.path, "step": snap.step, "rank": 0, "reason": snap.reason, "writer": 0,
+               "why": "the checkpoint and batch given"}]
+    return report, picked
+
+
 def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
                 loss_fn: str | None = None, paths: tuple[str, ...] = (), progress: bool = False,
                 on_stage: Callable[[str], object] | None = None) -> AutopsyResult:
     """Report, pick, replay and try fixes on `run`.
 
     Args:
-        run: a run directory (or its ``meta.json``); a foreign log gives a report-only answer.
+        run: a run directory (or its ``meta.json``); a foreign log gives a report-only answer; a
+            ``Snapshot`` of a checkpoint and a batch (``load.adhoc``) is replayed, and its own log
+            (``logs``), when it has one, is the report (``report`` is None otherwise).
         rank: only this rank (the report's ``--rank``, and the snapshots picked).
         device: where to replay: ``auto``, ``cpu`` or ``cuda``.
         factory, loss_fn: override the snapshots' model factory / loss references.
@@ -166,9 +181,14 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     from ..replay.fixes import advice_with_status, try_fixes
     from ..report import build_report
 
+    from ..load import Snapshot
+
     say = on_stage or (lambda _line: None)
-    report = build_report(run, rank=rank, progress=progress)
-    picked = pick_snapshots(report.frames.snapshots, rank=rank)
+    if isinstance(run, Snapshot):  # a checkpoint and a batch (load.adhoc): its own logs, if any, are the report
+        report, picked = _checkpoint_report(run, progress)
+    else:
+        report = build_report(run, rank=rank, progress=progress)
+        picked = pick_snapshots(report.frames.snapshots, rank=rank)
     replays: list = []
     fixes: list = []
     advice: list = []
@@ -179,7 +199,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         snap = str(info["file"])
         say(f"replaying {snap} ({info['why']})")
         try:
-            result = replay_snapshot(snap, device=device, factory=factory, loss_fn=loss_fn,
+            result = replay_snapshot(run if isinstance(run, Snapshot) else snap, device=device, factory=factory, loss_fn=loss_fn,
                                      progress=progress, paths=paths)
         except (AnalyzerError, OSError, MemoryError) as e:
             failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))
@@ -200,6 +220,6 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
             fixed[key] = snap
         fixes += [(snap, f) for f in tried]
         advice += [(snap, a) for a in advice_with_status(result, tried)]
-    return AutopsyResult(run=str(run), report=report, picked=tuple(picked), replays=_primary_first(replays),
+    return AutopsyResult(run=run.path if isinstance(run, Snapshot) else str(run), report=report, picked=tuple(picked), replays=_primary_first(replays),
                          fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
                          failures=tuple(failures))

@@ -88,6 +88,10 @@ class ReplayResult:
     sdpa_backend: str | None = None
     backends: dict[str, str] | None = None
     update: dict | None = None  # update forensics (analyzer.replay.update); None for a forward/backward replay
+    # A replay of a checkpoint and a batch (analyzer.load.adhoc), no recorder snapshot: the files read and
+    # the defaults that stood in for what a snapshot records ({"checkpoint", "kind", "batch", "amp_dtype",
+    # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
+    checkpoint: dict | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -128,4 +132,5 @@ class ReplayResult:
             "sdpa_backend": self.sdpa_backend,
             "backends": None if self.backends is None else dict(self.backends),
             "update": self.update,
+            "checkpoint": self.checkpoint,
         })
