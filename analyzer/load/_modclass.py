@@ -18,6 +18,8 @@ import ast
 import os
 from pathlib import Path
 
+from recorders import schema
+
 from ..errors import BadInputError, FactoryError
 from .adhoc import PL_BUILDER, PL_LOSS, _int_of, _scaler_scale, clean_state
 
@@ -59,13 +61,15 @@ def lightning_checkpoint(p: Path, ck: dict, *, paths=(), explicit: bool = False)
 
 def find_module_class(hparams: dict, p: Path, paths=()) -> str:
     """``pkg.mod:Class`` of the one LightningModule under the roots whose ``__init__`` fits `hparams`."""
-    roots = [os.path.abspath(r) for r in paths] + [os.getcwd()]
-    found: list[str] = []
-    for root in dict.fromkeys(roots):
-        for ref, params, required, var_kw in _classes(Path(root)):
-            if set(required) <= set(hparams) and (var_kw or set(hparams) <= set(params)):
-                found.append(ref)
-    found = list(dict.fromkeys(found))
+    with schema.import_roots(tuple(os.path.abspath(r) for r in paths)) as roots:  # the rule's roots: never "/"
+        pass
+    found: dict[str, str] = {}  # file -> ref: a file under two roots is one class
+    for root in roots:
+        for ref, file, params, required, var_kw in _classes(Path(root)):
+            if file not in found and set(required) <= set(hparams) and (var_kw or set(hparams) <= set(params)) \
+                    and schema.plan_ref(ref, roots, what="module_class").allowed:  # importable as named
+                found[file] = ref
+    found = list(dict.fromkeys(found.values()))
     fix = ("run from the directory that holds the module's code, pass --path DIR, or name the class "
            "yourself with --factory pkg.mod:MyModule")
     if not found:
@@ -80,7 +84,7 @@ def find_module_class(hparams: dict, p: Path, paths=()) -> str:
 
 
 def _classes(root: Path):
-    """(ref, __init__ params, required params, has **kwargs) of each direct LightningModule subclass."""
+    """(ref, file, __init__ params, required params, has **kwargs) of each direct LightningModule subclass."""
     count = 0
     for dirpath, dirnames, filenames in os.walk(root):
         rel = Path(dirpath).relative_to(root)
@@ -106,7 +110,7 @@ def _classes(root: Path):
                 continue
             for node in tree.body:
                 if isinstance(node, ast.ClassDef) and any(_base_name(b) == "LightningModule" for b in node.bases):
-                    yield (f"{module}:{node.name}", *_init_params(node))
+                    yield (f"{module}:{node.name}", os.path.realpath(f), *_init_params(node))
 
 
 def _base_name(b: ast.expr) -> str | None:
