@@ -152,14 +152,14 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
     fix = f"to replay a checkpoint, pass --batch FILE with the failing step's batch ({RECIPE})"
     if p.is_dir():
         if (p / "config.json").is_file() and any((p / w).is_file() for w in _HF_WEIGHTS):
-            return BadInputError("is an HF checkpoint directory, not a recorder snapshot", path=p, fix=fix)
+            return BadInputError("not an amp-autopsy snapshot: an HF checkpoint directory", path=p, fix=fix)
         return None
     if not p.is_file():
         return None
     if p.suffix == ".ckpt":
-        return BadInputError("is a Lightning checkpoint, not a recorder snapshot", path=p, fix=fix)
+        return BadInputError("not an amp-autopsy snapshot: a Lightning checkpoint", path=p, fix=fix)
     if p.suffix == ".safetensors" or looks_like_safetensors(p):
-        return BadInputError("is a safetensors file, not a recorder snapshot", path=p,
+        return BadInputError("not an amp-autopsy snapshot: a safetensors file", path=p,
                              fix=fix + "; a plain state_dict also needs --factory and --loss-fn")
     try:
         with zipfile.ZipFile(p) as zf:
@@ -171,7 +171,7 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
         return None
     if schema.SNAPSHOT_FORMAT.encode() in head:
         return None
-    return BadInputError("is a torch file but not a recorder snapshot (a checkpoint?)", path=p,
+    return BadInputError("not an amp-autopsy snapshot (no 'format': 'amp-autopsy.snapshot' key): a checkpoint?", path=p,
                          fix=fix + "; a plain state_dict also needs --factory and --loss-fn; "
                                    "'analyzer inspect' checks a checkpoint's tensors")
 

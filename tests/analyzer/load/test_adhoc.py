@@ -87,7 +87,7 @@ def test_a_tuple_batch_of_tensors_is_one_batch_not_micro_batches(tmp_path):
 
 def test_checkpoint_instead_tells_checkpoints_from_snapshots(tmp_path, fp16_attention_step):
     ck, _ = _files(tmp_path)
-    assert "not a recorder snapshot" in str(checkpoint_instead(ck))
+    assert "not an amp-autopsy snapshot" in str(checkpoint_instead(ck))
     assert checkpoint_instead(fp16_attention_step) is None
     lightning = tmp_path / "x.ckpt"
     lightning.write_bytes(b"anything")

@@ -113,7 +113,7 @@ def test_a_plain_state_dict_without_factory_says_to_pass_it(tmp_path):
 def test_a_checkpoint_without_batch_says_to_pass_one_with_the_recipe(tmp_path):
     torch.save({"model": rm.build_mlp().state_dict(), "step": 3}, tmp_path / "ckpt.pt")
     line = _one_error_line(_cli("replay", tmp_path / "ckpt.pt"))
-    assert "not a recorder snapshot" in line and "--batch FILE" in line and "save_batch_on_nan" in line
+    assert "not an amp-autopsy snapshot" in line and "--batch FILE" in line and "save_batch_on_nan" in line
 
 
 def test_replay_help_shows_the_recipe_for_saving_the_batch():
