@@ -162,3 +162,30 @@ def test_any_weights_only_content_as_checkpoint_and_batch_replays_or_gives_one_e
     torch.save(batch_obj, batch)
     res = CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY])
     _one_error_line(res)  # no content here fits build_mlp's state_dict: always refused, never a traceback
+
+
+def test_an_hf_batch_that_is_one_tensor_is_its_input_ids_and_labels_and_a_list_is_refused(tmp_path):
+    f = tmp_path / "ids.pt"
+    torch.save(torch.zeros(2, 8, dtype=torch.long), f)
+    batch, notes = read_batch(f, hf=True)
+    assert set(batch) == {"input_ids", "labels"} and "input_ids=batch, labels=batch" in notes[0]
+    torch.save([torch.zeros(2, 8, dtype=torch.long)], f)
+    with pytest.raises(BadInputError, match="dict of its inputs"):
+        read_batch(f, hf=True)
+
+
+@_fast
+@given(cut=st.floats(0.0, 0.999), flips=st.lists(st.tuples(st.floats(0.0, 0.999), st.integers(0, 255)), max_size=4))
+def test_a_damaged_safetensors_checkpoint_replays_or_gives_one_error_line(tmp_path_factory, cut, flips):
+    safetensors = pytest.importorskip("safetensors.torch")
+    d = tmp_path_factory.mktemp("st")
+    _, batch = _files(d)
+    ck = d / "model.safetensors"
+    safetensors.save_file(rm.build_mlp().state_dict(), ck)
+    data = bytearray(ck.read_bytes())
+    for where, value in flips:
+        data[int(where * len(data))] = value
+    ck.write_bytes(bytes(data[: max(1, int(cut * len(data)))]))
+    res = CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY])
+    if res.exit_code != 0:  # flipped weight bytes are still weights (safetensors has no checksum): a replay
+        _one_error_line(res)

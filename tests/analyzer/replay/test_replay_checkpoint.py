@@ -190,6 +190,8 @@ def test_autopsy_of_a_checkpoint_without_logs_answers_from_the_replay_alone(hf_d
     assert res.exit_code == 0, res.output
     assert "verdict: overflow" in res.output
     assert "evidence 1/2: no report" in res.output and "holds no training log" in res.output
+    assert "step None" not in res.output  # a save_pretrained directory records no step: none is claimed
+    assert "verified fix: switch from FP16 to BF16: the step runs finite in bfloat16" in res.output
     got = _json(_cli("autopsy", hf_dir / "checkpoint-40", "--batch", hf_dir / "batch.pt", "--json"))
     assert got["report"] is None and got["verdict"] == "overflow"
 
