@@ -337,6 +337,8 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
     progress = sys.stderr.isatty() and not as_json
     if batch is None and (amp is not None or scale is not None):
         raise click.UsageError("--amp and --scale go with --batch (a checkpoint and its failing batch)")
+    if batch is not None and rank is not None:
+        raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
     target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
                                                           loss_fn=loss_fn, device=device, paths=paths)
     result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,

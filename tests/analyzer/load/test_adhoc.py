@@ -189,3 +189,20 @@ def test_a_damaged_safetensors_checkpoint_replays_or_gives_one_error_line(tmp_pa
     res = CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY])
     if res.exit_code != 0:  # flipped weight bytes are still weights (safetensors has no checksum): a replay
         _one_error_line(res)
+
+
+def test_an_hf_shard_index_naming_a_path_outside_the_directory_is_refused(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    torch.save(rm.build_mlp().state_dict(), tmp_path / "outside.bin")
+    (hf / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"0.weight": "../outside.bin"}}))
+    _, batch = _files(tmp_path)
+    line = _one_error_line(CliRunner().invoke(main, ["replay", str(hf), "--batch", str(batch)]))
+    assert "not a file in the directory" in line
+
+
+def test_autopsy_rank_with_batch_is_a_usage_error(tmp_path):
+    ck, batch = _files(tmp_path)
+    res = CliRunner().invoke(main, ["autopsy", str(ck), "--batch", str(batch), "--rank", "0", *_FACTORY])
+    assert res.exit_code == 2 and "--rank" in res.output
