@@ -247,3 +247,41 @@ def test_a_lightning_ckpt_replays_without_factory_with_its_class_found_under_pat
     assert (got["verdict"], got["culprit"]["module"], got["culprit"]["phase"]) == ("overflow", "fc", "forward")
     assert got["checkpoint"]["kind"] == "lightning" and got["step"] == 1
     assert any("i27_tiny_module:TinyRegressor" in n for n in got["checkpoint"]["notes"])
+
+
+def _lightning_files(tmp_path, monkeypatch, hparams, name):
+    """A hand-written Lightning checkpoint (the keys Trainer.save_checkpoint writes) of CliRegressor in
+    module `name` (one name per test: a module another test imported would shadow it)."""
+    import importlib
+
+    pytest.importorskip("lightning.pytorch")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / f"{name}.py").write_text(textwrap.dedent(_MODULE).replace("TinyRegressor", "CliRegressor"))
+    monkeypatch.syspath_prepend(str(code))
+    module = importlib.import_module(name).CliRegressor(d=4, gain=300.0)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": hparams, "global_step": 7,
+                "pytorch-lightning_version": "2.6.6"}, tmp_path / "cli.ckpt")
+    torch.save({"x": torch.full((2, 4), 300.0), "y": torch.zeros(2, 1)}, tmp_path / "batch.pt")
+    return code
+
+
+def test_a_lightning_cli_class_path_names_the_class_and_the_import_rule_still_decides(tmp_path, monkeypatch):
+    code = _lightning_files(tmp_path, monkeypatch, {"d": 4, "gain": 300.0, "_class_path": "i27_cli_a.CliRegressor"},
+                            "i27_cli_a")
+    monkeypatch.chdir(tmp_path)
+    refused = _one_error_line(_cli("replay", "cli.ckpt", "--batch", "batch.pt"))  # on sys.path, not under a root
+    assert "i27_cli_a" in refused and "--path" in refused
+    got = _json(_cli("replay", "cli.ckpt", "--batch", "batch.pt", "--path", code, "--json"))
+    assert (got["verdict"], got["culprit"]["module"], got["step"]) == ("overflow", "fc", 7)
+
+
+def test_two_lightning_classes_fitting_the_hyperparameters_ask_for_factory(tmp_path, monkeypatch):
+    code = _lightning_files(tmp_path, monkeypatch, {"d": 4, "gain": 300.0}, "i27_cli_b")
+    (code / "i27_other_module.py").write_text(textwrap.dedent(_MODULE).replace("TinyRegressor", "OtherRegressor"))
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(_cli("replay", "cli.ckpt", "--batch", "batch.pt", "--path", code))
+    assert "2 under" in line and "i27_other_module:OtherRegressor" in line and "--factory" in line
+    got = _json(_cli("replay", "cli.ckpt", "--batch", "batch.pt", "--factory", "i27_cli_b:CliRegressor",
+                     "--json"))  # the user's say-so: called with the checkpoint's hyperparameters
+    assert got["verdict"] == "overflow" and got["culprit"]["module"] == "fc"
