@@ -9,6 +9,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -68,7 +69,8 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         path = os.fspath(sibling_snapshot(path, rank))
     snap = given if given is not None else load_snapshot(path)
     if update_applies(snap) and (snap.reason == "update" or explained_by_update(path, snap)):
-        return replay_update(path, snap)  # the NaN was born in the optimizer step: recompute it, import no model code
+        # the NaN was born in the optimizer step: recompute it, import no model code
+        return dataclasses.replace(replay_update(path, snap), checkpoint=getattr(snap, "source", None))
     amp = _amp_dtype(path, snap)
     state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
     state = snap.model_state if state is None else state

@@ -285,3 +285,31 @@ def test_two_lightning_classes_fitting_the_hyperparameters_ask_for_factory(tmp_p
     got = _json(_cli("replay", "cli.ckpt", "--batch", "batch.pt", "--factory", "i27_cli_b:CliRegressor",
                      "--json"))  # the user's say-so: called with the checkpoint's hyperparameters
     assert got["verdict"] == "overflow" and got["culprit"]["module"] == "fc"
+
+
+def test_an_hf_checkpoint_with_nan_weights_and_its_optimizer_pt_gets_the_update_forensics(tmp_path):
+    """AdamW with eps=0, the Trainer's two parameter groups: position-embedding rows 8..15, which a
+    length-8 batch never reads (and row 7, whose output no loss term uses), get a zero gradient, so exp_avg = exp_avg_sq = 0 and their update is
+    0 / (0 + 0) = NaN."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.0},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, eps=0.0)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert torch.isnan(model.transformer.wpe.weight[8:]).all()  # (row 7 too: no later position attends to it)
+    ck = tmp_path / "checkpoint-1"
+    model.save_pretrained(ck)
+    torch.save(opt.state_dict(), ck / "optimizer.pt")
+    torch.save({"input_ids": ids, "labels": ids}, tmp_path / "batch.pt")
+    got = _json(_cli("replay", ck, "--batch", tmp_path / "batch.pt", "--json"))
+    assert got["verdict"] == "underflow" and got["culprit"]["phase"] == "optimizer"  # eps 0: sqrt(v) + eps == 0
+    assert got["update"]["optimizer"] == "AdamW"
+    assert "transformer.wpe.weight" in {p["name"] for p in got["update"]["params"]}
+    assert any("optimizer state: optimizer.pt" in n for n in got["checkpoint"]["notes"])
