@@ -14,7 +14,7 @@ import torch
 
 from ..errors import BadInputError, FactoryError
 from .adhoc import HF_BUILDER, HF_LOSS, _scaler_scale, clean_state, read_json, state_dict_of
-from ._validate import check_dense
+from ._optim import optimizer_entry
 from .safetensors import load_safetensors
 from .torchfile import torch_load_safe
 
@@ -145,45 +145,17 @@ def trainer_optimizer(f: Path, model: torch.nn.Module) -> tuple[dict | None, str
     """A Trainer's ``optimizer.pt`` as the snapshot's ``optimizer`` entry (for the update forensics), and a note.
 
     The Trainer builds two parameter groups from ``named_parameters()``: the parameters that get
-    weight decay, then the others (``Trainer.get_decay_parameter_names``). The state's ids are
-    mapped back to names in that order, and kept only when every group's size and every state
-    tensor's shape fit; otherwise (another optimizer, a custom grouping) the forensics are skipped.
+    weight decay, then the others (``Trainer.get_decay_parameter_names``); ``_optim`` maps the
+    state's ids back to names in that order.
     """
-    skip = f"{f.name} is not used (update forensics unavailable)"
     try:
         sd = torch_load_safe(f)
     except BadInputError as e:
-        return None, f"{skip}: {e.message}"
-    groups = sd.get("param_groups") if isinstance(sd, dict) else None
-    states = sd.get("state") if isinstance(sd, dict) else None
-    if not (isinstance(groups, list) and isinstance(states, dict) and all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-        return None, f"{skip}: not an optimizer.state_dict()"
+        return None, f"{f.name} is not used (update forensics unavailable): {e.message}"
     from transformers import Trainer
 
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, t) for n, t in model.named_parameters() if t.requires_grad]
     order = [(n, t) for n, t in named if n in decay] + [(n, t) for n, t in named if n not in decay]
-    sizes = [len(g["params"]) for g in groups]
-    if sizes != [sum(1 for n, _ in named if n in decay), sum(1 for n, _ in named if n not in decay)]:
-        return None, f"{skip}: its {len(groups)} parameter group(s) of {sizes} are not the Trainer's grouping"
-    ids = [i for g in groups for i in g["params"]]
-    at = {i: k for k, i in enumerate(ids)}
-    for i, st in states.items():
-        k = at.get(i)
-        shapes = [tuple(v.shape) for v in (st.values() if isinstance(st, dict) else ())
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if k is None or any(s != tuple(order[k][1].shape) for s in shapes):
-            return None, f"{skip}: the state of parameter id {i!r} does not fit the model's parameters"
-    for i, st in states.items():
-        for key, v in st.items():
-            if isinstance(v, torch.Tensor):
-                check_dense(v, path=f, where=f"state[{i!r}][{key!r}]")
-    kinds = {key for st in states.values() if isinstance(st, dict) for key in st}
-    cls = ("torch.optim.adamw.AdamW" if {"exp_avg", "exp_avg_sq"} <= kinds
-           else "torch.optim.sgd.SGD" if "momentum_buffer" in kinds else None)
-    if cls is None:
-        return None, f"{skip}: its state is neither Adam's nor SGD's"
-    return ({"class": cls, "state_dict": sd, "param_names": [n for n, _ in order]},
-            f"optimizer state: {f.name}, read as {cls.rsplit('.', 1)[1]} over the Trainer's two parameter groups "
-            "(used when the weights are already NaN/Inf: the update forensics)")
+    sizes = [sum(1 for n, _ in named if n in decay), sum(1 for n, _ in named if n not in decay)]
+    return optimizer_entry(f, f.name, sd, order, sizes, "the Trainer's two parameter groups")

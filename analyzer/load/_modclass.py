@@ -56,7 +56,9 @@ def lightning_checkpoint(p: Path, ck: dict, *, paths=(), explicit: bool = False)
                          f"__init__ takes the checkpoint's hyper_parameters ({', '.join(sorted(hparams)) or 'none'})")
     return {"kind": "lightning", "what": "a Lightning checkpoint", "state": state, "factory": PL_BUILDER,
             "loss_fn": PL_LOSS, "factory_kwargs": {"module_class": ref, "hparams": hparams} if ref else hparams,
-            "notes": notes, "step": _int_of(ck, ("global_step",)), "logs": None, "scaler_scale": _scaler_scale(ck)}
+            "notes": notes, "step": _int_of(ck, ("global_step",)), "logs": None, "scaler_scale": _scaler_scale(ck),
+            "optimizer_sd": opts[0] if isinstance(opts := ck.get("optimizer_states"), list) and len(opts) == 1
+            and isinstance(opts[0], dict) else None}
 
 
 def find_module_class(hparams: dict, p: Path, paths=()) -> str:

@@ -116,6 +116,12 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         if not refs[role]:
             raise FactoryError(f"a {ck['what']} does not say which {'model' if role == 'factory' else 'loss'} "
                                "it belongs to", path=path, fix=f"pass {option} {what}")
+    kwargs = ck["factory_kwargs"] if not factory or ck["kind"] == "lightning" else {}
+    optimizer = ck.get("optimizer")
+    if optimizer is None and ck.get("optimizer_sd") is not None and _nonfinite(ck["state"]):
+        optimizer, note = _model_optimizer(path, ck["optimizer_sd"], refs["factory"], kwargs,
+                                           explicit=factory is not None, paths=paths)
+        ck["notes"].append(note)
     data, batch_notes = read_batch(batch, hf=ck["kind"] == "hf" and not loss_fn)
     low_scale, scale_note = _scale(amp_dtype, scale, ck.get("scaler_scale"))
     notes = [f"no recorder snapshot: the weights of {ck['what']} {path} and the batch {os.fspath(batch)}",
@@ -128,10 +134,10 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         "format": CHECKPOINT_FORMAT, "format_version": schema.FORMAT_VERSION, "torch_version": torch.__version__,
         "amp_autopsy_version": None, "created": time.time(), "host": None, "rank": 0, "world_size": 1,
         "step": ck.get("step"), "reason": REASON, "device_type": dev, "amp_dtype": amp_dtype, "scale": low_scale,
-        "scaler_state": None, "factory": refs["factory"], "factory_kwargs": ck["factory_kwargs"] if not factory
-        or ck["kind"] == "lightning" else {}, "loss_fn": refs["loss_fn"], "train_mode": True,
+        "scaler_state": None, "factory": refs["factory"], "factory_kwargs": kwargs, "loss_fn": refs["loss_fn"],
+        "train_mode": True,
         "model_state": ck["state"], "batch": data, "rng": _fixed_rng(dev), "loss": None, "loss_dtype": None,
-        "grad_norm": None, "cwd": None, "sdpa": None, "fsdp": None, "optimizer": ck.get("optimizer"), "update": None,
+        "grad_norm": None, "cwd": None, "sdpa": None, "fsdp": None, "optimizer": optimizer, "update": None,
     }
     source = {"checkpoint": path, "kind": ck["kind"], "batch": os.fspath(batch), "amp_dtype": amp_dtype,
               "scale": 1.0 if low_scale is None else low_scale, "seed": SEED, "logs": ck.get("logs"), "notes": notes}
@@ -295,7 +301,31 @@ def _read_checkpoint(p: Path, *, factory: str | None, paths: tuple[str, ...]) ->
     out = _plain(p, state, "plain state_dict" if not where else "training-checkpoint dict", notes)
     out["step"] = _int_of(obj, ("global_step", "step", "iter_num", "iteration")) if where else None
     out["scaler_scale"] = _scaler_scale(obj) if where else None
+    out["optimizer_sd"] = next((obj[k] for k in ("optimizer", "optimizer_state_dict", "optim")
+                                if where and isinstance(obj.get(k), dict)), None)
     return out
+
+
+def _nonfinite(state: dict) -> bool:
+    return any(t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()) for t in state.values())
+
+
+def _model_optimizer(path: str, sd: dict, ref: str, kwargs: dict, *, explicit: bool, paths) -> tuple[dict | None, str]:
+    """The optimizer state over the model's ``named_parameters()`` (built on the meta device: no memory)."""
+    from ._optim import optimizer_entry
+    from .refs import resolve_ref
+
+    try:
+        build = resolve_ref(ref, what="factory", option="--factory", roots=tuple(os.path.abspath(r) for r in paths),
+                            explicit=explicit)
+        with torch.device("meta"):
+            model = build(**kwargs)
+        order = [(n, t) for n, t in model.named_parameters() if t.requires_grad]
+    except Exception as e:  # noqa: BLE001 - the replay reports a factory that fails; here it only costs the forensics
+        return None, f"the optimizer state is not used: the model could not be built to name its parameters " \
+                     f"({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    return optimizer_entry(path, "the checkpoint's optimizer state", sd, order, None,
+                           "the model's named_parameters() order", adam="torch.optim.adam.Adam")
 
 
 def _plain(p: Path, state: dict, what: str, notes: list[str]) -> dict:

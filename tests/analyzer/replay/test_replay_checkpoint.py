@@ -313,3 +313,24 @@ def test_an_hf_checkpoint_with_nan_weights_and_its_optimizer_pt_gets_the_update_
     assert got["update"]["optimizer"] == "AdamW"
     assert "transformer.wpe.weight" in {p["name"] for p in got["update"]["params"]}
     assert any("optimizer state: optimizer.pt" in n for n in got["checkpoint"]["notes"])
+
+
+def test_a_loop_checkpoint_with_nan_weights_and_its_optimizer_state_gets_the_update_forensics(tmp_path):
+    """A pure-FP16 model under Adam(eps=1e-8): eps is 0 in float16, and the weight column that input
+    column 0 (all zeros) feeds gets a zero gradient (so do dead ReLU units), so its update is 0 / (0 + 0) = NaN."""
+    model = rm.build_mlp().half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(8, 4, generator=g).half(), "y": torch.randn(8, 1, generator=g).half()}
+    batch["x"][:, 0] = 0.0
+    rm.mse(model, batch).backward()
+    opt.step()
+    assert torch.isnan(model[0].weight[:, 0]).all()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path / "ckpt.pt")
+    torch.save(batch, tmp_path / "batch.pt")
+    got = _json(_cli("replay", tmp_path / "ckpt.pt", "--batch", tmp_path / "batch.pt",
+                     "--factory", f"{rm.REF}:build_mlp", "--loss-fn", f"{rm.REF}:mse", "--json"))
+    assert got["verdict"] == "underflow" and got["culprit"]["phase"] == "optimizer"
+    assert got["update"]["optimizer"] == "Adam" and got["step"] == 1
+    assert "0.weight" in {p["name"] for p in got["update"]["params"]}  # (dead ReLU units zero more gradients)
+    assert any("model's named_parameters() order" in n for n in got["checkpoint"]["notes"])
