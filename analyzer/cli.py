@@ -142,8 +142,41 @@ def main(ctx, debug, max_archive_ratio) -> None:
     set_max_archive_ratio(max_archive_ratio)
 
 
-@main.command()
-@click.argument("snapshot", type=click.Path(dir_okay=False, path_type=str))
+def _checkpoint_options(fn):
+    """``--batch``, ``--amp``, ``--scale``: replay a checkpoint (no recorder snapshot) with the failing step's batch."""
+    fn = click.option("--scale", type=float, default=None, metavar="S",
+                      help="With --batch: the loss scale of the failing step. Default: 1 for BF16; for FP16 the "
+                           "GradScaler state saved with the checkpoint, else GradScaler's default 65536.")(fn)
+    fn = click.option("--amp", type=click.Choice(["fp16", "bf16"]), default=None,
+                      help="With --batch: the precision the run trained in (default fp16).")(fn)
+    return click.option("--batch", "batch", type=click.Path(exists=True, dir_okay=False, path_type=str),
+                        default=None, metavar="FILE",
+                        help="Replay a checkpoint instead of a snapshot: a state_dict (.pt, .safetensors; with "
+                             "--factory and --loss-fn), an HF checkpoint directory or a Lightning .ckpt, with FILE, "
+                             "the failing step's batch saved by torch.save(batch, FILE) (HF Trainer: callbacks="
+                             "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
+
+
+def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths):
+    """The checkpoint and batch as a snapshot (``--batch``); without --batch, refuse a checkpoint clearly."""
+    from .load.adhoc import checkpoint_instead, load_checkpoint_snapshot
+
+    if batch is None:
+        if amp is not None or scale is not None:
+            raise click.UsageError("--amp and --scale go with --batch (a checkpoint and its failing batch)")
+        err = checkpoint_instead(path)
+        if err is not None:
+            raise err
+        return path
+    return load_checkpoint_snapshot(path, batch, factory=factory, loss_fn=loss_fn, amp=amp, scale=scale,
+                                    device=device, paths=paths)
+
+
+@main.command(epilog="After a crash without a recorder: torch.save(batch, 'batch.pt') in the loop when the loss "
+                     "is NaN, then: analyzer replay model.pt --batch batch.pt --factory pkg.mod:build --loss-fn "
+                     "pkg.mod:loss (HF and Lightning checkpoints need neither).")
+@click.argument("snapshot", type=click.Path(path_type=str))
+@_checkpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to replay: cuda when present (auto), else cpu.")
@@ -166,8 +199,14 @@ def main(ctx, debug, max_archive_ratio) -> None:
               help="Replay this rank's snapshot of the same step: the file beside SNAPSHOT with the same "
                    "step and reason (FSDP and DDP runs write one per rank).")
 @_one_line_errors
-def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show, rank):
-    """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf."""
+def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
+           rank):
+    """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf.
+
+    SNAPSHOT is a recorder snapshot, or with --batch a checkpoint.
+    """
+    if batch is not None and (show or rank is not None):
+        raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
     if rank is not None:
         from .load.dcp import sibling_snapshot
 
@@ -179,9 +218,11 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, 
     from .replay import replay_snapshot
 
     if plot_path:
-        check_output_path(plot_path, inputs=[snapshot], option="--plot")
+        check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
-    result = replay_snapshot(snapshot, device=device, dtypes=dtype_list, factory=factory,
+    target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
+                                paths=paths)
+    result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
                              loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths)
     if plot_path:
         plot_replay(result, plot_path)
@@ -259,6 +300,7 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
+@_checkpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write one self-contained HTML page, the answer first (links to snapshots are relative).")
@@ -278,8 +320,11 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
               help="Exit with status 4 when the report has a finding of this severity or worse (to gate a "
                    "pipeline); the autopsy is printed as usual.")
 @_one_line_errors
-def autopsy(run, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
-    """One answer: report the run, replay its first failing snapshots, try each fix on them."""
+def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
+    """One answer: report the run, replay its first failing snapshots, try each fix on them.
+
+    RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
+    """
     from pathlib import Path
 
     from .autopsy import run_autopsy
@@ -290,11 +335,17 @@ def autopsy(run, as_json, html_path, out_dir, rank, device, ops, factory, loss_f
     if out_dir:
         check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
     progress = sys.stderr.isatty() and not as_json
-    result = run_autopsy(run, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
+    if batch is None and (amp is not None or scale is not None):
+        raise click.UsageError("--amp and --scale go with --batch (a checkpoint and its failing batch)")
+    if batch is not None and rank is not None:
+        raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
+    target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
+                                                          loss_fn=loss_fn, device=device, paths=paths)
+    result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
     written = []
     if out_dir:
-        written = write_plots(result.report, out_dir)
+        written = write_plots(result.report, out_dir) if result.report is not None else []
         written += [plot_replay(r, Path(out_dir) / f"{Path(r.snapshot).stem}-replay.png") for r in result.replays]
     if html_path:
         run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log

@@ -46,7 +46,7 @@ def _where(result: Any, info: dict[str, Any] | None) -> str:
     c = result.culprit
     rank = info.get("rank") if info else None
     bits = [f"{c['op']} in {c['module'] or '(no module)'}" + (f" at {c['source']}" if c["source"] else ""),
-            c["phase"], c["precision"], f"step {result.step}"]
+            c["phase"], c["precision"]] + ([f"step {result.step}"] if result.step is not None else [])
     if rank is not None:
         bits.append(f"rank {rank}")
     return "where: " + ", ".join(str(b) for b in bits) + f" ({Path(result.snapshot).name})"
@@ -89,7 +89,7 @@ def _report_only(autopsy: AutopsyResult) -> list[str]:
 
 def _micro_batch_note(autopsy: AutopsyResult) -> list[str]:
     """A replay that found nothing, in a run that accumulates micro-batches the snapshot lacks."""
-    mb = (autopsy.report.frames.meta or {}).get("micro_batches")
+    mb = (autopsy.report.frames.meta or {}).get("micro_batches") if autopsy.report is not None else None
     if not (isinstance(mb, int) and not isinstance(mb, bool) and mb > 1):
         return []
     return [f"NB: each step of this run accumulates {mb} micro-batches and a snapshot holds the first only "
@@ -101,7 +101,7 @@ _CAUSE_CHECKS = ("weights_exploded",)
 
 def _report_cause(autopsy: AutopsyResult) -> Any:
     primary = autopsy.primary
-    for f in autopsy.report.errors:
+    for f in (autopsy.report.errors if autopsy.report is not None else ()):
         if f.check in _CAUSE_CHECKS and f.step is not None and (
                 primary is None or primary.step is None or f.step <= primary.step):
             return f
@@ -124,8 +124,9 @@ def _replay_lines(autopsy: AutopsyResult) -> list[str]:
     infos = {str(p["file"]): p for p in autopsy.picked}
     primary = autopsy.primary
     if primary is None:
+        said = f"the report says {autopsy.report.verdict}" if autopsy.report is not None else "there is no report"
         lines = _report_only(autopsy) if not autopsy.failures else [
-            f"root cause: unknown: no picked snapshot could be replayed; the report says {autopsy.report.verdict}"]
+            f"root cause: unknown: no picked snapshot could be replayed; {said}"]
     elif primary.culprit is None:
         lines = [f"root cause: {primary.verdict}: {primary.summary}"]
         lines += _micro_batch_note(autopsy)

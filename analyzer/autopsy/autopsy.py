@@ -64,7 +64,8 @@ class AutopsyResult:
 
     Attributes:
         run: the run as given.
-        report: the ``Report`` (``analyzer report``'s object).
+        report: the ``Report`` (``analyzer report``'s object); None for a checkpoint and a batch
+            without a training log of their own.
         picked: the snapshot descriptions picked, earliest first, each with ``why``.
         replays: the ``ReplayResult`` of each picked snapshot that replayed: the primary first,
             then the others in ``picked`` order.
@@ -75,7 +76,7 @@ class AutopsyResult:
     """
 
     run: str
-    report: Report
+    report: Report | None  # None: a checkpoint replayed with no training log of its own
     picked: tuple[dict[str, Any], ...] = ()
     replays: tuple[ReplayResult, ...] = ()
     fixes: tuple[tuple[str, Fix], ...] = ()
@@ -93,7 +94,7 @@ class AutopsyResult:
         """The primary replay's verdict; without one, ``healthy`` (no error finding) or ``no_snapshot``."""
         if self.primary is not None:
             return self.primary.verdict
-        return NO_SNAPSHOT if self.report.errors else "healthy"
+        return NO_SNAPSHOT if self.report is not None and self.report.errors else "healthy"
 
     @property
     def culprit(self) -> Any:
@@ -106,7 +107,9 @@ class AutopsyResult:
 
     def exit_status(self, fail_on: str | None = None) -> int:
         """1 when a picked snapshot failed to replay, else the report's status (3 check_failed, 4 --fail-on)."""
-        return 1 if self.failures else self.report.exit_status(fail_on)
+        if self.failures:
+            return 1
+        return self.report.exit_status(fail_on) if self.report is not None else 0
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` object: ``report`` and each of ``replays`` exactly as their own commands print them."""
@@ -117,7 +120,7 @@ class AutopsyResult:
             "verdict": self.verdict,
             "culprit": culprit.to_dict() if culprit is not None else None,
             "answer": self.answer(),
-            "report": self.report.to_dict(),
+            "report": self.report.to_dict() if self.report is not None else None,
             "replays": [r.to_dict() for r in self.replays],
             "fixes": [{"snapshot": s, **f.to_dict()} for s, f in self.fixes],
             "advice": [{"snapshot": s, **a.to_dict()} for s, a in self.advice],
@@ -134,15 +137,17 @@ def _culprit_key(result: ReplayResult) -> tuple | None:
     return (result.verdict, c.op, c.module, c.phase, c.precision)
 
 
-def _first_error(report: Report) -> Any:
+def _first_error(report: Report | None) -> Any:
     """The report's first error finding in time (a trace failure, not a check that crashed), or None."""
     from ..report.checks import CHECK_FAILED
 
+    if report is None:  # a checkpoint with no training log of its own
+        return None
     errors = [f for f in report.errors if f.check != CHECK_FAILED and f.step is not None]
     return min(errors, key=lambda f: (f.step, f.rank or 0), default=None)
 
 
-def _primary_first(replays: list, report: Report, ranks: dict[str, Any]) -> tuple:
+def _primary_first(replays: list, report: Report | None, ranks: dict[str, Any]) -> tuple:
     """The replay of the failure that killed the run first, the others after in order.
 
     The primary is the earliest replay that is not healthy of a snapshot the report's first error
@@ -164,13 +169,25 @@ def _primary_first(replays: list, report: Report, ranks: dict[str, Any]) -> tupl
     return tuple([first] + [r for r in replays if r is not first]) if first is not None else ()
 
 
+def _checkpoint_report(snap, progress: bool):
+    """The report of a checkpoint's own training log (``logs``: an HF trainer_state.json), or None; the pick."""
+    from ..report import build_report
+
+    report = build_report(snap.logs, progress=progress) if getattr(snap, "logs", None) else None
+    picked = [{"file": snap.path, "step": snap.step, "rank": 0, "reason": snap.reason, "writer": 0,
+               "why": "the checkpoint and batch given"}]
+    return report, picked
+
+
 def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
                 loss_fn: str | None = None, paths: tuple[str, ...] = (), progress: bool = False,
                 on_stage: Callable[[str], object] | None = None) -> AutopsyResult:
     """Report, pick, replay and try fixes on `run`.
 
     Args:
-        run: a run directory (or its ``meta.json``); a foreign log gives a report-only answer.
+        run: a run directory (or its ``meta.json``); a foreign log gives a report-only answer; a
+            ``Snapshot`` of a checkpoint and a batch (``load.adhoc``) is replayed, and its own log
+            (``logs``), when it has one, is the report (``report`` is None otherwise).
         rank: only this rank (the report's ``--rank``, and the snapshots picked).
         device: where to replay: ``auto``, ``cpu`` or ``cuda``.
         factory, loss_fn: override the snapshots' model factory / loss references.
@@ -187,11 +204,16 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     from ..report import build_report
     from ..report.checks.scaler import calibration_end
 
+    from ..load import Snapshot
+
     say = on_stage or (lambda _line: None)
-    report = build_report(run, rank=rank, progress=progress)
-    calibration = calibration_end(report.frames)
-    picked = pick_snapshots(report.frames.snapshots, rank=rank,
-                            calibrated_until=None if calibration is None else calibration["last_step"])
+    if isinstance(run, Snapshot):  # a checkpoint and a batch (load.adhoc): its own logs, if any, are the report
+        report, picked = _checkpoint_report(run, progress)
+    else:
+        report = build_report(run, rank=rank, progress=progress)
+        calibration = calibration_end(report.frames)
+        picked = pick_snapshots(report.frames.snapshots, rank=rank,
+                                calibrated_until=None if calibration is None else calibration["last_step"])
     replays: list = []
     fixes: list = []
     advice: list = []
@@ -202,7 +224,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         snap = str(info["file"])
         say(f"replaying {snap} ({info['why']})")
         try:
-            result = replay_snapshot(snap, device=device, factory=factory, loss_fn=loss_fn,
+            result = replay_snapshot(run if isinstance(run, Snapshot) else snap, device=device, factory=factory, loss_fn=loss_fn,
                                      progress=progress, paths=paths)
         except (AnalyzerError, OSError, MemoryError) as e:
             failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))
@@ -224,7 +246,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         fixes += [(snap, f) for f in tried]
         advice += [(snap, a) for a in advice_with_status(result, tried)]
     ranks = {str(p["file"]): p.get("rank") for p in picked}
-    return AutopsyResult(run=str(run), report=report, picked=tuple(picked),
-                         replays=_primary_first(replays, report, ranks),
+    return AutopsyResult(run=run.path if isinstance(run, Snapshot) else str(run), report=report,
+                         picked=tuple(picked), replays=_primary_first(replays, report, ranks),
                          fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
                          failures=tuple(failures))

@@ -47,8 +47,13 @@ def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
     shared = dict(autopsy.shared)
     shown = [r for r in autopsy.replays if r.snapshot not in shared]
     total = 1 + len(shown)
-    lines += ["", _RULE, f"evidence 1/{total}: analyzer report {autopsy.run}", _RULE,
-              render_report_text(autopsy.report)]
+    if autopsy.report is not None:
+        lines += ["", _RULE, f"evidence 1/{total}: analyzer report {autopsy.report.run}", _RULE,
+                  render_report_text(autopsy.report)]
+    else:
+        lines += ["", _RULE, f"evidence 1/{total}: no report", _RULE,
+                  f"{autopsy.run} holds no training log (an HF checkpoint's trainer_state.json): there is no loss, "
+                  "scale or gradient-norm history to report on; the answer rests on the replay of its batch alone"]
     for i, result in enumerate(shown, start=2):
         bare = dataclasses.replace(result, advice=[])  # its untried advice is in the answer, with a status
         lines += ["", _RULE, f"evidence {i}/{total}: analyzer replay {result.snapshot}", _RULE,

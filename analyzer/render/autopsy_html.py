@@ -278,8 +278,8 @@ def write_autopsy_html(path, autopsy: dict, *, report, replays: list, run_dir) -
         _culprit_table(autopsy, run_dir, page),
         _fixes(autopsy),
         _replay_figures(list(replays)),
-        _findings(report),
-        _plots(report),
+        _findings(report) if report is not None else "",  # a checkpoint without a training log: no report
+        _plots(report) if report is not None else "",
         _snapshots(autopsy, run_dir, page),
     ])
     title = f"amp-autopsy: {autopsy.get('run') or run_dir.name}"

@@ -35,6 +35,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         lines.append(f"  {r.precision_note}")
     if r.device_note:
         lines.append(f"  NB: {r.device_note}")
+    for note in (r.checkpoint or {}).get("notes", ()):  # a checkpoint and a batch: what stood in for the snapshot
+        lines.append(f"  NB: {note}")
     c = r.culprit
     if c:
         lines += ["", "culprit:",

@@ -198,7 +198,8 @@ def _judge(result: ReplayResult, name: str, title: str, trace: RunTrace, *, note
     at = f" at loss scale {trace.scale:g}" if trace.scale != 1.0 else ""
     if trace.finite:
         return Fix(name=name, title=title, status="verified", precision=prec,
-                   detail=f"step {result.step} runs finite in {prec}{at}: loss and every gradient{note}", **extra)
+                   detail=f"{'the step' if result.step is None else f'step {result.step}'} runs finite in {prec}{at}: "
+                          f"loss and every gradient{note}", **extra)
     bad = _where(trace)
     why = "the loss" if not trace.forward_finite else "a gradient"
     skip = (" (GradScaler would skip the step and lower the scale)"

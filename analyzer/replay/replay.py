@@ -9,6 +9,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -43,7 +44,8 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     """Replay the snapshot's step per precision and classify the first NaN/Inf-producing op.
 
     Args:
-        path: a snapshot written by the recorder (``RUN_DIR/snapshots/*.pt``).
+        path: a snapshot written by the recorder (``RUN_DIR/snapshots/*.pt``), or a ``Snapshot``
+            already read (``load.adhoc.load_checkpoint_snapshot``: a checkpoint and a batch).
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         dtypes: precisions to replay (``fp32``, ``fp16``, ``bf16``...). FP32 and the run's AMP
             dtype are always replayed.
@@ -61,12 +63,14 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
     Raises:
         BadInputError, VersionError, FactoryError: unreadable snapshot or model code.
     """
-    path = os.fspath(path)
+    given = path if isinstance(path, Snapshot) else None  # a checkpoint and a batch (load.adhoc), already read
+    path = given.path if given is not None else os.fspath(path)
     if rank is not None:
         path = os.fspath(sibling_snapshot(path, rank))
-    snap = load_snapshot(path)
+    snap = given if given is not None else load_snapshot(path)
     if update_applies(snap) and (snap.reason == "update" or explained_by_update(path, snap)):
-        return replay_update(path, snap)  # the NaN was born in the optimizer step: recompute it, import no model code
+        # the NaN was born in the optimizer step: recompute it, import no model code
+        return dataclasses.replace(replay_update(path, snap), checkpoint=getattr(snap, "source", None))
     amp = _amp_dtype(path, snap)
     state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
     state = snap.model_state if state is None else state
@@ -123,6 +127,7 @@ def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: li
         traces=runs, culprit_trace=diag.get("trace"), context=ctx,
         precision_mode=mode.kind, precision_dtype=mode.dtype, precision_note=mode.describe(),
         exception=snap.exception, scaler_state=snap.scaler_state,
+        checkpoint=getattr(snap, "source", None),
     )
 
 

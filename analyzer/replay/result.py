@@ -91,6 +91,10 @@ class ReplayResult:
     # reason "exception" (format 4): the exception the step raised (type, message, frames, step), else None
     exception: dict | None = None
     scaler_state: dict | None = field(default=None, repr=False)  # the snapshot's GradScaler state_dict, if any
+    # A replay of a checkpoint and a batch (analyzer.load.adhoc), no recorder snapshot: the files read and
+    # the defaults that stood in for what a snapshot records ({"checkpoint", "kind", "batch", "amp_dtype",
+    # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
+    checkpoint: dict | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -132,4 +136,5 @@ class ReplayResult:
             "backends": None if self.backends is None else dict(self.backends),
             "update": self.update,
             "exception": self.exception,
+            "checkpoint": self.checkpoint,
         })

@@ -172,3 +172,38 @@ def test_build_pretrained_refuses_a_class_outside_pretrained_models():
         build_pretrained("os:system", {})
     with pytest.raises(ValueError, match="not a subclass"):
         build_pretrained("recorders.recorder:Recorder", {})
+
+
+def test_save_batch_on_nan_saves_the_failing_steps_inputs_and_they_replay_on_the_trainers_checkpoint(tmp_path):
+    pytest.importorskip("accelerate")
+    from click.testing import CliRunner
+    from transformers import Trainer, TrainingArguments
+
+    from analyzer.cli import main
+    from recorders.integrations.hf import save_batch_on_nan
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=STEPS, per_device_train_batch_size=BATCH,
+        learning_rate=1e-3, report_to=[], save_strategy="steps", save_steps=1, logging_strategy="steps",
+        logging_steps=1, disable_tqdm=True, seed=0)
+    cb = save_batch_on_nan(tmp_path / "nan_batch.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=_gpt2(), args=args, train_dataset=_Embeds(), callbacks=[cb]).train()
+    assert cb.saved_step == NAN_STEP
+    assert any("analyzer replay CHECKPOINT --batch" in str(w.message) for w in caught)
+    batch = torch.load(tmp_path / "nan_batch.pt", weights_only=True)
+    # the model's keyword inputs as the Trainer passed them (recent transformers adds num_items_in_batch)
+    assert {"inputs_embeds", "labels"} <= set(batch) <= {"inputs_embeds", "labels", "num_items_in_batch"}
+    assert batch["inputs_embeds"].shape == (BATCH, SEQ, EMBD)
+    assert torch.isnan(batch["inputs_embeds"][1, 3, 5])  # sample NAN_STEP * BATCH + 1 is row 1 of the step
+    assert int(torch.isnan(batch["inputs_embeds"]).sum()) == 1
+    # checkpoint-2 holds the weights after steps 0 and 1: the ones step 2 started from
+    res = CliRunner().invoke(main, ["replay", str(tmp_path / "out" / f"checkpoint-{NAN_STEP}"),
+                                    "--batch", str(tmp_path / "nan_batch.pt"), "--amp", "bf16", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    got = json.loads(res.stdout)
+    assert got["verdict"] == "nonfinite_input" and got["nonfinite_inputs"] == ["batch:inputs_embeds"]
+    assert got["step"] == NAN_STEP  # trainer_state.json's global_step

@@ -1,0 +1,399 @@
+"""A checkpoint plus a saved batch, read into the ``Snapshot`` value replay consumes: runs without a recorder.
+
+``analyzer replay CHECKPOINT --batch FILE`` (and ``autopsy``) call ``load_checkpoint_snapshot``:
+the weights, the batch and the flags fill the keys a recorder snapshot would carry, and what no
+file can tell (the loss scale, the RNG state, the buffers as they were before the step) gets a
+default that the result names in its notes. Every file goes through the safe readers
+(``torchfile.torch_load_safe``: weights_only; ``safetensors.load_safetensors``).
+
+Checkpoints read:
+
+- a plain ``state_dict`` (``.pt``/``.bin`` or ``.safetensors``), or a dict holding one under
+  ``model``, ``state_dict`` or ``model_state_dict`` (a ``scaler`` GradScaler state beside it
+  gives the loss scale): ``--factory`` and ``--loss-fn`` say which model and loss;
+- an HF ``save_pretrained`` / Trainer ``checkpoint-N/`` directory (``config.json`` plus
+  ``model.safetensors`` or ``pytorch_model.bin``, sharded or not): the class is
+  ``config.json``'s ``architectures`` entry in transformers' module for its ``model_type``
+  (``recorders.integrations.hf:build_pretrained``), the loss ``model(**batch).loss``;
+  ``trainer_state.json`` gives the step and the report;
+- a Lightning ``.ckpt``: its ``state_dict`` and ``hyper_parameters``, rebuilt by
+  ``recorders.integrations.lightning:build_module``. The class is the ``_class_path`` LightningCLI
+  stores, else the one LightningModule under ``--path`` or the current directory whose
+  ``__init__`` takes those hyperparameters (``_modclass``); the import rule applies either way.
+
+Example:
+    >>> snap = load_checkpoint_snapshot("out/checkpoint-40", "bad_batch.pt")  # doctest: +SKIP
+    >>> snap.factory, snap.amp_dtype, snap.scale                             # doctest: +SKIP
+    ('recorders.integrations.hf:build_pretrained', 'float16', 65536.0)
+    >>> snap.notes[0]                                                         # doctest: +SKIP
+    'no recorder snapshot: the weights of an HF checkpoint directory out/checkpoint-40 and the batch bad_batch.pt'
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from recorders import schema
+
+from ..errors import BadInputError, FactoryError
+from ._validate import check_dense
+from .safetensors import load_safetensors, looks_like_safetensors
+from .snapshot import Snapshot
+from .torchfile import torch_load_safe
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointSnapshot", "checkpoint_instead", "load_checkpoint_snapshot"]
+
+CHECKPOINT_FORMAT = "amp-autopsy.checkpoint"  # Snapshot.format of a value built here, never written to disk
+REASON = "checkpoint"
+SEED = 0  # dropout and every other random op replay from torch.manual_seed(SEED)
+STATE_KEYS = ("model", "state_dict", "model_state_dict")
+HF_BUILDER = "recorders.integrations.hf:build_pretrained"
+HF_LOSS = "recorders.integrations.hf:pretrained_loss"
+PL_BUILDER = "recorders.integrations.lightning:build_module"
+PL_LOSS = "recorders.integrations.lightning:training_step_loss"
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_MAX_JSON = 64 << 20
+_AMP = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop (HF Trainer: "
+          "callbacks=[recorders.integrations.hf.save_batch_on_nan('batch.pt')])")
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointSnapshot(Snapshot):
+    """A ``Snapshot`` made from a checkpoint and a batch; replay and autopsy take it as they take a file's.
+
+    Attributes (beyond ``Snapshot``'s):
+        kind: ``state_dict``, ``hf`` or ``lightning``.
+        batch_path: the ``--batch`` file.
+        notes: what stood in for what a recorder snapshot would carry (the defaults), one line each.
+        logs: the checkpoint's own training log (an HF ``trainer_state.json``), for the report; None.
+    """
+
+    kind: str = "state_dict"
+    batch_path: str = ""
+    notes: tuple[str, ...] = ()
+    logs: str | None = None
+    source: dict = field(default_factory=dict)  # the JSON form: the result's ``checkpoint`` field
+
+
+def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, *, factory: str | None = None,
+                             loss_fn: str | None = None, amp: str | None = None, scale: float | None = None,
+                             device: str = "auto", paths: tuple[str, ...] = ()) -> CheckpointSnapshot:
+    """Read a checkpoint and a ``torch.save``'d batch into a ``CheckpointSnapshot``.
+
+    Args:
+        path: a state_dict file, an HF checkpoint directory or a Lightning ``.ckpt``.
+        batch: the failing step's batch: a tensor, a dict or list of them, or a list of micro-batches.
+        factory, loss_fn: ``--factory`` / ``--loss-fn``; needed for a plain state_dict.
+        amp: ``fp16`` (default) or ``bf16``: the precision the run trained in.
+        scale: the loss scale; default 1 for BF16, the checkpoint's GradScaler scale or
+            GradScaler's default ``init_scale`` for FP16.
+        device: where the replay will run (``auto``, ``cpu``, ``cuda``): the random state is made for it.
+        paths: ``--path`` roots, where a Lightning module class is looked for.
+
+    Raises:
+        BadInputError: an unreadable, pickled-class, foreign or incomplete file; FactoryError: no
+            model or loss can be named.
+    """
+    path = os.fspath(path)
+    amp_dtype = _AMP.get(str(amp or "fp16").lower())
+    if amp_dtype is None:
+        raise BadInputError(f"unknown --amp {amp!r}", fix="pass --amp fp16 or --amp bf16")
+    ck = _read_checkpoint(Path(path), factory=factory, paths=paths)
+    refs = {"factory": factory or ck["factory"], "loss_fn": loss_fn or ck["loss_fn"]}
+    for role, option, what in (("factory", "--factory", "pkg.mod:build (it returns the nn.Module)"),
+                               ("loss_fn", "--loss-fn", "pkg.mod:loss (loss = loss(model, batch))")):
+        if not refs[role]:
+            raise FactoryError(f"a {ck['what']} does not say which {'model' if role == 'factory' else 'loss'} "
+                               "it belongs to", path=path, fix=f"pass {option} {what}")
+    kwargs = ck["factory_kwargs"] if not factory or ck["kind"] == "lightning" else {}
+    optimizer = ck.get("optimizer")
+    if optimizer is None and ck.get("optimizer_sd") is not None and _nonfinite(ck["state"]):
+        optimizer, note = _model_optimizer(path, ck["optimizer_sd"], refs["factory"], kwargs,
+                                           explicit=factory is not None, paths=paths)
+        ck["notes"].append(note)
+    data, batch_notes = read_batch(batch, hf=ck["kind"] == "hf" and not loss_fn)
+    low_scale, scale_note = _scale(amp_dtype, scale, ck.get("scaler_scale"))
+    notes = [f"no recorder snapshot: the weights of {ck['what']} {path} and the batch {os.fspath(batch)}",
+             f"AMP dtype {amp_dtype}" + (" (--amp)" if amp else " (the --amp default; pass --amp bf16 for a BF16 run)"),
+             scale_note, *ck["notes"], *batch_notes,
+             f"no recorded loss scale, RNG state or pre-step buffers were available: buffers are the checkpoint's, "
+             f"and dropout and every other random op run with a fixed seed ({SEED}), not the failing step's masks"]
+    dev = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    raw = {
+        "format": CHECKPOINT_FORMAT, "format_version": schema.FORMAT_VERSION, "torch_version": torch.__version__,
+        "amp_autopsy_version": None, "created": time.time(), "host": None, "rank": 0, "world_size": 1,
+        "step": ck.get("step"), "reason": REASON, "device_type": dev, "amp_dtype": amp_dtype, "scale": low_scale,
+        "scaler_state": None, "factory": refs["factory"], "factory_kwargs": kwargs, "loss_fn": refs["loss_fn"],
+        "train_mode": True,
+        "model_state": ck["state"], "batch": data, "rng": _fixed_rng(dev), "loss": None, "loss_dtype": None,
+        "grad_norm": None, "cwd": None, "sdpa": None, "fsdp": None, "optimizer": optimizer, "update": None,
+    }
+    source = {"checkpoint": path, "kind": ck["kind"], "batch": os.fspath(batch), "amp_dtype": amp_dtype,
+              "scale": 1.0 if low_scale is None else low_scale, "seed": SEED, "logs": ck.get("logs"), "notes": notes}
+    return CheckpointSnapshot(path=path, **{k: raw[k] for k in schema.SNAPSHOT_KEYS}, _raw=MappingProxyType(raw),
+                              kind=ck["kind"], batch_path=os.fspath(batch), notes=tuple(notes), logs=ck.get("logs"),
+                              source=source)
+
+
+def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
+    """For ``replay PATH`` without ``--batch``: the error to give when PATH is a checkpoint, not a snapshot.
+
+    Cheap: a directory is looked at (an HF checkpoint has ``config.json`` and weights), a
+    ``.safetensors`` or ``.ckpt`` file by its name, a torch zip by its pickle record alone (a
+    snapshot's holds ``amp-autopsy.snapshot``). None when PATH may be a snapshot: the snapshot
+    reader then has its say.
+    """
+    p = Path(path)
+    fix = f"to replay a checkpoint, pass --batch FILE with the failing step's batch ({RECIPE})"
+    if p.is_dir():
+        if (p / "config.json").is_file() and any((p / w).is_file() for w in _HF_WEIGHTS):
+            return BadInputError("not an amp-autopsy snapshot: an HF checkpoint directory", path=p, fix=fix)
+        return None
+    if not p.is_file():
+        return None
+    if p.suffix == ".ckpt":
+        return BadInputError("not an amp-autopsy snapshot: a Lightning checkpoint", path=p, fix=fix)
+    if p.suffix == ".safetensors" or looks_like_safetensors(p):
+        return BadInputError("not an amp-autopsy snapshot: a safetensors file", path=p,
+                             fix=fix + "; a plain state_dict also needs --factory and --loss-fn")
+    try:
+        with zipfile.ZipFile(p) as zf:
+            pkl = next((i for i in zf.infolist() if i.filename.endswith("/data.pkl")), None)
+            if pkl is None or pkl.file_size > _MAX_JSON:
+                return None
+            head = zf.read(pkl)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError):
+        return None
+    if schema.SNAPSHOT_FORMAT.encode() in head:
+        return None
+    return BadInputError("not an amp-autopsy snapshot (no 'format': 'amp-autopsy.snapshot' key): a checkpoint?", path=p,
+                         fix=fix + "; a plain state_dict also needs --factory and --loss-fn; "
+                                   "'analyzer inspect' checks a checkpoint's tensors")
+
+
+# -- the batch -----------------------------------------------------------------------------------
+def read_batch(path: str | os.PathLike, *, hf: bool = False) -> tuple[Any, list[str]]:
+    """The batch in ``path`` (weights_only) and notes: micro-batches joined, an HF tensor made a dict."""
+    obj = torch_load_safe(path)
+    fix = f"torch.save the batch the failing step's loss was computed on ({RECIPE})"
+    notes: list[str] = []
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(m, (dict, list, tuple)) for m in obj):
+        if len(obj) > 1:
+            n = len(obj)
+            obj = _join_micro_batches(obj, path, fix)
+            notes.append(f"the batch file holds {n} micro-batches: replayed as one batch, their concatenation "
+                         "(the same per-sample values; a mean loss over it is accumulation's summed loss / N)")
+        else:
+            obj = obj[0]
+    leaves = [(w, t) for w, t in _leaves(obj, "batch")]
+    if not any(isinstance(t, torch.Tensor) for _, t in leaves):
+        raise BadInputError(f"holds no tensor (a {type(obj).__name__})", path=path, fix=fix)
+    for where, t in leaves:
+        if isinstance(t, torch.Tensor):
+            check_dense(t, path=path, where=where)
+    if hf and isinstance(obj, torch.Tensor):
+        obj = {"input_ids": obj, "labels": obj}
+        notes.append("the batch is one tensor: replayed as model(input_ids=batch, labels=batch).loss")
+    elif hf and not isinstance(obj, dict):
+        raise BadInputError(f"an HF model's batch is the dict of its inputs, got a {type(obj).__name__}",
+                            path=path, fix=fix)
+    return obj, notes
+
+
+def _leaves(obj: Any, where: str):
+    stack = [(obj, where)]
+    while stack:
+        cur, w = stack.pop()
+        if isinstance(cur, dict):
+            stack.extend((v, f"{w}[{k!r}]") for k, v in cur.items())
+        elif isinstance(cur, (list, tuple)):
+            stack.extend((v, f"{w}[{i}]") for i, v in enumerate(cur))
+        else:
+            yield w, cur
+
+
+def _join_micro_batches(parts, path, fix) -> Any:
+    first = parts[0]
+    try:
+        if isinstance(first, dict):
+            if any(not isinstance(p, dict) or p.keys() != first.keys() for p in parts):
+                raise ValueError("the micro-batches have different keys")
+            return {k: _join([p[k] for p in parts]) for k in first}
+        if any(not isinstance(p, (list, tuple)) or len(p) != len(first) for p in parts):
+            raise ValueError("the micro-batches have different lengths")
+        return type(first)(_join([p[i] for p in parts]) for i in range(len(first)))
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise BadInputError(f"holds {len(parts)} micro-batches that cannot be joined into one batch "
+                            f"({' '.join(str(e).split())[:160]})", path=path,
+                            fix="save the failing micro-batch alone, " + fix) from e
+
+
+def _join(values: list) -> Any:
+    if all(isinstance(v, torch.Tensor) for v in values):
+        if any(v.dim() == 0 for v in values):
+            raise ValueError("a 0-d tensor has no batch dimension")
+        return torch.cat(values)
+    if all(v == values[0] for v in values):  # a flag or a shared value
+        return values[0]
+    raise ValueError("a non-tensor entry differs between micro-batches")
+
+
+# -- defaults ------------------------------------------------------------------------------------
+def _scale(amp: str, scale: float | None, recorded: float | None) -> tuple[float | None, str]:
+    if scale is not None:
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise BadInputError(f"--scale {scale!r} is not a positive finite number", fix="pass --scale S, e.g. 1024")
+        return float(scale), f"loss scale {scale:g} (--scale)"
+    if amp == "bfloat16":
+        return None, "loss scale 1 (BF16 trains without a GradScaler; pass --scale S otherwise)"
+    if recorded is not None:
+        return recorded, f"loss scale {recorded:g}: the GradScaler state saved in the checkpoint"
+    init = float(inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default)
+    return init, (f"loss scale {init:g}: GradScaler's default init_scale, as no scale was recorded "
+                  "(pass --scale S with the run's scale, e.g. from its logs)")
+
+
+def _fixed_rng(device: str) -> dict:
+    """Generator states of ``torch.manual_seed(SEED)``: CPU, and each CUDA device for a CUDA replay."""
+    cpu = torch.Generator().manual_seed(SEED).get_state()
+    cuda = None
+    if device == "cuda":
+        n = torch.cuda.device_count()
+        with torch.random.fork_rng(devices=list(range(n))):
+            torch.cuda.manual_seed_all(SEED)
+            cuda = torch.cuda.get_rng_state_all()
+    return {"cpu": cpu, "cuda": cuda}
+
+
+# -- the checkpoint ------------------------------------------------------------------------------
+def _read_checkpoint(p: Path, *, factory: str | None, paths: tuple[str, ...]) -> dict:
+    if p.is_dir():
+        from ._hfdir import read_hf_dir
+
+        return read_hf_dir(p, build=factory is None)
+    if not p.exists():
+        raise BadInputError("no such file or directory", path=p, fix="check the path")
+    if p.suffix == ".safetensors" or looks_like_safetensors(p):
+        tensors, _ = load_safetensors(p)
+        return _plain(p, tensors, "a safetensors state_dict", [])
+    obj = torch_load_safe(p, mmap=zipfile.is_zipfile(p))
+    if isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
+        raise BadInputError("is a recorder snapshot: it holds its own batch", path=p,
+                            fix=f"replay it without --batch: analyzer replay {p}")
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict) and (
+            "hyper_parameters" in obj or "pytorch-lightning_version" in obj):
+        from ._modclass import lightning_checkpoint
+
+        return lightning_checkpoint(p, obj, paths=paths, explicit=factory is not None)
+    state, where = state_dict_of(obj, p)
+    notes = [f"weights: the state_dict under {where!r}"] if where else []
+    out = _plain(p, state, "plain state_dict" if not where else "training-checkpoint dict", notes)
+    out["step"] = _int_of(obj, ("global_step", "step", "iter_num", "iteration")) if where else None
+    out["scaler_scale"] = _scaler_scale(obj) if where else None
+    out["optimizer_sd"] = next((obj[k] for k in ("optimizer", "optimizer_state_dict", "optim")
+                                if where and isinstance(obj.get(k), dict)), None)
+    return out
+
+
+def _nonfinite(state: dict) -> bool:
+    return any(t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()) for t in state.values())
+
+
+def _model_optimizer(path: str, sd: dict, ref: str, kwargs: dict, *, explicit: bool, paths) -> tuple[dict | None, str]:
+    """The optimizer state over the model's ``named_parameters()`` (built on the meta device: no memory)."""
+    from ._optim import optimizer_entry
+    from .refs import resolve_ref
+
+    try:
+        build = resolve_ref(ref, what="factory", option="--factory", roots=tuple(os.path.abspath(r) for r in paths),
+                            explicit=explicit)
+        with torch.device("meta"):
+            model = build(**kwargs)
+        order = [(n, t) for n, t in model.named_parameters() if t.requires_grad]
+    except Exception as e:  # noqa: BLE001 - the replay reports a factory that fails; here it only costs the forensics
+        return None, f"the optimizer state is not used: the model could not be built to name its parameters " \
+                     f"({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    return optimizer_entry(path, "the checkpoint's optimizer state", sd, order, None,
+                           "the model's named_parameters() order", adam="torch.optim.adam.Adam")
+
+
+def _plain(p: Path, state: dict, what: str, notes: list[str]) -> dict:
+    state, more = clean_state(state, p)
+    return {"kind": "state_dict", "what": f"a {what}", "state": state, "factory": None, "loss_fn": None,
+            "factory_kwargs": {}, "notes": notes + more, "step": None}
+
+
+def state_dict_of(obj: Any, p: Path) -> tuple[dict, str | None]:
+    """The name -> tensor dict in a loaded file: the file itself, or under a common key (and which)."""
+    if _is_state(obj):
+        return obj, None
+    if isinstance(obj, dict):
+        for key in STATE_KEYS:
+            if _is_state(obj.get(key)):
+                return obj[key], key
+    keys = sorted(map(str, obj))[:8] if isinstance(obj, dict) else None
+    raise BadInputError(
+        "holds no state_dict: no dict of name -> tensor at the top or under "
+        f"{', '.join(repr(k) for k in STATE_KEYS)}" + (f" (keys: {keys})" if keys is not None
+                                                       else f" (a {type(obj).__name__})"),
+        path=p, fix="pass model.state_dict() saved with torch.save, a .safetensors file, an HF checkpoint "
+                    "directory or a Lightning .ckpt")
+
+
+def _is_state(d: Any) -> bool:
+    return isinstance(d, dict) and bool(d) and all(isinstance(k, str) for k in d) and \
+        all(isinstance(v, torch.Tensor) for v in d.values())
+
+
+def clean_state(state: dict, p: Path) -> tuple[dict, list[str]]:
+    """Dense tensors only; a prefix every key shares from torch.compile or DDP (``_orig_mod.``, ``module.``) dropped."""
+    for name, t in state.items():
+        check_dense(t, path=p, where=f"state_dict[{name!r}]")
+    notes = []
+    for prefix in ("_orig_mod.", "module."):
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+            notes.append(f"the prefix {prefix!r} every key had (torch.compile / DDP) was dropped")
+    return dict(state), notes
+
+
+def _int_of(obj: dict, keys) -> int | None:
+    for k in keys:
+        v = obj.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63:
+            return v
+    return None
+
+
+def _scaler_scale(obj: dict) -> float | None:
+    """A GradScaler ``state_dict()``'s scale saved beside the weights (``scaler``, Lightning's ``MixedPrecision``)."""
+    for key in ("scaler", "grad_scaler", "scaler_state", "MixedPrecision", "native_amp_scaling_state"):
+        s = obj.get(key)
+        v = s.get("scale") if isinstance(s, dict) else None
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            return float(v)
+    return None
+
+
+def read_json(p: Path) -> Any:
+    """A small JSON file (config.json, trainer_state.json, a shard index), one BadInputError if not."""
+    try:
+        if p.stat().st_size > _MAX_JSON:
+            raise BadInputError(f"is larger than {_MAX_JSON >> 20} MiB, too large for this JSON file", path=p)
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise BadInputError(f"not valid JSON ({' '.join(str(e).split())[:160]})", path=p,
+                            fix="pass the directory save_pretrained or the HF Trainer wrote") from e
