@@ -21,6 +21,7 @@ TOP_KEYS = {"verdict", "summary", "culprit", "runs", "advice", "snapshot", "step
 TOP_KEYS |= {"sdpa_backend", "backends"}  # the attention backend that ran, and the others tried
 TOP_KEYS |= {"update"}  # the update forensics (analyzer.replay.update); None for a forward/backward replay
 TOP_KEYS |= {"exception"}  # an exception snapshot's exception (type, message, frames, step); None otherwise
+TOP_KEYS |= {"checkpoint"}  # a replay of a checkpoint and a batch: the files read and the defaults; None otherwise
 CULPRIT_KEYS = {"op", "overload", "module", "phase", "precision", "index", "source", "node", "input_dtypes",
                 "output_dtype", "input_absmax", "output_absmax", "output_kind", "custom", "shadow"}
 RUN_KEYS = {"finite", "loss", "loss_dtype", "forward_finite", "backward_finite", "grad_absmax", "scale", "ops",
