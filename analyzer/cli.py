@@ -193,22 +193,24 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, 
 
 def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
     """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
-    import os
-
-    from .load import load_snapshot, plan_imports, snapshot_roots
+    from .load import load_snapshot, plan_imports, root_sources
 
     snap = load_snapshot(snapshot)
     rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
-    recorded = snapshot_roots(snap)
-    roots = ([{"kind": "path", "dir": p} for p in paths] + [{"kind": "recorded_cwd", "dir": c} for c in recorded]
-             + [{"kind": "cwd", "dir": os.getcwd()}])
+    sources = root_sources(snap, paths)
     if as_json:
-        _print_json({"snapshot": snapshot, "roots": roots, "imports": rows})
+        _print_json({"snapshot": snapshot, **sources, "imports": rows})
         return
-    label = {"path": "--path", "recorded_cwd": "recorded cwd", "cwd": "current directory"}
-    lines = [f"snapshot: {snapshot}", "import roots:"] + [f"  {label[r['kind']]}: {r['dir']}" for r in roots]
-    if not recorded:
+    label = {"path": "--path", "cwd": "current directory", "own": "amp-autopsy's own modules"}
+    lines = [f"snapshot: {snapshot}", "import roots:"] + [
+        f"  {label[r['kind']]}: {r['dir']}" + (f" ({', '.join(r['modules'])} only)" if r["kind"] == "own" else "")
+        for r in sources["roots"]]
+    rec = sources["recorded_cwd"]
+    if rec is None:
         lines.append("  (the snapshot records no working directory)")
+    elif not rec["root"]:
+        lines.append(f"  not a root: the recorded cwd {rec['dir']} (the snapshot's word; if you trust its code, "
+                     "pass --path with it or run from it)")
     for r in rows:
         verdict = "allowed" if r["allowed"] else "REFUSED"
         lines += ["", f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),

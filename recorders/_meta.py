@@ -85,7 +85,7 @@ def _scaler_config(scaler: torch.amp.GradScaler | None) -> dict | None:
 
 
 def current_cwd() -> str | None:
-    """os.getcwd(), where replay looks for the user's code; None if it was deleted under us."""
+    """os.getcwd(), which replay names (never imports from) when the user's code is found only there; None if deleted."""
     try:
         return os.getcwd()
     except OSError:

@@ -266,9 +266,11 @@ def dtype_from_name(name: str | None):
 #      (``obj.__module__ == module`` and ``obj.__qualname__ == name``).
 #   2. The module's file is located (``PathFinder``, component by component, so no parent
 #      ``__init__`` runs) before anything is imported, and is imported only if it lies under an
-#      import root (the run's recorded ``cwd``, ``--path`` roots, the current directory), or is
-#      one of amp-autopsy's own modules (``OWN_MODULES``), or, for a builder's class argument,
-#      lies in the library the builder builds from (``BUILDER_CLASS_ARGS``).
+#      import root (``--path`` roots, the current directory), or is one of amp-autopsy's own
+#      modules (``OWN_MODULES``), or, for a builder's class argument, lies in the library the
+#      builder builds from (``BUILDER_CLASS_ARGS``). NB: a snapshot's recorded ``cwd`` is never a
+#      root by itself: it is the file's word, not the user's (a shared run directory would run
+#      its own code); replay from that directory, or name it with ``--path``, to trust it.
 #   3. The standard library, builtins, torch and site-packages are refused (an explicit
 #      ``--factory``/``--loss-fn`` is the user's own say-so and skips rule 2 and 3, not rule 1).
 #   4. No shadowing: the file Python would import (``sys.modules``, ``sys.meta_path``, with the
@@ -473,7 +475,7 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
 
     Args:
         ref: ``"module:name"``.
-        roots: extra import roots (``--path``, the recorded cwd); the current directory and the
+        roots: extra import roots (``--path``); the current directory and the
             roots of an enclosing :func:`import_roots` are always added.
         explicit: the user typed this reference (``--factory``): any location is allowed.
         libraries: top-level packages a builder's class argument may also come from.
@@ -510,7 +512,7 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
         if cand is not None:
             root = r
             break
-    where = "the recorded cwd, the --path roots or the current directory"
+    where = "the --path roots and the current directory"
     if cand is None:
         bad = next((d for d in _refused_dirs() if _under(file, d)), None)
         if bad is not None:
