@@ -44,7 +44,8 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
     argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
     to what it was between calls.
     """
-    roots, ref = tuple(roots), _own_name(ref)
+    ref = _own_name(ref)
+    roots = _with_samples_root(ref, tuple(roots))
     try:
         obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
     except schema.ImportRuleError as e:
@@ -143,7 +144,7 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
     rows = []
     for role, given, recorded in (("factory", factory, snap.factory), ("loss_fn", loss_fn, snap.loss_fn)):
         ref = _own_name(given or recorded)
-        plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
+        plan = schema.plan_ref(ref, _with_samples_root(ref, roots), explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
         builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
@@ -189,8 +190,23 @@ def samples_roots() -> tuple[str, ...]:
 
 
 def _own_name(ref):
-    """A snapshot's ``samples.models:NAME`` under the name the samples have here (installed:
-    ``amp_autopsy_samples.models:NAME``), so runs recorded in a checkout replay from a wheel."""
-    if isinstance(ref, str) and ref.startswith("samples.") and samples_package() != "samples":
-        return INSTALLED_SAMPLES + ref[len("samples"):]
+    """A reference to the bundled samples under the name they have here: ``samples.models:NAME``
+    installed is ``amp_autopsy_samples.models:NAME`` and the other way round in a checkout, so a
+    run recorded in a checkout replays from a wheel, and one recorded from a wheel in a checkout."""
+    if not isinstance(ref, str):
+        return ref
+    here = samples_package()
+    for name in ("samples", INSTALLED_SAMPLES):
+        if ref.startswith(name + ".") and name != here:
+            return here + ref[len(name):]
     return ref
+
+
+def _with_samples_root(ref, roots: tuple[str, ...]) -> tuple[str, ...]:
+    """`roots`, plus the checkout's root for a reference into its ``samples.models`` (one of
+    ``schema.OWN_MODULES``; never the scenario modules): an editable install run from another
+    directory finds it there (``samples`` is not on its sys.path)."""
+    module = ref.partition(":")[0] if isinstance(ref, str) else None
+    if module in schema.OWN_MODULES and module.startswith("samples.") and samples_package() == "samples":
+        return roots + tuple(r for r in samples_roots() if r not in roots)
+    return roots
