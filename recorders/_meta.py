@@ -126,6 +126,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "cwd": current_cwd(),
         "fsdp": fsdp,
         "optimizer": optimizer,
+        "steps_begun": 0,  # rewritten at close (and when a step began and never ended)
+        "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -37,6 +37,8 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 3 also records the optimizer (meta.json and snapshot key ``optimizer``), ``update`` snapshots
 (``check_update=True``: the step whose update made weights non-finite) and the layer columns
 ``update_rms`` and ``unchanged_frac`` (``COLUMNS_ADDED``: trace columns older parts lack, read as null).
+4 adds the meta.json keys ``steps_begun`` and ``autocast`` (``META_KEYS_ADDED``): what the recorder
+saw of its own use (begin_step calls, and whether autocast was active during the forward).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ __all__ = [
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -130,10 +132,16 @@ META_KEYS = (
     "optimizer",  # since version 3: None | {"class": "torch.optim.adam.Adam", "param_groups": [{"lr", "eps",
                   #   "betas", "weight_decay", ... every JSON-able hyperparameter, "params": [index into
                   #   params, None for a tensor not in the model]}]}, recorded at setup
+    "steps_begun",  # since version 4: begin_step calls so far (rewritten at close; 0 before)
+    "autocast",  # since version 4: None | {"device_type", "enabled": bool, "dtype": str | None, "active_on":
+                 #   [other device types with autocast on], "step": int}: what the first recorded step's
+                 #   training forward saw (amp_dtype FP16/BF16 runs only; recorders/_mistakes.py)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
 META_KEYS_ADDED["optimizer"] = 3  # the optimizer's class and hyperparameters (recorders/_update.py)
+META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with steps begun means end_step was never called
+META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"

@@ -199,6 +199,11 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     shown = _stream_ranks(streams)
     step_files = [f for k in sorted(parts["steps"]) for _, f in sorted(parts["steps"][k])]
     layer_files = [f for k in sorted(parts["layers"]) for _, f in sorted(parts["layers"][k])]
+    begun = meta.get("steps_begun")
+    if not step_files and isinstance(begun, int) and not isinstance(begun, bool) and begun > 0:
+        raise BadInputError(
+            f"empty trace: begin_step ran {begun} time(s) but end_step never recorded a step", path=path,
+            fix="call rec.end_step(loss) with the unscaled loss after backward, before optimizer.step(), on every step")
     if not step_files:
         raise BadInputError(
             f"empty trace: no {schema.TRACE_DIR}/{schema.STEPS_GLOB} parts",

@@ -13,6 +13,7 @@ from ...findings import Finding
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
+from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse
@@ -36,6 +37,8 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "rank_divergence": rank_divergence,
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
+    "scaled_loss": scaled_loss,
+    "autocast_inactive": autocast_inactive,
 }
 
 
