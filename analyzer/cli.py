@@ -143,7 +143,7 @@ def main(ctx, debug, max_archive_ratio) -> None:
 
 
 @main.command()
-@click.argument("snapshot", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("snapshot", type=click.Path(path_type=str))  # a directory gets the command that reads it
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to replay: cuda when present (auto), else cpu.")

@@ -32,6 +32,7 @@ from .logs import import_dir, import_file
 from .run import Run, progress_line
 from .shards import shard_table
 from .versions import check_format_version
+from .which import torch_file_given_to_report
 
 __all__ = ["load_run", "read_meta", "snapshot_info"]
 
@@ -284,4 +285,7 @@ def load_run(path: str | Path, *, progress: bool = False) -> Run:
         if (p / schema.META_FILE).exists():
             return _load_run_dir(p, progress)
         return import_dir(p, progress=progress)
+    wrong = torch_file_given_to_report(p)  # a snapshot or a checkpoint: name replay / inspect
+    if wrong is not None:
+        raise wrong
     return import_file(p, progress=progress)
