@@ -109,7 +109,14 @@ def _echo(text: str = "", **kwargs) -> None:
 
 
 def _print_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, allow_nan=False, default=str))
+    buf, held = [], 0  # streamed in ~64 KiB pieces: the text of 100k tensors' entries is never held whole
+    for chunk in json.JSONEncoder(indent=2, allow_nan=False, default=str).iterencode(obj):
+        buf.append(chunk)
+        held += len(chunk)
+        if held >= 1 << 16:
+            click.echo("".join(buf), nl=False)
+            buf, held = [], 0
+    click.echo("".join(buf))
 
 
 def _parse_steps(ctx, param, value):

@@ -307,3 +307,72 @@ def test_any_column_type_in_a_part_gives_a_report_or_one_error_line(tmp_path_fac
     res = invoke(["report", str(run), "--json"])
     if res.exit_code != 0:
         assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+# -- names with lone surrogates, numbers too long to convert, very many tensors -------------------
+def _vanishing_run(root: Path, names: list[str]) -> Path:
+    """A real run directory whose gradient norms shrink by 10^6 towards the input (vanishing_gradients
+    fires and formats every name), its meta.json naming the parameters `names`."""
+    import numpy as np
+
+    from .analyzer.report.report_models import Script
+
+    script = Script(n=300, names=names)
+    script.lg = script.lg + np.linspace(-6, 0, len(names))[None, :]
+    return script.write(root / "run")
+
+
+def test_a_lone_surrogate_in_a_meta_json_name_is_escaped_and_vanishing_gradients_still_runs(tmp_path):
+    run = _vanishing_run(tmp_path, [f"layer\udcff{i}" for i in range(8)])
+    assert "\\udcff" in (run / schema.META_FILE).read_text()  # json.dumps wrote the escape: a lone surrogate
+    code, out, err, _ = run_subprocess(["report", str(run)], tmp_path)
+    assert code == 0 and err == "", err
+    assert "vanishing_gradients" in out and "layer\\\\udcff0" in out and "check_failed" not in out
+    res = invoke(["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    (f,) = [f for f in json.loads(res.output)["findings"] if f["check"] == "vanishing_gradients"]
+    assert f["evidence"]["first"] == "layer\\udcff0"  # the escape as text, encodable everywhere
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.text(st.characters(min_codepoint=0xd800, max_codepoint=0xdfff) | st.characters(),
+                              min_size=1, max_size=6), min_size=8, max_size=8, unique=True))
+def test_any_parameter_names_read_from_meta_json_give_a_report_never_a_crash(tmp_path_factory, names):
+    run = _vanishing_run(tmp_path_factory.mktemp("names"), names)
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code == 1:  # names that clash after escaping: one error line is fine
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+        return
+    assert res.exit_code == 0, res.output
+    checks = [f["check"] for f in json.loads(res.stdout)["findings"]]
+    assert "check_failed" not in checks and "vanishing_gradients" in checks
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("meta 5000-digit number", "meta.json holds a number with 5000 digits"),
+    ("meta 5000-digit shape", "meta.json holds a number with 5000 digits"),
+    ("hf 5000-digit step", "holds a number with 5000 digits"),
+    ("jsonl 5000-digit step", "line 1 holds a number with 5000 digits"),
+    ("safetensors duplicate keys", "the header names tensor 'w' twice"),
+])
+def test_oversized_numbers_and_duplicate_names_are_refused_by_the_loaders(tmp_path, name, fragment):
+    args = dict(CASES)[name](tmp_path)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(args)))
+    assert fragment in line and "internal error" not in line
+
+
+@pytest.mark.slow  # two subprocesses scanning 100k tensors (~30 s)
+def test_inspect_of_100k_empty_tensors_stays_in_bounded_memory(tmp_path):
+    import struct
+
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+                         for i in range(100_000)}).encode()
+    path = tmp_path / "many.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)  # 6.6 MB, all header
+    code, out, err, rss = run_subprocess(["inspect", str(path)], tmp_path)
+    assert code == 0, err
+    assert "100000 floating-point tensors scanned" in out, out
+    assert rss < RSS_CEILING_MIB, f"peak RSS {rss:.0f} MiB"  # was ~2 GiB: one future per tensor
+    code, out, err, rss = run_subprocess(["inspect", str(path), "--json"], tmp_path)
+    assert code == 0 and len(json.loads(out)["files"][0]["tensors"]) == 100_000, err
+    assert rss < RSS_CEILING_MIB, f"--json: peak RSS {rss:.0f} MiB"  # the JSON text is streamed

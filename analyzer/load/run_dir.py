@@ -27,6 +27,7 @@ import polars as pl
 from recorders import schema
 
 from ..errors import BadInputError, VersionError
+from ._limits import NumberTooLong, json_int, safe_strings
 from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
 from .logs import import_dir, import_file
 from .run import Run, progress_line
@@ -45,7 +46,10 @@ _RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a tra
 def read_meta(path: Path) -> dict[str, Any]:
     """Read and version-check one meta.json; raise a one-line error naming the file."""
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(), parse_int=json_int)
+    except NumberTooLong as e:
+        raise BadInputError(f"meta.json {e}", path=path,
+                            fix="the run's meta.json is damaged; restore it from the training host") from e
     except FileNotFoundError:
         raise BadInputError("no such file", path=path, fix=_RUN_HINT) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -59,7 +63,7 @@ def read_meta(path: Path) -> dict[str, Any]:
                             path=path, fix=_RUN_HINT)
     check_format_version(meta, path=path, what="run")
     validate_meta(meta, path)  # ranks, shapes, numels: integers in range, bounded nesting
-    return meta
+    return safe_strings(meta)  # a lone surrogate in a name would crash the checks that format it
 
 
 def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
