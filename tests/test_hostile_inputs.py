@@ -376,3 +376,91 @@ def test_inspect_of_100k_empty_tensors_stays_in_bounded_memory(tmp_path):
     code, out, err, rss = run_subprocess(["inspect", str(path), "--json"], tmp_path)
     assert code == 0 and len(json.loads(out)["files"][0]["tensors"]) == 100_000, err
     assert rss < RSS_CEILING_MIB, f"--json: peak RSS {rss:.0f} MiB"  # the JSON text is streamed
+
+
+# -- values no training run records: refused, or analysed with a warning that names them ----------
+def _trace_run(root: Path, *, steps=None, layers=None, meta_rank: int | None = None) -> Path:
+    """Script(n=40)'s run in one part, with its steps and/or layers part rewritten by the callables."""
+    from .analyzer.report.report_models import Script
+
+    script = Script(n=40)
+    run = script.write(root / "run", parts=1)
+    trace = run / schema.TRACE_DIR
+    if steps is not None:
+        steps(script.steps_frame()).write_parquet(trace / schema.part_name("steps", 0, 0))
+    if layers is not None:
+        layers(script.layers_frame()).write_parquet(trace / schema.part_name("layers", 0, 0))
+    if meta_rank is not None:
+        meta = json.loads((run / schema.META_FILE).read_text())
+        (run / schema.META_FILE).write_text(json.dumps({**meta, "rank": meta_rank, "world_size": 2}))
+    return run
+
+
+def _implausible(run: Path) -> dict:
+    res = invoke(["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    found = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "implausible_trace"]
+    assert len(found) == 1 and found[0]["severity"] == "warning", found
+    assert not [f for f in json.loads(res.stdout)["findings"] if f["check"] == "check_failed"]
+    return found[0]
+
+
+def test_negative_steps_are_analysed_with_a_warning_naming_them(tmp_path):
+    f = _implausible(_trace_run(tmp_path, steps=lambda df: df.with_columns(pl.col("step") - 5),
+                                layers=lambda df: df.with_columns(pl.col("step") - 5)))
+    assert f["evidence"]["negative_steps"] == 5 and f["evidence"]["min_step"] == -5
+    assert "5 negative step number(s) (the least -5)" in f["message"]
+
+
+def test_steps_near_the_int64_limits_are_analysed_with_a_warning_naming_them(tmp_path):
+    far = 2**63 - 100
+    f = _implausible(_trace_run(tmp_path, steps=lambda df: df.with_columns(pl.col("step") + far),
+                                layers=lambda df: df.with_columns(pl.col("step") + far)))
+    assert f["evidence"]["huge_steps"] == 40 and "near the int64 limits" in f["message"]
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 1000])  # meta.json lists 8 parameters: ids 0..7
+def test_layer_ids_outside_meta_jsons_params_are_named_in_a_warning(tmp_path, bad):
+    f = _implausible(_trace_run(tmp_path, layers=lambda df: df.with_columns(
+        pl.when(pl.col("layer") == 3).then(bad).otherwise(pl.col("layer")).cast(pl.Int32).alias("layer"))))
+    assert f["evidence"]["params"] == 8 and "layer ids outside 0..7" in f["message"]
+
+
+def test_duplicate_steps_are_named_in_a_note(tmp_path):
+    run = _trace_run(tmp_path, steps=lambda df: pl.concat([df, df.head(3)]))
+    res = invoke(["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "3 step rows repeat a step number" in res.stdout
+
+
+def test_rows_of_another_rank_under_rank_0s_name_are_refused(tmp_path):
+    run = _trace_run(tmp_path, steps=lambda df: df.with_columns(pl.lit(3, pl.Int32).alias("rank")))
+    part = run / schema.TRACE_DIR / schema.part_name("steps", 0, 0)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(["report", str(run)])))
+    assert line == (f"Error: {part}: steps parts named rank 0 hold rows of rank 3 (a part was renamed or copied from "
+                    "another rank's files; move the parts that do not belong out of trace/)")
+
+
+def test_a_rank_1_meta_json_under_rank_0s_name_is_refused(tmp_path):
+    run = _trace_run(tmp_path, meta_rank=1)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(["report", str(run)])))
+    assert line == (f"Error: {run / schema.META_FILE}: records rank 1, but its name is rank 0's (rank 1's meta file "
+                    "is named meta-r00001.json: restore the run's files under their own names)")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=40))
+def test_any_step_numbers_read_from_a_part_give_a_report_or_one_error_line(tmp_path_factory, steps):
+    def rewrite(df):
+        return df.head(len(steps)).with_columns(pl.Series("step", steps, pl.Int64))
+
+    run = _trace_run(tmp_path_factory.mktemp("steps"), steps=rewrite)
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code == 1:
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+        return
+    assert res.exit_code == 0, res.output
+    checks = {f["check"] for f in json.loads(res.stdout)["findings"]}
+    assert "check_failed" not in checks
+    if any(s < 0 or abs(s) > 10**12 for s in steps):
+        assert "implausible_trace" in checks

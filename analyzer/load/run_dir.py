@@ -28,7 +28,8 @@ from recorders import schema
 
 from ..errors import BadInputError, VersionError
 from ._limits import NumberTooLong, json_int, safe_strings
-from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
+from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check_parts_decode, quiet_native_stderr,
+                          validate_meta)
 from .logs import import_dir, import_file
 from .run import Run, progress_line
 from .shards import shard_table
@@ -154,6 +155,11 @@ def _read_metas(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
         if m:
             meta = read_meta(path / name)
             rank = 0 if m[1] is None else int(m[1])
+            recorded = meta.get("rank", rank)
+            if recorded != rank:  # validated an int: a meta file copied or renamed from another rank
+                raise BadInputError(f"records rank {recorded}, but its name is rank {rank}'s", path=path / name,
+                                    fix=f"rank {recorded}'s meta file is named {schema.meta_name(recorded)}: "
+                                        "restore the run's files under their own names")
             metas[(rank, int(m[2] or 0))] = meta
     return metas
 
@@ -220,6 +226,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
     present.update({f: _check_part(f, "layers") for f in layer_files})
     check_parts_decode(step_files, schema.STEP_COLUMNS, present)  # a corrupt data page is named here, not at a query
+    check_part_ranks(parts["steps"])  # rows of another rank under this rank's name would mix two streams
     check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
 
     metas = {int(meta.get("rank", 0) or 0): meta}

@@ -15,6 +15,7 @@ from .gradients import exploding_gradients, grad_underflow, stalled_layers, vani
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
+from .plausible import implausible_trace
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse
 from .updates import nonfinite_weights, stalled_updates
@@ -39,6 +40,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "stalled_updates": stalled_updates,
     "scaled_loss": scaled_loss,
     "autocast_inactive": autocast_inactive,
+    "implausible_trace": implausible_trace,
 }
 
 
