@@ -11,7 +11,7 @@
   lets the report say so when the trace is empty.
 - **Autocast not active during the forward.** With ``amp_dtype`` FP16/BF16 (FP32 parameters, not
   FSDP2-sharded: those run in low precision without autocast), a one-time forward
-  pre-hook (on the root module and its children, run outside ``torch.compile`` so that removing it
+  pre-hook on the root module (run outside ``torch.compile``: it splits no graph, and removing it
   costs no recompile) reads whether autocast is on for the model's device type. The first
   training forward of the first ended step is recorded in ``meta.json["autocast"]``; autocast
   off (for example ``torch.autocast("cuda")`` around a CPU model) means the run trains in FP32.
@@ -68,9 +68,10 @@ class MistakeWatch:
         # NB: FSDP2's MixedPrecisionPolicy and FP16/BF16 parameters train in low precision without autocast
         low = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
         if amp_dtype is not None and not sharded and not low:
-            hook = torch.compiler.disable(self._forward_pre_hook)  # eager even under torch.compile
-            modules = [model, *(m for _, m in model.named_children())]
-            self._handles = [m.register_forward_pre_hook(hook) for m in modules]
+            # NB: on the root only, run outside torch.compile: a hook inside the model would break its
+            # graph in two for the whole run, and a different fusion is different FP16 numerics
+            hook = torch.compiler.disable(self._forward_pre_hook)
+            self._handles = [model.register_forward_pre_hook(hook)]
 
     # ---------------------------------------------------------------- events from the Recorder
     def begin(self, step: int, open_step: int | None) -> None:

@@ -152,7 +152,7 @@ def test_autocast_for_cuda_around_a_cpu_model_warns_that_the_run_trains_in_fp32(
         "(next(model.parameters()).device.type), or pass amp_dtype=None for an FP32 run"]
     meta = json.loads((run / "meta.json").read_text())
     assert meta["autocast"] == {"device_type": "cpu", "enabled": False, "dtype": None, "active_on": [], "step": 0}
-    assert not model[0]._forward_pre_hooks  # the one-time hooks are gone
+    assert not model._forward_pre_hooks  # the one-time hook is gone
     text = _report(run)
     assert text.exit_code == 0, text.output
     header = text.output.splitlines()[0]
@@ -179,3 +179,49 @@ def test_an_eval_forward_before_training_is_not_taken_for_the_training_forward(t
             loss.backward()
             rec.end_step(loss)
     assert json.loads((tmp_path / "run" / "meta.json").read_text())["autocast"]["enabled"] is True
+
+
+def test_an_amp_dtype_other_than_autocasts_warns_with_the_dtype_autocast_runs_in(tmp_path):
+    model = build_mlp()
+    opt = sgd(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path / "run", model, **REFS, amp_dtype=torch.float16, optimizer=opt) as rec:
+            for step, batch in enumerate(batches(2)):
+                rec.begin_step(step, batch)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = mse_loss(model, batch)
+                loss.backward()
+                rec.end_step(loss)
+                opt.step()
+                opt.zero_grad()
+    assert _recorder_warnings(caught) == [
+        "amp-autopsy recorder: amp_dtype=float16 but autocast on cpu runs in bfloat16 (step 0): pass "
+        "amp_dtype=torch.bfloat16 so that the report and replay use the precision this run trains in"]
+
+
+def test_a_compiled_model_is_observed_under_autocast_without_a_warning_or_a_recompile(tmp_path):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = build_mlp()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    opt = sgd(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecorderWarning)
+        with Recorder(tmp_path / "run", model, **REFS, amp_dtype=torch.bfloat16, optimizer=opt) as rec:
+            for step, batch in enumerate(batches(3)):
+                rec.begin_step(step, batch)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = torch.nn.functional.mse_loss(compiled(batch["x"]).float(), batch["y"])
+                loss.backward()
+                rec.end_step(loss)
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    after_first = counter.frame_count
+    seen = json.loads((tmp_path / "run" / "meta.json").read_text())["autocast"]
+    assert (seen["enabled"], seen["dtype"]) == (True, "bfloat16")
+    # the root's hook runs before the graph, which stays whole; removing it after step 0 recompiled nothing
+    assert counter.frame_count == after_first == 1
