@@ -9,7 +9,9 @@
   next ``begin_step``, or at ``close`` when no step ever ended (and no manual snapshot was taken);
   ``meta.json["steps_begun"]``
   lets the report say so when the trace is empty.
-- **Autocast not active during the forward.** With ``amp_dtype`` FP16/BF16 (FP32 parameters, not
+- **Autocast not active during the forward.** (Also entered inside ``model.forward``, as accelerate
+  does: then a forward hook sees low-precision outputs, or parameters cast in the outputs' graph.)
+  With ``amp_dtype`` FP16/BF16 (FP32 parameters, not
   FSDP2-sharded: those run in low precision without autocast), a one-time forward
   pre-hook on the root module (run outside ``torch.compile``: it splits no graph, and removing it
   costs no recompile) reads whether autocast is on for the model's device type. The first
@@ -70,14 +72,13 @@ class MistakeWatch:
         if amp_dtype is not None and not sharded and not low:
             # NB: on the root only, run outside torch.compile: a hook inside the model would break its
             # graph in two for the whole run, and a different fusion is different FP16 numerics
-            hook = torch.compiler.disable(self._forward_pre_hook)
-            self._handles = [model.register_forward_pre_hook(hook)]
+            self._handles = [model.register_forward_pre_hook(torch.compiler.disable(self._forward_pre_hook)),
+                             model.register_forward_hook(torch.compiler.disable(self._forward_hook))]
 
     # ---------------------------------------------------------------- events from the Recorder
     def begin(self, step: int, open_step: int | None) -> None:
         """begin_step(`step`); `open_step`: the previous step, if it began and never ended."""
-        self.begun += 1
-        self._observed = None
+        self.begun += 1  # NB: the observation is kept: HF's callback begins the step from a pre-hook of its own
         if open_step is not None and self._once("end_step"):
             self._warn(f"amp-autopsy recorder: begin_step({step}) came before end_step() of step {open_step}, "
                        f"so step {open_step} was not recorded. Call rec.end_step(loss) with the unscaled loss "
@@ -88,7 +89,7 @@ class MistakeWatch:
         """end_step(`loss`) recorded `row` for `step`."""
         self.ended += 1
         if self._handles:
-            self._autocast_seen(step)
+            self._autocast_seen(step, loss)
         if self._scaler is not None and isinstance(loss, torch.Tensor) and row is not None \
                 and "scaled_loss" not in self._warned:
             self._check_scaled(loss, row)
@@ -117,11 +118,28 @@ class MistakeWatch:
         if self._observed is None and torch.is_grad_enabled():  # a training forward, not eval
             self._observed = observe_autocast(self._device_type)
 
-    def _autocast_seen(self, step: int) -> None:
+    def _forward_hook(self, module, args, output) -> None:
+        """Autocast entered inside the forward (accelerate wraps ``model.forward`` in it, so the pre-hook
+        saw it off): FP32 parameters gave low-precision outputs, of autocast's dtype."""
+        seen = self._observed
+        if seen is None or seen["enabled"] or seen.get("inside_forward") is not None:
+            return
+        low, graph = _low_precision_output(output)
+        cast = low is None and graph is not None and _casts_parameters(graph)  # outputs cast back to FP32
+        seen["inside_forward"] = low is not None or cast
+        if seen["inside_forward"]:
+            seen.update(enabled=True, dtype=schema.dtype_name(low) if low is not None else None)
+
+    def _autocast_seen(self, step: int, loss) -> None:
         seen = self._observed
         self.release()
         if seen is None:  # no forward of the model since begin_step: nothing observed
             return
+        if not seen["enabled"] and isinstance(loss, torch.Tensor) and loss.grad_fn is not None \
+                and _casts_parameters(loss):
+            # autocast entered inside the forward (accelerate wraps model.forward in it): the graph shows
+            # the parameters cast to low precision, so it was active; its dtype is not known here
+            seen = {**seen, "enabled": True, "dtype": None, "inside_forward": True}
         self._update_meta(autocast={**seen, "step": step})
         dt = self._device_type
         if not seen["enabled"]:
@@ -134,7 +152,7 @@ class MistakeWatch:
                        f"the forward of step {step}, so this run trains in FP32: {cause}. Run the forward under "
                        f"torch.autocast(device_type={dt!r}, dtype=torch.{self._amp}), with device_type taken from "
                        "the model (next(model.parameters()).device.type), or pass amp_dtype=None for an FP32 run")
-        elif seen["dtype"] != self._amp:
+        elif seen["dtype"] is not None and seen["dtype"] != self._amp:
             self._warn(f"amp-autopsy recorder: amp_dtype={self._amp} but autocast on {dt} runs in {seen['dtype']} "
                        f"(step {step}): pass amp_dtype=torch.{seen['dtype']} so that the report and replay use the "
                        "precision this run trains in")
@@ -168,3 +186,43 @@ class MistakeWatch:
                    + (f", {value:.4g} at scale {scale:g}" if isinstance(value, float) and isinstance(scale, float)
                       else "") + "), so the trace records loss x scale. Pass the unscaled loss: "
                    "scaler.scale(loss).backward(); rec.end_step(loss)")
+
+
+def _casts_parameters(loss: torch.Tensor, most: int = 100_000) -> bool:
+    """Whether the loss's autograd graph casts a leaf (a parameter) with ``_to_copy``: autocast's mark.
+
+    NB: host-side graph metadata only (it survives backward); at most `most` nodes, once per run.
+    """
+    stack, seen = [loss.grad_fn], set()
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cast = node.name().startswith("ToCopyBackward")
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if cast and child.name() == "torch::autograd::AccumulateGrad":
+                return True
+            stack.append(child)
+    return False
+
+
+def _low_precision_output(output, most: int = 64) -> tuple[torch.dtype | None, torch.Tensor | None]:
+    """(dtype of the first FP16/BF16 tensor among a forward's outputs, else None; the first output with
+    an autograd graph) over tensors, tuples, lists, dicts and HF ModelOutputs, at most `most` values."""
+    stack, looked, graph = [output], 0, None
+    while stack and looked < most:
+        cur = stack.pop()
+        looked += 1
+        if isinstance(cur, torch.Tensor):
+            if cur.dtype in (torch.float16, torch.bfloat16):
+                return cur.dtype, cur
+            if graph is None and cur.grad_fn is not None:
+                graph = cur
+        elif isinstance(cur, dict):
+            stack.extend(reversed(list(cur.values())))
+        elif isinstance(cur, (list, tuple)):
+            stack.extend(reversed(cur))
+    return None, graph

@@ -134,7 +134,9 @@ META_KEYS = (
                   #   params, None for a tensor not in the model]}]}, recorded at setup
     "steps_begun",  # since version 4: begin_step calls so far (rewritten at close; 0 before)
     "autocast",  # since version 4: None | {"device_type", "enabled": bool, "dtype": str | None, "active_on":
-                 #   [other device types with autocast on], "step": int}: what the first recorded step's
+                 #   [other device types with autocast on], "inside_forward": bool (entered inside
+                 #   model.forward, as accelerate does; dtype then None if the outputs were cast back to FP32),
+                 #   "step": int}: what the first recorded step's
                  #   training forward saw (amp_dtype FP16/BF16 runs only; recorders/_mistakes.py)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).

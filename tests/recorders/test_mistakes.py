@@ -151,7 +151,8 @@ def test_autocast_for_cuda_around_a_cpu_model_warns_that_the_run_trains_in_fp32(
         "torch.autocast(device_type='cpu', dtype=torch.float16), with device_type taken from the model "
         "(next(model.parameters()).device.type), or pass amp_dtype=None for an FP32 run"]
     meta = json.loads((run / "meta.json").read_text())
-    assert meta["autocast"] == {"device_type": "cpu", "enabled": False, "dtype": None, "active_on": [], "step": 0}
+    assert meta["autocast"] == {"device_type": "cpu", "enabled": False, "dtype": None, "active_on": [], "step": 0,
+                                "inside_forward": False}  # FP32 outputs: no autocast inside the forward either
     assert not model._forward_pre_hooks  # the one-time hook is gone
     text = _report(run)
     assert text.exit_code == 0, text.output
