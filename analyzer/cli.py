@@ -109,7 +109,14 @@ def _echo(text: str = "", **kwargs) -> None:
 
 
 def _print_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, allow_nan=False, default=str))
+    buf, held = [], 0  # streamed in ~64 KiB pieces: the text of 100k tensors' entries is never held whole
+    for chunk in json.JSONEncoder(indent=2, allow_nan=False, default=str).iterencode(obj):
+        buf.append(chunk)
+        held += len(chunk)
+        if held >= 1 << 16:
+            click.echo("".join(buf), nl=False)
+            buf, held = [], 0
+    click.echo("".join(buf))
 
 
 def _parse_steps(ctx, param, value):
@@ -175,7 +182,7 @@ def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, pat
 @main.command(epilog="After a crash without a recorder: torch.save(batch, 'batch.pt') in the loop when the loss "
                      "is NaN, then: analyzer replay model.pt --batch batch.pt --factory pkg.mod:build --loss-fn "
                      "pkg.mod:loss (HF and Lightning checkpoints need neither).")
-@click.argument("snapshot", type=click.Path(path_type=str))
+@click.argument("snapshot", type=click.Path(path_type=str))  # a directory gets the command that reads it
 @_checkpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -234,22 +241,24 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
 
 def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
     """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
-    import os
-
-    from .load import load_snapshot, plan_imports, snapshot_roots
+    from .load import load_snapshot, plan_imports, root_sources
 
     snap = load_snapshot(snapshot)
     rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
-    recorded = snapshot_roots(snap)
-    roots = ([{"kind": "path", "dir": p} for p in paths] + [{"kind": "recorded_cwd", "dir": c} for c in recorded]
-             + [{"kind": "cwd", "dir": os.getcwd()}])
+    sources = root_sources(snap, paths)
     if as_json:
-        _print_json({"snapshot": snapshot, "roots": roots, "imports": rows})
+        _print_json({"snapshot": snapshot, **sources, "imports": rows})
         return
-    label = {"path": "--path", "recorded_cwd": "recorded cwd", "cwd": "current directory"}
-    lines = [f"snapshot: {snapshot}", "import roots:"] + [f"  {label[r['kind']]}: {r['dir']}" for r in roots]
-    if not recorded:
+    label = {"path": "--path", "cwd": "current directory", "own": "amp-autopsy's own modules"}
+    lines = [f"snapshot: {snapshot}", "import roots:"] + [
+        f"  {label[r['kind']]}: {r['dir']}" + (f" ({', '.join(r['modules'])} only)" if r["kind"] == "own" else "")
+        for r in sources["roots"]]
+    rec = sources["recorded_cwd"]
+    if rec is None:
         lines.append("  (the snapshot records no working directory)")
+    elif not rec["root"]:
+        lines.append(f"  not a root: the recorded cwd {rec['dir']} (the snapshot's word; if you trust its code, "
+                     "pass --path with it or run from it)")
     for r in rows:
         verdict = "allowed" if r["allowed"] else "REFUSED"
         lines += ["", f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),

@@ -17,18 +17,35 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "SEVERITIES", "json_safe", "sort_findings", "worst_severity"]
+__all__ = ["Finding", "SEVERITIES", "json_safe", "safe_text", "sort_findings", "worst_severity"]
 
 SEVERITIES = ("error", "warning", "info")  # most severe first
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
+def safe_text(text: str) -> str:
+    """`text` with lone surrogates (``"\\udcff"`` read from a JSON file) written as escapes: encodable.
+
+    Example:
+        >>> safe_text("layer\\udcff.weight")
+        'layer\\\\udcff.weight'
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def json_safe(obj: Any) -> Any:
     """Recursively turn `obj` into strict-JSON values (non-finite floats -> "nan"/"inf"/"-inf").
 
-    numpy / torch scalars become Python numbers, tuples become lists, unknown objects ``str()``.
+    numpy / torch scalars become Python numbers, tuples become lists, unknown objects ``str()``,
+    and strings are made encodable (``safe_text``).
     """
-    if obj is None or isinstance(obj, (bool, str)):
+    if isinstance(obj, str):
+        return safe_text(obj)
+    if obj is None or isinstance(obj, bool):
         return obj
     if isinstance(obj, int):
         return int(obj)
@@ -39,7 +56,7 @@ def json_safe(obj: Any) -> Any:
             return "inf" if obj > 0 else "-inf"
         return obj
     if isinstance(obj, Mapping):
-        return {str(k): json_safe(v) for k, v in obj.items()}
+        return {safe_text(str(k)): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [json_safe(v) for v in obj]
     item = getattr(obj, "item", None)  # numpy / torch scalars
@@ -47,7 +64,7 @@ def json_safe(obj: Any) -> Any:
         return json_safe(item())
     if hasattr(obj, "tolist"):
         return json_safe(obj.tolist())
-    return str(obj)
+    return safe_text(str(obj))
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,7 @@ class Finding:
         if self.step is not None and not isinstance(self.step, int):
             object.__setattr__(self, "step", int(self.step))
         object.__setattr__(self, "evidence", dict(self.evidence))
+        object.__setattr__(self, "message", safe_text(str(self.message)))  # text from files, printable
 
     def to_dict(self) -> dict[str, Any]:
         """A strict-JSON dict: check, severity, step, rank, message, evidence."""

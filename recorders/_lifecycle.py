@@ -22,7 +22,9 @@ import os
 import warnings
 import weakref
 
+from . import schema
 from ._claim import claim_writer, release_writer
+from ._io import atomic_write
 from ._meta import build_meta
 from ._update import optimizer_meta
 from .trace import TraceWriter
@@ -31,7 +33,8 @@ __all__ = ["Lifecycle", "RecorderWarning"]
 
 
 class RecorderWarning(RuntimeWarning):
-    """The recorder could not write something; training goes on, the record is incomplete."""
+    """The recorder could not write something, or noticed it is used wrongly (the warning says what to
+    change); training goes on."""
 
     __module__ = "recorders.recorder"  # its public home (re-exported there): reprs and pickles name it so
 
@@ -57,6 +60,7 @@ class Lifecycle:
                           optimizer=optimizer_meta(self.optimizer, self._params))
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
+        self._meta = meta
         # a Recorder dropped without close() gives its slot back too (a notebook cell run again)
         weakref.finalize(self, release_writer, self.run_dir, self.rank, self.writer)
         self._writer = TraceWriter(self.run_dir, self.rank, self.writer)
@@ -90,8 +94,25 @@ class Lifecycle:
                 "this with the message)", RecorderWarning, stacklevel=3)
         self._release()
 
+    def _update_meta(self, **fields) -> None:
+        """Rewrite this writer's meta.json with `fields` changed (atomically; rare: misuse, close)."""
+        meta = getattr(self, "_meta", None)
+        if meta is None or self.stopped:
+            return
+        meta.update(fields)
+        data = json.dumps(meta, indent=1).encode()
+        self._guard("update meta.json", atomic_write, self.run_dir / schema.meta_name(self.rank, self.writer),
+                    lambda f: f.write(data))
+
+    def _misuse_warning(self, message: str) -> None:
+        """A misuse of the API the recorder noticed (``_mistakes``): one RecorderWarning, training goes on."""
+        warnings.warn(message, RecorderWarning, stacklevel=4)
+
     def _release(self) -> None:
         """Drop references and device memory; unregister from atexit and the writer claims."""
+        watch = self.__dict__.get("_watch")
+        if watch is not None:
+            watch.release()  # the autocast pre-hooks
         try:
             atexit.unregister(self._atexit)
         except AttributeError:  # stopped inside __init__, before atexit registration

@@ -93,7 +93,7 @@ def _scaler_config(scaler: torch.amp.GradScaler | None) -> dict | None:
 
 
 def current_cwd() -> str | None:
-    """os.getcwd(), where replay looks for the user's code; None if it was deleted under us."""
+    """os.getcwd(), which replay names (never imports from) when the user's code is found only there; None if deleted."""
     try:
         return os.getcwd()
     except OSError:
@@ -137,6 +137,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "step_numbering": config.step_numbering,
         "micro_batches": config.micro_batches,
         "exception": None,  # Recorder.__exit__ fills it in when the loop raises (recorders/_exception.py)
+        "steps_begun": 0,  # rewritten at close (and when a step began and never ended)
+        "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

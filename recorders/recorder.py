@@ -25,6 +25,7 @@ from ._exception import record_exception
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
+from ._mistakes import MistakeWatch
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
 from ._update import UpdateCheck, UpdateSample, optimizer_entry, update_entry
@@ -187,6 +188,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         if self.stopped:
             return
         try:
+            self._watch.begin(int(step), self._step if self._step is not None and self._last is None else None)
             self._step = int(step)
             self._batch = batch
             self._last = None
@@ -224,7 +226,9 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         if isinstance(loss, torch.Tensor) and loss.numel() != 1:
             raise ValueError(f"end_step(loss) expects a scalar loss, got shape {tuple(loss.shape)}")
         try:
-            return self._end_step(loss)
+            failure = self._end_step(loss)
+            self._watch.end(self._step, loss, self._last)  # misuse: a scaled loss, autocast not active
+            return failure
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
             self._stop("end_step", e)
             return None
@@ -242,6 +246,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             return None
         if self._step is None:
             raise RuntimeError("snapshot() needs a current step: call rec.begin_step(step, batch) first")
+        self._watch.manual = True  # snapshots without end_step are a use of their own, no misuse
         try:
             return self._snapshot(reason)
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
@@ -262,6 +267,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         if not self.enabled or self.closed:
             return
         try:
+            if not self.stopped:  # a begin_step never ended; meta.json's steps_begun
+                self._guard("update meta.json", self._watch.close)
             self.flush()
         finally:
             self.closed = True
@@ -330,6 +337,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         self._numel = torch.tensor([local_tensor(p).numel() for p in self._params], dtype=self._acc,
                                    device=self._device)
         self._buffers = BufferTracker(model)
+        self._watch = MistakeWatch(model, amp_dtype=self.amp_dtype, device_type=self.device_type, scaler=self.scaler,
+                                   warn=self._misuse_warning, update_meta=self._update_meta, sharded=self._sharded)
         self._cwd = current_cwd()
         self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
                                             self.config.max_snapshots)

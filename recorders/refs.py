@@ -91,8 +91,8 @@ def import_class(ref: str, base: type, what: str = "model_class", *, libraries=(
 
     Used by the framework adapters' factories, which rebuild a model from a class reference
     stored in a snapshot. The class must be defined in the module the reference names, which
-    must lie under an import root (``recorders.schema.import_roots``: replay's recorded cwd,
-    ``--path`` and the current directory) or in one of `libraries` (the framework's own package).
+    must lie under an import root (``recorders.schema.import_roots``: replay's ``--path`` and the
+    current directory) or in one of `libraries` (the framework's own package).
 
     Raises:
         ValueError (``schema.ImportRuleError``): the rule refuses the reference.

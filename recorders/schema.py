@@ -42,7 +42,9 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 and how many forwards of accumulated micro-batches one recorded step sums (older runs: read as
 ``"loop"`` and None). It also adds ``exception`` to meta.json and snapshots: a loop that raised
 inside the Recorder's ``with`` block (``EXCEPTION_KEYS``); a step that raised between ``begin_step``
-and ``end_step`` gets a snapshot of reason ``exception`` (``REASON_EXCEPTION``).
+and ``end_step`` gets a snapshot of reason ``exception`` (``REASON_EXCEPTION``). And the meta.json
+keys ``steps_begun`` and ``autocast``: what the recorder saw of its own use (begin_step calls, and
+whether autocast was active during the forward).
 """
 from __future__ import annotations
 
@@ -144,6 +146,12 @@ META_KEYS = (
                       #   as the loop or framework declared it; None when not declared
     "exception",  # since version 4: None, or the exception the loop raised inside the Recorder's `with`
                   #   block: EXCEPTION_KEYS (step: the open step it raised in, None outside any step)
+    "steps_begun",  # since version 4: begin_step calls so far (rewritten at close; 0 before)
+    "autocast",  # since version 4: None | {"device_type", "enabled": bool, "dtype": str | None, "active_on":
+                 #   [other device types with autocast on], "inside_forward": bool (entered inside
+                 #   model.forward, as accelerate does; dtype then None if the outputs were cast back to FP32),
+                 #   "step": int}: what the first recorded step's
+                 #   training forward saw (amp_dtype FP16/BF16 runs only; recorders/_mistakes.py)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -159,6 +167,8 @@ STEP_NUMBERINGS: dict[str, str] = {
                   "step, as in the step column of metrics.csv and the loggers"),
 }
 META_KEYS_ADDED["exception"] = 4  # the exception the loop raised (recorders/_exception.py)
+META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with steps begun means end_step was never called
+META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -307,9 +317,11 @@ def dtype_from_name(name: str | None):
 #      (``obj.__module__ == module`` and ``obj.__qualname__ == name``).
 #   2. The module's file is located (``PathFinder``, component by component, so no parent
 #      ``__init__`` runs) before anything is imported, and is imported only if it lies under an
-#      import root (the run's recorded ``cwd``, ``--path`` roots, the current directory), or is
-#      one of amp-autopsy's own modules (``OWN_MODULES``), or, for a builder's class argument,
-#      lies in the library the builder builds from (``BUILDER_CLASS_ARGS``).
+#      import root (``--path`` roots, the current directory), or is one of amp-autopsy's own
+#      modules (``OWN_MODULES``), or, for a builder's class argument, lies in the library the
+#      builder builds from (``BUILDER_CLASS_ARGS``). NB: a snapshot's recorded ``cwd`` is never a
+#      root by itself: it is the file's word, not the user's (a shared run directory would run
+#      its own code); replay from that directory, or name it with ``--path``, to trust it.
 #   3. The standard library, builtins, torch and site-packages are refused (an explicit
 #      ``--factory``/``--loss-fn`` is the user's own say-so and skips rule 2 and 3, not rule 1).
 #   4. No shadowing: the file Python would import (``sys.modules``, ``sys.meta_path``, with the
@@ -514,7 +526,7 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
 
     Args:
         ref: ``"module:name"``.
-        roots: extra import roots (``--path``, the recorded cwd); the current directory and the
+        roots: extra import roots (``--path``); the current directory and the
             roots of an enclosing :func:`import_roots` are always added.
         explicit: the user typed this reference (``--factory``): any location is allowed.
         libraries: top-level packages a builder's class argument may also come from.
@@ -551,7 +563,7 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
         if cand is not None:
             root = r
             break
-    where = "the recorded cwd, the --path roots or the current directory"
+    where = "the --path roots and the current directory"
     if cand is None:
         bad = next((d for d in _refused_dirs() if _under(file, d)), None)
         if bad is not None:

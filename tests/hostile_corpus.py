@@ -252,6 +252,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("safetensors offsets past the end", _safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}})),
     ("safetensors deep header", _safetensors(b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}")),
     ("safetensors header not utf-8", _safetensors(b'{"w": "\xff\xfe"}')),
+    ("safetensors duplicate keys", _safetensors(b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                                                b'"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}')),
     # meta.json values
     ("meta rank 1e400", _meta_text(json.dumps(_meta()).replace('"rank": 0', '"rank": 1e400').encode())),
     ("meta rank a string", _meta_case(rank="zero")),
@@ -266,6 +268,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("meta deep nesting", _meta_text(b'{"format": "amp-autopsy.run", "x": ' + _DEEP_JSON.encode() + b"}")),
     ("meta 150 deep", _meta_text(json.dumps(_meta(extra=json.loads("[" * 150 + "]" * 150))).encode())),
     ("meta not utf-8", _meta_text(b'{"format": "\xff\xfe"}')),
+    ("meta 5000-digit number", _meta_text(json.dumps(_meta(pid=1)).replace('"pid": 1', '"pid": ' + "9" * 5000).encode())),
+    ("meta 5000-digit shape", _meta_text(json.dumps(_meta()).replace('"shape": [4]', '"shape": [' + "9" * 5000 + "]",
+                                                                     1).encode())),
     # Parquet parts
     ("part step column of strings", _bad_steps(lambda: Script(n=20).steps_frame().with_columns(
         pl.col("step").cast(pl.String)))),
@@ -283,6 +288,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("hf rank negative", _file("trainer_state.json", json.dumps({"log_history": [{"step": 1, "loss": 1.0, "rank": -1}]}))),
     ("hf deep nesting", _file("trainer_state.json", '{"log_history": ' + _DEEP_JSON + "}")),
     ("hf not utf-8", _file("trainer_state.json", b'{"log_history": ["\xff"]}')),
+    ("hf 5000-digit step", _file("trainer_state.json", '{"log_history": [{"step": ' + "9" * 5000 + ', "loss": 1}]}')),
+    ("jsonl 5000-digit step", _file("log.jsonl", '{"step": ' + "9" * 5000 + ', "loss": 2}\n')),
     ("hf log_history of numbers", _file("trainer_state.json", '{"log_history": [1, 2, 3]}')),
     ("lightning csv with a NUL byte", _file("metrics.csv", _NUL_CSV)),
     ("lightning csv not utf-8", _file("metrics.csv", b"step,loss\n1,\xff\xfe\n")),

@@ -307,3 +307,160 @@ def test_any_column_type_in_a_part_gives_a_report_or_one_error_line(tmp_path_fac
     res = invoke(["report", str(run), "--json"])
     if res.exit_code != 0:
         assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+
+
+# -- names with lone surrogates, numbers too long to convert, very many tensors -------------------
+def _vanishing_run(root: Path, names: list[str]) -> Path:
+    """A real run directory whose gradient norms shrink by 10^6 towards the input (vanishing_gradients
+    fires and formats every name), its meta.json naming the parameters `names`."""
+    import numpy as np
+
+    from .analyzer.report.report_models import Script
+
+    script = Script(n=300, names=names)
+    script.lg = script.lg + np.linspace(-6, 0, len(names))[None, :]
+    return script.write(root / "run")
+
+
+def test_a_lone_surrogate_in_a_meta_json_name_is_escaped_and_vanishing_gradients_still_runs(tmp_path):
+    run = _vanishing_run(tmp_path, [f"layer\udcff{i}" for i in range(8)])
+    assert "\\udcff" in (run / schema.META_FILE).read_text()  # json.dumps wrote the escape: a lone surrogate
+    code, out, err, _ = run_subprocess(["report", str(run)], tmp_path)
+    assert code == 0 and err == "", err
+    assert "vanishing_gradients" in out and "layer\\\\udcff0" in out and "check_failed" not in out
+    res = invoke(["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    (f,) = [f for f in json.loads(res.output)["findings"] if f["check"] == "vanishing_gradients"]
+    assert f["evidence"]["first"] == "layer\\udcff0"  # the escape as text, encodable everywhere
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.text(st.characters(min_codepoint=0xd800, max_codepoint=0xdfff) | st.characters(),
+                              min_size=1, max_size=6), min_size=8, max_size=8, unique=True))
+def test_any_parameter_names_read_from_meta_json_give_a_report_never_a_crash(tmp_path_factory, names):
+    run = _vanishing_run(tmp_path_factory.mktemp("names"), names)
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code == 1:  # names that clash after escaping: one error line is fine
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+        return
+    assert res.exit_code == 0, res.output
+    checks = [f["check"] for f in json.loads(res.stdout)["findings"]]
+    assert "check_failed" not in checks and "vanishing_gradients" in checks
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("meta 5000-digit number", "meta.json holds a number with 5000 digits"),
+    ("meta 5000-digit shape", "meta.json holds a number with 5000 digits"),
+    ("hf 5000-digit step", "holds a number with 5000 digits"),
+    ("jsonl 5000-digit step", "line 1 holds a number with 5000 digits"),
+    ("safetensors duplicate keys", "the header names tensor 'w' twice"),
+])
+def test_oversized_numbers_and_duplicate_names_are_refused_by_the_loaders(tmp_path, name, fragment):
+    args = dict(CASES)[name](tmp_path)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(args)))
+    assert fragment in line and "internal error" not in line
+
+
+@pytest.mark.slow  # two subprocesses scanning 100k tensors (~30 s)
+def test_inspect_of_100k_empty_tensors_stays_in_bounded_memory(tmp_path):
+    import struct
+
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+                         for i in range(100_000)}).encode()
+    path = tmp_path / "many.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)  # 6.6 MB, all header
+    code, out, err, rss = run_subprocess(["inspect", str(path)], tmp_path)
+    assert code == 0, err
+    assert "100000 floating-point tensors scanned" in out, out
+    assert rss < RSS_CEILING_MIB, f"peak RSS {rss:.0f} MiB"  # was ~2 GiB: one future per tensor
+    code, out, err, rss = run_subprocess(["inspect", str(path), "--json"], tmp_path)
+    assert code == 0 and len(json.loads(out)["files"][0]["tensors"]) == 100_000, err
+    assert rss < RSS_CEILING_MIB, f"--json: peak RSS {rss:.0f} MiB"  # the JSON text is streamed
+
+
+# -- values no training run records: refused, or analysed with a warning that names them ----------
+def _trace_run(root: Path, *, steps=None, layers=None, meta_rank: int | None = None) -> Path:
+    """Script(n=40)'s run in one part, with its steps and/or layers part rewritten by the callables."""
+    from .analyzer.report.report_models import Script
+
+    script = Script(n=40)
+    run = script.write(root / "run", parts=1)
+    trace = run / schema.TRACE_DIR
+    if steps is not None:
+        steps(script.steps_frame()).write_parquet(trace / schema.part_name("steps", 0, 0))
+    if layers is not None:
+        layers(script.layers_frame()).write_parquet(trace / schema.part_name("layers", 0, 0))
+    if meta_rank is not None:
+        meta = json.loads((run / schema.META_FILE).read_text())
+        (run / schema.META_FILE).write_text(json.dumps({**meta, "rank": meta_rank, "world_size": 2}))
+    return run
+
+
+def _implausible(run: Path) -> dict:
+    res = invoke(["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    found = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "implausible_trace"]
+    assert len(found) == 1 and found[0]["severity"] == "warning", found
+    assert not [f for f in json.loads(res.stdout)["findings"] if f["check"] == "check_failed"]
+    return found[0]
+
+
+def test_negative_steps_are_analysed_with_a_warning_naming_them(tmp_path):
+    f = _implausible(_trace_run(tmp_path, steps=lambda df: df.with_columns(pl.col("step") - 5),
+                                layers=lambda df: df.with_columns(pl.col("step") - 5)))
+    assert f["evidence"]["negative_steps"] == 5 and f["evidence"]["min_step"] == -5
+    assert "5 negative step number(s) (the least -5)" in f["message"]
+
+
+def test_steps_near_the_int64_limits_are_analysed_with_a_warning_naming_them(tmp_path):
+    far = 2**63 - 100
+    f = _implausible(_trace_run(tmp_path, steps=lambda df: df.with_columns(pl.col("step") + far),
+                                layers=lambda df: df.with_columns(pl.col("step") + far)))
+    assert f["evidence"]["huge_steps"] == 40 and "near the int64 limits" in f["message"]
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 1000])  # meta.json lists 8 parameters: ids 0..7
+def test_layer_ids_outside_meta_jsons_params_are_named_in_a_warning(tmp_path, bad):
+    f = _implausible(_trace_run(tmp_path, layers=lambda df: df.with_columns(
+        pl.when(pl.col("layer") == 3).then(bad).otherwise(pl.col("layer")).cast(pl.Int32).alias("layer"))))
+    assert f["evidence"]["params"] == 8 and "layer ids outside 0..7" in f["message"]
+
+
+def test_duplicate_steps_are_named_in_a_note(tmp_path):
+    run = _trace_run(tmp_path, steps=lambda df: pl.concat([df, df.head(3)]))
+    res = invoke(["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "3 step rows repeat a step number" in res.stdout
+
+
+def test_rows_of_another_rank_under_rank_0s_name_are_refused(tmp_path):
+    run = _trace_run(tmp_path, steps=lambda df: df.with_columns(pl.lit(3, pl.Int32).alias("rank")))
+    part = run / schema.TRACE_DIR / schema.part_name("steps", 0, 0)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(["report", str(run)])))
+    assert line == (f"Error: {part}: steps parts named rank 0 hold rows of rank 3 (a part was renamed or copied from "
+                    "another rank's files; move the parts that do not belong out of trace/)")
+
+
+def test_a_rank_1_meta_json_under_rank_0s_name_is_refused(tmp_path):
+    run = _trace_run(tmp_path, meta_rank=1)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(["report", str(run)])))
+    assert line == (f"Error: {run / schema.META_FILE}: records rank 1, but its name is rank 0's (rank 1's meta file "
+                    "is named meta-r00001.json: restore the run's files under their own names)")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=40))
+def test_any_step_numbers_read_from_a_part_give_a_report_or_one_error_line(tmp_path_factory, steps):
+    def rewrite(df):
+        return df.head(len(steps)).with_columns(pl.Series("step", steps, pl.Int64))
+
+    run = _trace_run(tmp_path_factory.mktemp("steps"), steps=rewrite)
+    res = invoke(["report", str(run), "--json"])
+    if res.exit_code == 1:
+        assert_one_error_line(res.exit_code, res.stderr, res.stdout)
+        return
+    assert res.exit_code == 0, res.output
+    checks = {f["check"] for f in json.loads(res.stdout)["findings"]}
+    assert "check_failed" not in checks
+    if any(s < 0 or abs(s) > 10**12 for s in steps):
+        assert "implausible_trace" in checks

@@ -51,6 +51,16 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert test_cmd in ci_lines, f"CI must run the README test command {test_cmd!r} verbatim"
 
 
+def _next_commands(demo_stdout: str) -> list[list[str]]:
+    """The argument lists of the demo's ``next:`` line (``analyzer autopsy ... | analyzer replay ...``)."""
+    import shlex
+
+    (line,) = [ln for ln in demo_stdout.splitlines() if ln.startswith("next: ")]
+    commands = [shlex.split(part) for part in line.removeprefix("next: ").split("|")]
+    assert [c[:2] for c in commands] == [["analyzer", "autopsy"], ["analyzer", "replay"]], line
+    return [c[1:] for c in commands]
+
+
 def _wheel_env(tmp: Path) -> tuple[Path, dict]:
     """Build the wheel from a copy of the sources, unpack it, and return (site dir, environment).
 
@@ -100,6 +110,10 @@ def test_the_wheel_installs_samples_under_its_own_name_and_the_demo_and_old_snap
                           env=env, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "verdict" in demo.stdout.lower()
+    for args in _next_commands(demo.stdout):  # what the demo tells the user to run next, from the same directory
+        step = subprocess.run(py + ["-m", "analyzer.cli", *args], cwd=away, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert step.returncode == 0, (args, step.stdout + step.stderr)
     (snap,) = sorted((away / "out" / "bf16_nan" / "snapshots").glob("*.pt"))[:1]
     recorded = torch.load(snap, weights_only=True)
     assert recorded["factory"] == "amp_autopsy_samples.models:build_mlp"
@@ -150,3 +164,39 @@ def test_an_editable_install_run_from_elsewhere_demos_and_replays_the_checkouts_
     assert res.returncode == 0, res.stdout + res.stderr
     assert "package samples\n" in res.stdout
     assert "verdict: numerical_bug" in res.stdout  # the replay of its snapshot imported samples.models
+    # Each next command, in a fresh process from the same directory: samples.models is not on its
+    # sys.path, and is found as the checkout's own module.
+    for args in _next_commands(res.stdout):
+        step = subprocess.run([sys.executable, "-S", "-c", _EDITABLE.replace("{ROOT}", str(ROOT))
+                               + f"from analyzer.cli import main\nmain({args!r})\n"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert step.returncode == 0, (args, step.stdout + step.stderr)
+        assert "numerical_bug" in step.stdout, step.stdout
+
+
+def _editable_console_script() -> Path | None:
+    """The ``analyzer`` script of a ``pip install -e .`` of this checkout, when that is how it is installed."""
+    script = Path(sys.executable).with_name("analyzer")
+    if not script.is_file():
+        return None
+    probe = subprocess.run([str(script.with_name("python")), "-c", "import analyzer; print(analyzer.__file__)"],
+                           cwd="/", capture_output=True, text=True)
+    return script if probe.stdout.strip() == str(ROOT / "analyzer" / "__init__.py") else None
+
+
+@pytest.mark.slow  # trains a small scenario (~15 s), then runs its autopsy and replay again
+def test_the_demos_next_commands_work_from_its_directory_under_pip_install_editable(tmp_path):
+    import os
+
+    script = _editable_console_script()
+    if script is None:
+        pytest.skip("amp-autopsy is not installed with pip install -e . from this checkout")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    demo = subprocess.run([str(script), "demo", "--scenario", "bf16_nan", "--out", "d"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    for args in _next_commands(demo.stdout):
+        step = subprocess.run([str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert step.returncode == 0, (args, step.stdout + step.stderr)
+        assert "numerical_bug" in step.stdout and "Error" not in step.stderr, step.stdout + step.stderr

@@ -233,6 +233,8 @@ class Scanner:
     def tensor(self, t: torch.Tensor, on_bytes: Callable[[int], None] | None = None) -> TensorStats:
         """Statistics of one floating-point tensor (CPU or not; never copied whole, never written to)."""
         dtype = t.dtype if t.dtype in BITS else torch.float32
+        if t.numel() == 0:  # nothing to read: no scratch, no views (a file may hold 100k of them)
+            return _Acc(BITS[dtype]).freeze(dtype)
         n = self._n(t)
         acc = self._acc(dtype, n)
         for x in pieces(t.detach(), n):
@@ -357,16 +359,38 @@ def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: 
         parts = _parts(a, threads) if b is None else [a]
         work += [(p, b) for p in parts]
         owner += [i] * len(parts)
+    # NB: one task per batch of small tensors, not per tensor: 100k empty tensors made 100k futures
+    # (~2 KiB each, and a lock round trip), so memory and time grew with the count, not the bytes
+    batches = _batches(work, threads)
     with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="amp-autopsy-scan") as pool:
-        done = list(pool.map(one, work))
+        done = [r for batch in pool.map(lambda batch: [one(item) for item in batch], batches) for r in batch]
     out: list[list[Result]] = [[] for _ in items]
     for i, r in zip(owner, done):
         out[i].append(r)
     return [rs[0] if len(rs) == 1 else (_merge([r[0] for r in rs]), None, None) for rs in out]
 
 
+def _batches(work: list, threads: int, most: int = 512) -> list[list]:
+    """`work` cut, in order, into runs of at most `most` items holding about 1/(4 x threads) of its bytes each."""
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None or t.numel() == 0 else distinct(t).numel() * t.element_size()
+
+    sizes = [nbytes(a) + nbytes(b) for a, b in work]
+    target = max(1, sum(sizes) // (4 * threads))
+    out, cur, held = [], [], 0
+    for item, size in zip(work, sizes):
+        cur.append(item)
+        held += size
+        if held >= target or len(cur) >= most:
+            out.append(cur)
+            cur, held = [], 0
+    return out + ([cur] if cur else [])
+
+
 def _parts(t: torch.Tensor, threads: int) -> list[torch.Tensor]:
     """t's distinct elements as `threads` 1-D views when t is dense and at least SPLIT_AT elements, else [t]."""
+    if t.numel() < SPLIT_AT:
+        return [t]
     d = distinct(t)
     if d.numel() < SPLIT_AT or not d.is_contiguous():
         return [t]

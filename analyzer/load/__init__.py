@@ -8,7 +8,7 @@ checkpoints and safetensors (``checkpoint``, ``safetensors``) for ``analyzer ins
 from __future__ import annotations
 
 from .checkpoint import Checkpoint, Entry, load_checkpoint
-from .refs import INSTALLED_SAMPLES, plan_imports, resolve_ref, samples_package, samples_roots, snapshot_roots
+from .refs import INSTALLED_SAMPLES, plan_imports, recorded_cwd, resolve_ref, root_sources, samples_package, samples_roots, snapshot_roots
 from .run import Run, progress_line, step_frame
 from .run_dir import load_run, read_meta, snapshot_info
 from .snapshot import Snapshot, load_snapshot
@@ -16,5 +16,5 @@ from .torchfile import torch_load_safe
 from .versions import check_format_version
 
 __all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "check_format_version", "load_checkpoint", "load_run",
-           "load_snapshot", "plan_imports", "progress_line", "read_meta", "resolve_ref", "samples_package", "samples_roots",
+           "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots",
            "snapshot_info", "snapshot_roots", "step_frame", "torch_load_safe"]

@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import BadInputError
 
 __all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "max_archive_ratio", "set_max_archive_ratio",
-           "MAX_NESTING", "archive_budget", "check_nesting"]
+           "MAX_NESTING", "archive_budget", "check_nesting", "MAX_JSON_DIGITS", "NumberTooLong", "json_int",
+           "safe_strings"]
 
 DEFAULT_ARCHIVE_RATIO = 4.0
 ARCHIVE_RATIO_ENV = "AMP_AUTOPSY_MAX_ARCHIVE_RATIO"
@@ -23,6 +24,9 @@ _SLACK = 1 << 20  # small files (a few KiB of pickle) may declare up to 1 MiB re
 # Deepest dict/list/tuple nesting read from any file (JSON, batches, checkpoints). Real batches and
 # checkpoints nest a handful of levels; Python's recursion limit is 1000.
 MAX_NESTING = 100
+# Longest integer read from a JSON file: int64 has 19 digits; Python refuses over 4300 with a
+# ValueError deep in json.loads, and a long one costs quadratic time to convert.
+MAX_JSON_DIGITS = 100
 
 _override: float | None = None
 
@@ -77,3 +81,56 @@ def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = 
             raise BadInputError(f"{what} is nested more than {limit} levels deep", path=path,
                                 fix="real files nest a few levels; this one is damaged or hostile")
         stack.extend((c, depth + 1) for c in children)
+
+
+class NumberTooLong(ValueError):
+    """A JSON integer with more than ``MAX_JSON_DIGITS`` digits (``json_int``); callers name the file."""
+
+
+def json_int(text: str) -> int:
+    """``json.loads(..., parse_int=json_int)``: an integer, or NumberTooLong for an absurdly long one."""
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_JSON_DIGITS:
+        raise NumberTooLong(f"holds a number with {digits} digits (more than {MAX_JSON_DIGITS}: no value a "
+                            "training run records is that long)")
+    return int(text)
+
+
+def _safe(s: str) -> str:
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:  # a lone surrogate ("\\udcff" in the JSON): printing or polars would fail
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def safe_strings(obj: Any) -> Any:
+    """`obj` (parsed JSON: dicts, lists, scalars) with every string made encodable, without recursing.
+
+    A lone surrogate is written as its escape (``\\udcff``), so names read from a file can be
+    formatted, printed and handed to polars. Containers are updated in place.
+    """
+    if isinstance(obj, str):
+        return _safe(obj)
+    stack, seen = [obj], set()
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, dict):
+            for k in list(cur):
+                v = cur[k]
+                if isinstance(k, str) and _safe(k) is not k:
+                    del cur[k]
+                    k = _safe(k)
+                cur[k] = _safe(v) if isinstance(v, str) else v
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(cur, list):
+            for i, v in enumerate(cur):
+                if isinstance(v, str):
+                    cur[i] = _safe(v)
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+    return obj

@@ -27,7 +27,8 @@ from recorders import schema
 from ._limits import check_nesting
 from ..errors import BadInputError
 
-__all__ = ["validate_meta", "check_part_types", "check_parts_decode", "READ_ERRORS", "quiet_native_stderr"]
+__all__ = ["validate_meta", "check_part_types", "check_parts_decode", "check_part_ranks", "READ_ERRORS",
+           "quiet_native_stderr"]
 
 _META_FIX = "the run's meta.json is damaged; restore it from the training host or re-record the run"
 _PART_FIX = "move the damaged part out of trace/ to analyse the rest of the run"
@@ -221,3 +222,23 @@ def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType], prese
     detail = _detail(first_error)
     raise BadInputError(f"the trace parts cannot be read together ({detail[:160]})", path=files[0].parent,
                         fix=_PART_FIX) from first_error
+
+
+def check_part_ranks(streams: dict[tuple[int, int], list[tuple[int, Path]]]) -> None:
+    """Refuse steps parts whose rows name another rank than their file name (one small query: steps
+    parts hold one row per step). `streams`: ``{(rank, writer): [(index, part)]}`` from the names."""
+    if not streams:
+        return
+    keys = sorted(streams)
+    frames = [pl.scan_parquet([str(f) for _, f in sorted(streams[k])], glob=False)
+              .select(lo=pl.col("rank").min(), hi=pl.col("rank").max()) for k in keys]
+    with quiet_native_stderr():
+        found = pl.concat(frames, how="vertical").collect(engine="streaming")
+    for (rank, writer), lo, hi in zip(keys, found["lo"], found["hi"]):
+        if lo is None or (lo == rank and hi == rank):
+            continue
+        (_, first), *_ = sorted(streams[(rank, writer)])
+        held = f"rank {lo}" if lo == hi else f"ranks {lo}..{hi}"
+        raise BadInputError(f"steps parts named rank {rank} hold rows of {held}", path=first,
+                            fix="a part was renamed or copied from another rank's files; move the parts that do not "
+                                "belong out of trace/")

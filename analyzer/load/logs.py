@@ -33,6 +33,7 @@ import polars as pl
 from recorders import schema
 
 from ..errors import BadInputError
+from ._limits import NumberTooLong, json_int, safe_strings
 from .run import Run, progress_line, step_frame
 
 __all__ = ["import_file", "import_dir"]
@@ -69,7 +70,9 @@ def _first(d: dict[str, Any], keys) -> Any:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return safe_strings(json.loads(path.read_bytes().decode("utf-8"), parse_int=json_int))
+    except NumberTooLong as e:
+        raise BadInputError(str(e), path=path, fix=_FIX) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInputError(f"not valid JSON ({e})"[:300], path=path, fix=_FIX) from e
     except RecursionError as e:
@@ -189,7 +192,10 @@ def _import_jsonl(path: Path) -> Run:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append(safe_strings(json.loads(line, parse_int=json_int)))
+        except NumberTooLong as e:
+            raise BadInputError(f"line {i} {e}", path=path, fix="each line must be one JSON object with 'step' and "
+                                "'loss'") from e
         except (json.JSONDecodeError, RecursionError) as e:
             msg = getattr(e, "msg", "nested too deeply")
             raise BadInputError(f"line {i} is not JSON ({msg})", path=path,

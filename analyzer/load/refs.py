@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from recorders import schema
 from ..errors import FactoryError
 from .snapshot import Snapshot
 
-__all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package", "samples_roots", "snapshot_roots"]
+__all__ = ["INSTALLED_SAMPLES", "plan_imports", "recorded_cwd", "resolve_ref", "root_sources", "samples_package",
+           "samples_roots", "snapshot_roots"]
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
 # ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
@@ -25,24 +27,35 @@ INSTALLED_SAMPLES = "amp_autopsy_samples"
 
 
 def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", roots=(),
-                explicit: bool = False):
+                explicit: bool = False, recorded: str | None = None):
     """Import the function or class ``"pkg.mod:name"`` names, under the import rule.
 
     The rule (``recorders.schema``, the import-rule section) refuses anything but a function or
     class defined in the module named, and imports a module only from an import root (`roots`:
-    ``--path`` and the run's recorded cwd; the current directory is always one) or from
-    amp-autopsy's own modules, never from the standard library, torch or site-packages, and
-    never when another file would shadow it. ``explicit=True`` (``--factory``/``--loss-fn``) is
-    the user's own say-so: the module may live anywhere, the form rule still holds.
+    ``--path``; the current directory is always one) or from amp-autopsy's own modules, never
+    from the standard library, torch or site-packages, and never when another file would shadow
+    it. ``explicit=True`` (``--factory``/``--loss-fn``) is the user's own say-so: the module may
+    live anywhere, the form rule still holds.
+
+    `recorded` (the snapshot's recorded cwd) is no root: a shared run directory must not run its
+    own code. When the module is found only there, the error names the file and ``--path DIR``.
 
     The callable returned runs inside ``schema.import_roots(roots)``, so a builder's class
     argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
     to what it was between calls.
     """
-    roots, ref = tuple(roots), _own_name(ref)
+    ref = _own_name(ref)
+    roots = _with_samples_root(ref, tuple(roots))
     try:
         obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
     except schema.ImportRuleError as e:
+        found = None if explicit or e.kind not in ("missing", "refused") else _found_elsewhere(ref, roots, recorded, what)
+        if found is not None:
+            folder, file = found
+            where = "recorded at" if folder == recorded else "at"
+            raise FactoryError(f"will not import {what} {ref!r} on the snapshot's word: the model code is {where} "
+                               f"{file}; if you trust it, rerun with --path {shlex.quote(folder)} (or run from "
+                               f"{shlex.quote(folder)})") from e
         raise FactoryError(str(e), fix=_ref_fix(e.kind, option)) from e
     except Exception as e:  # noqa: BLE001 - any import-time failure of user code is reported
         raise FactoryError(
@@ -67,14 +80,55 @@ def _ref_fix(kind: str, option: str) -> str:
 
 
 def snapshot_roots(snap: Snapshot, paths=()) -> tuple[str, ...]:
-    """Import roots for a snapshot's references: ``--path`` roots first, then the recorded cwd.
+    """Import roots for a snapshot's references: the ``--path`` roots.
 
-    (The current directory is always added last by the rule itself.) A recorded cwd that is not
-    an absolute path is ignored: older snapshots have none.
+    (The current directory is always added last by the rule itself.) The snapshot's recorded cwd
+    is not one: it is the file's word, not the user's (``recorded_cwd``).
     """
+    return tuple(os.path.abspath(p) for p in paths)
+
+
+def root_sources(snap: Snapshot, paths=()) -> dict:
+    """Where replay may import from, and why (``analyzer replay --show``).
+
+    ``roots``: ``{"kind": "path" | "cwd" | "own", "dir"}`` in the order the rule tries them
+    (``own``: amp-autopsy's install folder, for ``schema.OWN_MODULES`` only, listed in
+    ``modules``); ``recorded_cwd``: ``{"dir", "root"}`` or None, ``root`` true only when it is
+    the current directory or under a ``--path``, since the recorded cwd is never a root itself.
+    """
+    roots = [{"kind": "path", "dir": p} for p in snapshot_roots(snap, paths)]
+    roots.append({"kind": "cwd", "dir": os.getcwd()})
+    roots.append({"kind": "own", "dir": os.path.dirname(os.path.dirname(os.path.realpath(schema.__file__))),
+                  "modules": list(schema.OWN_MODULES)})
+    cwd = recorded_cwd(snap)
+    inside = cwd is not None and any(
+        cwd == os.path.realpath(r["dir"]) or cwd.startswith(os.path.realpath(r["dir"]).rstrip(os.sep) + os.sep)
+        for r in roots if r["kind"] != "own")
+    return {"roots": roots, "recorded_cwd": None if cwd is None else {"dir": cwd, "root": inside}}
+
+
+def recorded_cwd(snap: Snapshot) -> str | None:
+    """The training process's working directory the snapshot records (absolute), else None."""
     cwd = snap.cwd
-    recorded = (cwd,) if isinstance(cwd, str) and os.path.isabs(cwd) else ()
-    return tuple(os.path.abspath(p) for p in paths) + recorded
+    return os.path.realpath(cwd) if isinstance(cwd, str) and os.path.isabs(cwd) else None
+
+
+def _found_elsewhere(ref: str, roots: tuple[str, ...], recorded: str | None, what: str) -> tuple[str, str] | None:
+    """(folder, file) when `ref` would be allowed with one more root: the recorded cwd, else the
+    folder above the package of the file Python would import (never amp-autopsy's own folder:
+    its modules outside ``OWN_MODULES``, the scenario runners, stay refused). Imports nothing."""
+    plan = schema.plan_ref(ref, roots, what=what)
+    candidates = [recorded] if recorded else []
+    if plan.file and plan.module:
+        folder = Path(plan.file).parent
+        depth = plan.module.count(".") + (Path(plan.file).name == "__init__.py")
+        candidates.append(os.fspath(folder.parents[depth - 1]) if depth else os.fspath(folder))
+    own = os.path.dirname(os.path.dirname(os.path.realpath(schema.__file__)))
+    for folder in (c for c in candidates if os.path.realpath(c) != own):
+        with_it = schema.plan_ref(ref, (*roots, folder), what=what)
+        if with_it.allowed and with_it.file:
+            return folder, with_it.file
+    return None
 
 
 def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | None = None,
@@ -90,7 +144,7 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
     rows = []
     for role, given, recorded in (("factory", factory, snap.factory), ("loss_fn", loss_fn, snap.loss_fn)):
         ref = _own_name(given or recorded)
-        plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
+        plan = schema.plan_ref(ref, _with_samples_root(ref, roots), explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
         builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
@@ -136,8 +190,23 @@ def samples_roots() -> tuple[str, ...]:
 
 
 def _own_name(ref):
-    """A snapshot's ``samples.models:NAME`` under the name the samples have here (installed:
-    ``amp_autopsy_samples.models:NAME``), so runs recorded in a checkout replay from a wheel."""
-    if isinstance(ref, str) and ref.startswith("samples.") and samples_package() != "samples":
-        return INSTALLED_SAMPLES + ref[len("samples"):]
+    """A reference to the bundled samples under the name they have here: ``samples.models:NAME``
+    installed is ``amp_autopsy_samples.models:NAME`` and the other way round in a checkout, so a
+    run recorded in a checkout replays from a wheel, and one recorded from a wheel in a checkout."""
+    if not isinstance(ref, str):
+        return ref
+    here = samples_package()
+    for name in ("samples", INSTALLED_SAMPLES):
+        if ref.startswith(name + ".") and name != here:
+            return here + ref[len(name):]
     return ref
+
+
+def _with_samples_root(ref, roots: tuple[str, ...]) -> tuple[str, ...]:
+    """`roots`, plus the checkout's root for a reference into its ``samples.models`` (one of
+    ``schema.OWN_MODULES``; never the scenario modules): an editable install run from another
+    directory finds it there (``samples`` is not on its sys.path)."""
+    module = ref.partition(":")[0] if isinstance(ref, str) else None
+    if module in schema.OWN_MODULES and module.startswith("samples.") and samples_package() == "samples":
+        return roots + tuple(r for r in samples_roots() if r not in roots)
+    return roots

@@ -66,6 +66,10 @@ class Run:
 
     @property
     def amp_dtype(self) -> str | None:
+        """The run's AMP dtype; None (FP32) also when the recorder saw autocast off during the forward."""
+        seen = self.meta.get("autocast")
+        if isinstance(seen, dict) and seen.get("enabled") is False:
+            return None
         return schema.dtype_name(self.meta.get("amp_dtype"))
 
     @property

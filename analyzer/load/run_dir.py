@@ -27,11 +27,14 @@ import polars as pl
 from recorders import schema
 
 from ..errors import BadInputError, VersionError
-from ._tracecheck import READ_ERRORS, check_part_types, check_parts_decode, quiet_native_stderr, validate_meta
+from ._limits import NumberTooLong, json_int, safe_strings
+from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check_parts_decode, quiet_native_stderr,
+                          validate_meta)
 from .logs import import_dir, import_file
 from .run import Run, progress_line
 from .shards import shard_table
 from .versions import check_format_version
+from .which import torch_file_given_to_report
 
 __all__ = ["load_run", "read_meta", "snapshot_info"]
 
@@ -44,7 +47,10 @@ _RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a tra
 def read_meta(path: Path) -> dict[str, Any]:
     """Read and version-check one meta.json; raise a one-line error naming the file."""
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(), parse_int=json_int)
+    except NumberTooLong as e:
+        raise BadInputError(f"meta.json {e}", path=path,
+                            fix="the run's meta.json is damaged; restore it from the training host") from e
     except FileNotFoundError:
         raise BadInputError("no such file", path=path, fix=_RUN_HINT) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -58,7 +64,7 @@ def read_meta(path: Path) -> dict[str, Any]:
                             path=path, fix=_RUN_HINT)
     check_format_version(meta, path=path, what="run")
     validate_meta(meta, path)  # ranks, shapes, numels: integers in range, bounded nesting
-    return meta
+    return safe_strings(meta)  # a lone surrogate in a name would crash the checks that format it
 
 
 def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
@@ -149,6 +155,11 @@ def _read_metas(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
         if m:
             meta = read_meta(path / name)
             rank = 0 if m[1] is None else int(m[1])
+            recorded = meta.get("rank", rank)
+            if recorded != rank:  # validated an int: a meta file copied or renamed from another rank
+                raise BadInputError(f"records rank {recorded}, but its name is rank {rank}'s", path=path / name,
+                                    fix=f"rank {recorded}'s meta file is named {schema.meta_name(recorded)}: "
+                                        "restore the run's files under their own names")
             metas[(rank, int(m[2] or 0))] = meta
     return metas
 
@@ -199,6 +210,11 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     shown = _stream_ranks(streams)
     step_files = [f for k in sorted(parts["steps"]) for _, f in sorted(parts["steps"][k])]
     layer_files = [f for k in sorted(parts["layers"]) for _, f in sorted(parts["layers"][k])]
+    begun = meta.get("steps_begun")
+    if not step_files and isinstance(begun, int) and not isinstance(begun, bool) and begun > 0:
+        raise BadInputError(
+            f"empty trace: begin_step ran {begun} time(s) but end_step never recorded a step", path=path,
+            fix="call rec.end_step(loss) with the unscaled loss after backward, before optimizer.step(), on every step")
     if not step_files:
         raise BadInputError(
             f"empty trace: no {schema.TRACE_DIR}/{schema.STEPS_GLOB} parts",
@@ -210,6 +226,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
     present.update({f: _check_part(f, "layers") for f in layer_files})
     check_parts_decode(step_files, schema.STEP_COLUMNS, present)  # a corrupt data page is named here, not at a query
+    check_part_ranks(parts["steps"])  # rows of another rank under this rank's name would mix two streams
     check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
 
     metas = {int(meta.get("rank", 0) or 0): meta}
@@ -279,4 +296,7 @@ def load_run(path: str | Path, *, progress: bool = False) -> Run:
         if (p / schema.META_FILE).exists():
             return _load_run_dir(p, progress)
         return import_dir(p, progress=progress)
+    wrong = torch_file_given_to_report(p)  # a snapshot or a checkpoint: name replay / inspect
+    if wrong is not None:
+        raise wrong
     return import_file(p, progress=progress)

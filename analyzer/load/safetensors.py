@@ -63,6 +63,18 @@ def _bad(path: Path, what: str) -> BadInputError:
     return BadInputError(f"not a valid safetensors file: {what}", path=path, fix=_FIX)
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        raise _Duplicate(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def _header(path: Path, f, size: int) -> tuple[int, dict]:
     head = f.read(8)
     if len(head) < 8:
@@ -71,7 +83,10 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
     if n > _MAX_HEADER or 8 + n > size:
         raise _bad(path, f"header length {n} does not fit in the {size}-byte file (truncated?)")
     try:
-        header = json.loads(f.read(n).decode("utf-8"))
+        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise _bad(path, f"the header names tensor {_short(e.args[0])} twice (a writer would not; which one is "
+                         "meant is unknown)") from e
     except RecursionError as e:
         raise _bad(path, "header JSON is nested too deeply") from e
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and numbers past int's digit limit
@@ -131,15 +146,19 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if not isinstance(meta, dict):
             raise _bad(path, "__metadata__ is not an object")
         entries = {name: _entry(path, name, spec, size - start) for name, spec in header.items()}
+        del header  # NB: memory grows with the tensor count (a small file may hold 100k): keep one copy
         _check_overlap(path, entries)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > start else None
-    tensors = {}
+    tensors, empty = {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer's "non-writable" note: it is copy-on-write
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             count = end - begin
-            if count == 0:
-                tensors[name] = torch.empty(shape, dtype=dtype)
+            if count == 0:  # views of one empty tensor per dtype: no storage of their own
+                base = empty.get(dtype)
+                if base is None:
+                    base = empty[dtype] = torch.empty(0, dtype=dtype)
+                tensors[name] = base.view(shape)
             else:  # NB: possibly off its alignment (packed back to back): the scan reads it in place
                 t = torch.frombuffer(mm, dtype=dtype, count=count // dtype.itemsize, offset=start + begin)
                 tensors[name] = t.reshape(shape)

@@ -5,6 +5,7 @@ User-code references in it are resolved by ``refs``; the file itself is read by 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -16,6 +17,7 @@ from ..errors import BadInputError
 from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
 from .versions import check_format_version
+from .which import directory_given_to_replay
 
 __all__ = ["Snapshot", "load_snapshot"]
 
@@ -86,6 +88,8 @@ class Snapshot(Mapping):
 
 def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """Load and validate a recorder snapshot into a ``Snapshot``. Raises BadInputError / VersionError."""
+    if os.path.isdir(path):  # a run directory: name its first failing snapshot and autopsy
+        raise directory_given_to_replay(Path(path))
     snap = torch_load_safe(path)
     if not isinstance(snap, dict) or snap.get("format") != schema.SNAPSHOT_FORMAT:
         raise BadInputError(

@@ -77,17 +77,49 @@ def _torch_load(path: Path, mmap: bool) -> Any:
                 fix="save plain state_dicts (tensors and primitives) instead of modules or "
                 "custom classes; amp-autopsy never loads with weights_only=False",
             ) from e
-        detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-        raise BadInputError(
-            "not a readable torch file: truncated, corrupt or foreign "
-            f"({detail.group(1).strip()[:160] if detail else first[:160]})",
-            path=path,
-            fix="pass a file written by torch.save or the amp-autopsy recorder",
-        ) from e
+        raise _unreadable(path) from e  # torch's own words: --debug
     except Exception as e:  # noqa: BLE001 - garbage makes the unpickler raise anything (KeyError, IndexError...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInputError(
-            f"not a readable torch file: truncated, corrupt or foreign ({first[:160]})",
-            path=path,
-            fix="pass a file written by torch.save or the amp-autopsy recorder",
-        ) from e
+        raise _unreadable(path) from e
+
+
+def _unreadable(path: Path) -> BadInputError:
+    words = plain_words(path)
+    fix = "the file was cut short: copy it again" if words.startswith("truncated") else _FIX
+    return BadInputError(words, path=path, fix=fix)
+
+
+_FIX = "pass a file written by torch.save or the amp-autopsy recorder"
+
+
+def plain_words(path: Path) -> str:
+    """What is wrong with a file torch cannot read, from its first and last bytes, in plain words.
+
+    Torch's own message (pickle opcodes, miniz errors) is kept in the exception chain, which
+    ``analyzer --debug`` prints.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
+    if size == 0:
+        return "empty file (0 bytes): not a torch file"
+    if head.startswith(b"PK\x03\x04"):
+        if not zipfile.is_zipfile(path):
+            return "truncated: the archive ends before its index"
+        return ("not a readable torch file: a complete zip archive whose torch records are corrupt or foreign "
+                "(analyzer --debug shows torch's message)")
+    if head[:1] == b"\x80":
+        return ("not a readable torch file: a pickle stream (a legacy torch file) that is truncated or corrupt "
+                "(analyzer --debug shows torch's message)")
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
+        return "a .safetensors file, not a torch file (analyzer inspect reads it)"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(c.isprintable() or c in "\t\r\n" for c in text):
+        start = " ".join(text.split())[:40]
+        return f"not a torch file (it starts with text: {start!r})"
+    return f"not a torch file (it starts with bytes {head[:8].hex(' ')})"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report import Finding, Report
+from ..report.checks.mistakes import autocast_was_inactive
 from .outputs import atomic_write_bytes, atomic_write_text
 
 __all__ = ["FIGURE_CAPTIONS", "relative_href", "render_report_text", "write_html", "write_plots"]
@@ -40,6 +41,8 @@ def _evidence_line(f: Finding) -> str:
 
 def _precision(fr) -> str:
     """``float16 AMP``; ``float16 parameters, no AMP`` for a pure low-precision run (meta's params)."""
+    if autocast_was_inactive(getattr(fr, "meta", None)):
+        return "autocast was not active during the forward: this run trained in FP32"
     if fr.amp_dtype:
         return f"{fr.amp_dtype} AMP"
     params = (fr.meta or {}).get("params") if isinstance(getattr(fr, "meta", None), dict) else None

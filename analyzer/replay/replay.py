@@ -20,7 +20,7 @@ import torch
 from recorders import schema
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
-from ..load import Snapshot, load_snapshot, resolve_ref, snapshot_roots
+from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import _advice
 from ._origin import align, find_flush, find_origin, op_kind
@@ -152,9 +152,12 @@ def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_f
         raise FactoryError("snapshot names no model factory", path=path, fix="pass --factory pkg.module:function")
     if not loss_ref:
         raise FactoryError("snapshot names no loss function", path=path, fix="pass --loss-fn pkg.module:function")
-    roots = snapshot_roots(snap, paths)  # --path roots, then the run's recorded cwd (the import rule)
-    factory_fn = resolve_ref(factory_ref, what="factory", option="--factory", roots=roots, explicit=bool(factory))
-    loss_callable = resolve_ref(loss_ref, what="loss_fn", option="--loss-fn", roots=roots, explicit=bool(loss_fn))
+    roots = snapshot_roots(snap, paths)  # --path roots (the import rule); the recorded cwd only names --path
+    cwd = recorded_cwd(snap)
+    factory_fn = resolve_ref(factory_ref, what="factory", option="--factory", roots=roots, explicit=bool(factory),
+                             recorded=cwd)
+    loss_callable = resolve_ref(loss_ref, what="loss_fn", option="--loss-fn", roots=roots, explicit=bool(loss_fn),
+                                recorded=cwd)
     # factory_kwargs, model_state and rng were validated by load_snapshot (load/_validate.py)
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -85,8 +85,8 @@ def build_module(module_class: str, hparams: dict) -> pl.LightningModule:
     """Rebuild a LightningModule as ``module_class(**hparams)``.
 
     ``module_class`` must name a ``LightningModule`` subclass, ``"pkg.mod:Class"``, defined in the
-    module the reference names, which lies under an import root (the recorded cwd, ``--path``, the
-    current directory) or in Lightning itself: the import rule in ``recorders.schema``.
+    module the reference names, which lies under an import root (``--path``, the current
+    directory) or in Lightning itself: the import rule in ``recorders.schema``.
     """
     cls = import_class(module_class, pl.LightningModule, "module_class", libraries=_LIBRARIES)
     return cls(**hparams)

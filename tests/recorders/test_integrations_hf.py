@@ -92,6 +92,9 @@ def test_the_run_meta_names_bf16_and_the_pretrained_factory_and_loss(bf16_run):
     assert meta["loss_fn"] == "recorders.integrations.hf:pretrained_loss"
     assert meta["factory_kwargs"]["model_class"].endswith(":GPT2LMHeadModel")
     assert meta["params"][0]["name"] == "transformer.wte.weight"  # the unwrapped model's names
+    # accelerate enters autocast inside model.forward and casts the outputs back to FP32: the recorder
+    # sees it in the forward's graph (parameters cast to low precision), its dtype unknown
+    assert (meta["autocast"]["enabled"], meta["autocast"]["inside_forward"]) == (True, True)
 
 
 def test_the_nan_step_is_snapshotted_with_the_batch_the_trainer_fed_the_model(bf16_run):

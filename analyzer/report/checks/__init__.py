@@ -14,7 +14,9 @@ from .exceptions import exception
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
+from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
+from .plausible import implausible_trace
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
@@ -41,6 +43,9 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "stalled_updates": stalled_updates,
     "exception": exception,
     "weights_exploded": weights_exploded,
+    "scaled_loss": scaled_loss,
+    "autocast_inactive": autocast_inactive,
+    "implausible_trace": implausible_trace,
 }
 
 

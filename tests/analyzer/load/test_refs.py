@@ -4,7 +4,9 @@ Every security case runs the real ``analyzer replay`` (CliRunner in-process, a f
 subprocesses) on a real snapshot whose ``factory``/``loss_fn`` (or a builder's class argument)
 was edited to reach code that writes a marker file, and asserts: exit status 1, one ``Error:``
 line, and no marker. The positive cases show that the bundled samples, a user package found
-through the recorded cwd, ``--path`` or the current directory, and ``--show`` still work.
+through ``--path`` or the current directory, and ``--show`` still work. A package found only
+under the snapshot's recorded cwd (a shared run directory) is not imported; the error names it
+and ``--path``.
 """
 from __future__ import annotations
 
@@ -183,7 +185,7 @@ def test_a_bundled_scenario_runner_which_writes_files_is_not_on_the_allow_list(t
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"  # samples.healthy:run(out_dir) would train and create it
     path = _snapshot(tmp_path / "s.pt", factory="samples.healthy:run", factory_kwargs={"out_dir": str(marker)})
-    assert "outside the recorded cwd" in _refused(_invoke(path), marker)
+    assert "outside the --path roots and the current directory" in _refused(_invoke(path), marker)
 
 
 def test_a_recorded_cwd_of_the_filesystem_root_opens_nothing(tmp_path, monkeypatch):
@@ -300,7 +302,7 @@ def test_the_hf_builder_builds_a_transformers_class_and_refuses_a_non_subclass()
 
 # -- real subprocesses: the CLI as a user runs it -------------------------------------------------
 def test_a_package_init_outside_the_roots_never_runs_even_on_pythonpath(tmp_path):
-    # evilpkg sits on PYTHONPATH, outside the recorded cwd, --path and the current directory:
+    # evilpkg sits on PYTHONPATH, outside --path and the current directory:
     # locating evilpkg.models must not import evilpkg (importlib.util.find_spec would).
     marker = tmp_path / "pwned"
     elsewhere, work = tmp_path / "elsewhere", tmp_path / "work"
@@ -310,7 +312,9 @@ def test_a_package_init_outside_the_roots_never_runs_even_on_pythonpath(tmp_path
     (elsewhere / "evilpkg" / "models.py").write_text("def build(**kw):\n    pass\n")
     path = _snapshot(work / "s.pt", factory="evilpkg.models:build", cwd=str(work))
     line = _refused_proc(_run_cli([path], work, {"PYTHONPATH": str(elsewhere)}), marker)
-    assert "evilpkg" in line and "outside the recorded cwd" in line and "--path" in line
+    # the error names the folder for --path first; evilpkg's __init__ never ran (no marker)
+    assert f"the model code is at {elsewhere / 'evilpkg' / 'models.py'}" in line
+    assert f"rerun with --path {elsewhere}" in line
 
 
 def test_os_system_through_an_allowed_module_never_runs_in_a_real_replay(tmp_path):
@@ -358,10 +362,26 @@ def test_a_samples_snapshot_replays_from_any_directory(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
 
 
-def test_a_user_factory_is_found_through_the_recorded_cwd(tmp_path, monkeypatch):
+def test_a_user_factory_only_under_the_recorded_cwd_is_not_imported_and_the_error_names_path(
+        tmp_path, monkeypatch):
     project, elsewhere = _user_project(tmp_path / "proj"), tmp_path / "elsewhere"
     elsewhere.mkdir()
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("H1_IMPORT_MARKER", str(marker))
     monkeypatch.chdir(elsewhere)
+    line = _refused(_invoke(_snapshot(tmp_path / "s.pt", cwd=str(project)), "--json"), marker)
+    assert line == (f"Error: will not import factory 'userpkg.models:build' on the snapshot's word: the model code "
+                    f"is recorded at {project / 'userpkg' / 'models.py'}; if you trust it, rerun with --path "
+                    f"{project} (or run from {project})")
+    assert "userpkg" not in sys.modules
+    result = _invoke(tmp_path / "s.pt", "--json", "--path", project)
+    assert result.exit_code == 0, result.output
+    assert marker.exists() and sys.modules["userpkg.models"].__file__ == str(project / "userpkg" / "models.py")
+
+
+def test_replaying_from_the_directory_trained_in_imports_the_recorded_factory(tmp_path, monkeypatch):
+    project = _user_project(tmp_path / "proj")
+    monkeypatch.chdir(project)
     result = _invoke(_snapshot(tmp_path / "s.pt", cwd=str(project)), "--json")
     assert result.exit_code == 0, result.output
     assert sys.modules["userpkg.models"].__file__ == str(project / "userpkg" / "models.py")
@@ -406,17 +426,34 @@ def test_show_prints_the_files_and_imports_nothing(tmp_path, monkeypatch):
     marker = tmp_path / "imported"
     monkeypatch.setenv("H1_IMPORT_MARKER", str(marker))
     monkeypatch.chdir(tmp_path)
-    result = _invoke(_snapshot(tmp_path / "s.pt", cwd=str(project)), "--show")
+    result = _invoke(_snapshot(tmp_path / "s.pt", cwd=str(project)), "--show", "--path", project)
     assert result.exit_code == 0, result.output
     assert f"file: {project / 'userpkg' / 'models.py'}" in result.output
     assert "rule: allowed: under " + str(project) in result.output
     assert "nothing was imported" in result.output
-    shown = json.loads(_invoke(tmp_path / "s.pt", "--show", "--json").output)
+    shown = json.loads(_invoke(tmp_path / "s.pt", "--show", "--json", "--path", project).output)
     assert [(r["role"], r["allowed"]) for r in shown["imports"]] == [("factory", True), ("loss_fn", True)]
-    assert {"kind": "recorded_cwd", "dir": str(project)} in shown["roots"]
+    assert [r["kind"] for r in shown["roots"]] == ["path", "cwd", "own"]
+    assert shown["recorded_cwd"] == {"dir": str(project), "root": True}  # under the --path given
     assert not marker.exists() and "userpkg" not in sys.modules
     # the same snapshot replayed for real does import it: the marker proves the check can fail
-    assert _invoke(tmp_path / "s.pt", "--json").exit_code == 0 and marker.exists()
+    assert _invoke(tmp_path / "s.pt", "--json", "--path", project).exit_code == 0 and marker.exists()
+
+
+def test_show_says_which_roots_came_from_where_and_that_the_recorded_cwd_is_none(tmp_path, monkeypatch):
+    project = _user_project(tmp_path / "proj")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = _invoke(_snapshot(tmp_path / "s.pt", cwd=str(project)), "--show")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"  current directory: {tmp_path / 'elsewhere'}" in out
+    assert "  amp-autopsy's own modules: " in out and "samples.models" in out
+    assert f"  not a root: the recorded cwd {project} (the snapshot's word" in out
+    assert "cannot find module 'userpkg.models' under the --path roots and the current directory" in out
+    shown = json.loads(_invoke(tmp_path / "s.pt", "--show", "--json").output)
+    assert shown["recorded_cwd"] == {"dir": str(project), "root": False}
+    assert [(r["kind"], r["dir"]) for r in shown["roots"][:1]] == [("cwd", str(tmp_path / "elsewhere"))]
 
 
 def test_show_marks_refused_references_and_a_builders_class_argument(tmp_path, monkeypatch):
@@ -485,3 +522,89 @@ def test_planning_any_reference_read_from_a_file_imports_nothing(ref):
     if plan.allowed:
         module, name = ref.split(":")
         assert "." not in name and plan.file is not None
+
+
+# -- a shared run: someone sends a run directory with its model code beside it ---------------------
+def _shared_bundle(root: Path) -> tuple[Path, Path]:
+    """A run recorded by the real Recorder from `root`, with `root/userpkg` beside it.
+
+    Importing ``userpkg.models`` writes the marker named by H1_IMPORT_MARKER. Its step 1 has a NaN
+    loss, so the run holds a ``nonfinite_loss`` snapshot whose ``factory`` and recorded ``cwd``
+    name the bundle. Returns (bundle root, run directory).
+    """
+    _user_project(root)
+    run = root / "run"
+    here = os.getcwd()
+    sys.path.insert(0, str(root))
+    try:
+        os.chdir(root)  # trained from the bundle: the recorded cwd is `root`
+        from userpkg.models import build, loss
+
+        torch.manual_seed(0)
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Recorder(run, model, factory=build, factory_kwargs={}, loss_fn=loss, optimizer=opt) as rec:
+            for step in range(3):
+                batch = {"x": torch.randn(2, 4), "y": torch.randn(2, 1)}
+                if step == 1:
+                    batch["x"][0, 0] = float("nan")
+                rec.begin_step(step, batch)
+                value = loss(model, batch)
+                value.backward()
+                rec.end_step(value)
+                opt.step()
+                opt.zero_grad()
+    finally:
+        os.chdir(here)
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n.split(".")[0] == "userpkg"]:
+            del sys.modules[name]
+    return root, run
+
+
+@pytest.fixture
+def shared_bundle(tmp_path, monkeypatch):
+    root, run = _shared_bundle(tmp_path / "bundle")
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("H1_IMPORT_MARKER", str(marker))
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path / "mine")  # the recipient's own directory
+    snap = next((run / schema.SNAPSHOT_DIR).glob("*nonfinite_loss.pt"))
+    assert torch.load(snap, weights_only=True)["cwd"] == str(root)  # the snapshot names the bundle
+    return root, run, snap, marker
+
+
+def test_a_shared_run_replayed_from_another_directory_imports_nothing(shared_bundle):
+    root, run, snap, marker = shared_bundle
+    line = _refused(_invoke(snap), marker)
+    assert f"the model code is recorded at {root / 'userpkg' / 'models.py'}" in line
+    assert f"rerun with --path {root} (or run from {root})" in line
+    assert "userpkg" not in sys.modules
+
+
+def test_a_shared_run_under_autopsy_from_another_directory_imports_nothing(shared_bundle):
+    root, run, snap, marker = shared_bundle
+    result = CliRunner().invoke(main, ["autopsy", str(run)])
+    assert not marker.exists(), "code beside the shared run ran"
+    assert result.exit_code == 1, result.output
+    error = [ln for ln in result.output.splitlines() if ln.startswith("Error: ")]
+    assert len(error) == 1 and f"rerun with --path {root}" in error[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["replay", "autopsy"])
+def test_a_shared_run_imports_its_code_once_the_user_names_it_with_path(shared_bundle, command):
+    root, run, snap, marker = shared_bundle
+    target = snap if command == "replay" else run
+    result = CliRunner().invoke(main, [command, str(target), "--json", "--path", str(root)])
+    assert marker.exists(), result.output
+    assert sys.modules["userpkg.models"].__file__ == str(root / "userpkg" / "models.py")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_shared_run_replays_from_the_directory_it_was_trained_in(shared_bundle, monkeypatch):
+    root, run, snap, marker = shared_bundle
+    monkeypatch.chdir(root)
+    result = _invoke(snap, "--json")
+    assert result.exit_code == 0, result.output
+    assert marker.exists()

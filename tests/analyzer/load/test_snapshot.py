@@ -83,8 +83,9 @@ def test_a_snapshot_from_a_newer_format_is_refused_with_the_upgrade_fix(tmp_path
 
 
 @pytest.mark.parametrize("content, expect", [
-    (b"", "not a readable torch file"),
-    (b"\x00garbage" * 10, "not a readable torch file"),
+    (b"", r"empty file \(0 bytes\): not a torch file"),
+    (b"\x00garbage" * 10, r"not a torch file \(it starts with bytes 00 67 61 72 62 61 67 65\)"),
+    (b"import torch\nmodel = build()\n", r"not a torch file \(it starts with text: 'import torch model = build\(\)'\)"),
 ])
 def test_corrupt_files_give_one_line_errors_naming_the_file(tmp_path, content, expect):
     path = tmp_path / "bad.pt"
@@ -98,8 +99,9 @@ def test_a_truncated_snapshot_is_reported_not_crashed_on(tmp_path):
     path, _ = _snapshot(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(BadInputError, match="truncated, corrupt or foreign"):
+    with pytest.raises(BadInputError, match="truncated: the archive ends before its index") as e:
         load_snapshot(path)
+    assert "Errno" not in str(e.value) and "miniz" not in str(e.value)  # torch's own words only under --debug
 
 
 def test_a_foreign_torch_file_is_named_as_not_a_snapshot(tmp_path):
@@ -142,7 +144,7 @@ def test_garbage_after_a_pickle_protocol_byte_is_reported_as_corrupt(tmp_path):
     # b"\x80\x02" opens a pickle stream; what follows makes the unpickler raise KeyError/IndexError.
     path = tmp_path / "garbage.pt"
     path.write_bytes(b"\x80\x02" + bytes(range(256)) * 4)
-    with pytest.raises(BadInputError, match="not a readable torch file"):
+    with pytest.raises(BadInputError, match="a pickle stream .a legacy torch file. that is truncated or corrupt"):
         load_snapshot(path)
 
 

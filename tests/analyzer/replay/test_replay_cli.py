@@ -73,8 +73,10 @@ def test_factory_option_overrides_the_snapshots_factory(tmp_path):
 
 
 @pytest.mark.parametrize("content, expected", [
-    (b"\x00\x01garbage" * 100, "not a readable torch file"),
-    (b"", "not a readable torch file"),
+    (b"\x00\x01garbage" * 100, "not a torch file (it starts with bytes 00 01 67 61 72 62 61 67)"),
+    (b"", "empty file (0 bytes): not a torch file"),
+    (b"import torch\n\nmodel = torch.nn.Linear(4, 1)\n", "not a torch file (it starts with text: 'import torch model = "
+                                                         "torch.nn.Linear(4, ')"),
 ])
 def test_a_corrupt_file_is_a_one_line_error_naming_it(tmp_path, content, expected):
     bad = tmp_path / "bad.pt"
@@ -88,7 +90,7 @@ def test_a_truncated_snapshot_is_a_one_line_error(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     line = _one_line_error(_invoke(path))
-    assert str(path) in line and "truncated, corrupt or foreign" in line
+    assert line == f"Error: {path}: truncated: the archive ends before its index (the file was cut short: copy it again)"
 
 
 def test_a_foreign_torch_file_is_refused_as_not_a_snapshot(tmp_path):
