@@ -124,6 +124,8 @@ def record_exception(rec, exc: BaseException, loss=None) -> None:
             rec._guard("snapshot the step that raised",
                        functools.partial(rec._snapshot, schema.REASON_EXCEPTION, exception=entry))
             rec._guard("write the trace of the step that raised", rec._flush)
+        if getattr(rec, "_meta", None) is not None:  # later meta.json rewrites (close: steps_begun) keep it
+            rec._meta["exception"] = entry
         meta = rec.run_dir / schema.meta_name(rec.rank, rec.writer)
         if rec._writer is not None and meta.exists():
             rec._guard("record the exception in meta.json", _write_meta, meta, entry)

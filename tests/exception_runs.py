@@ -32,12 +32,13 @@ def clip_batches(steps: int, crash_step: int | None, seed: int = 3) -> list[dict
 
 def clip_loop(run_dir: Path, *, crash_step: int | None = CRASH_STEP, steps: int = 8, init_scale: float | None = 256.0,
               amp_dtype: torch.dtype | None = torch.float16, batches: list[dict] | None = None,
-              keep: dict | None = None, on_start=None, **recorder_kwargs) -> None:
+              keep: dict | None = None, on_start=None, before_step=None, **recorder_kwargs) -> None:
     """Train build_overflow with unscale_ + clip_grad_norm_(error_if_nonfinite=True); raises at the bad step.
 
     `init_scale` None: no GradScaler (the gradients are clipped as the backward left them).
     `batches` replaces the default data; `keep` receives the model and the recorder (``keep["model"]``);
-    ``on_start(run_dir)`` runs once the Recorder has started, before the first step.
+    ``on_start(run_dir)`` runs once the Recorder has started, before the first step;
+    ``before_step(step, run_dir)`` before each step's begin_step.
     """
     from recorders import Recorder
     from tests.recorders.models import build_overflow, mse_loss
@@ -53,6 +54,8 @@ def clip_loop(run_dir: Path, *, crash_step: int | None = CRASH_STEP, steps: int 
         if on_start is not None:
             on_start(Path(run_dir))
         for step, batch in enumerate(batches if batches is not None else clip_batches(steps, crash_step)):
+            if before_step is not None:
+                before_step(step, Path(run_dir))
             rec.begin_step(step, batch)
             with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
                 loss = mse_loss(model, batch)

@@ -167,7 +167,8 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
         return BadInputError("not an amp-autopsy snapshot: a Lightning checkpoint", path=p, fix=fix)
     if p.suffix == ".safetensors" or looks_like_safetensors(p):
         return BadInputError("not an amp-autopsy snapshot: a safetensors file", path=p,
-                             fix=fix + "; a plain state_dict also needs --factory and --loss-fn")
+                             fix=fix + "; a plain state_dict also needs --factory and --loss-fn; to check its "
+                                 f"values for NaN/Inf: analyzer inspect {p}")
     try:
         with zipfile.ZipFile(p) as zf:
             pkl = next((i for i in zf.infolist() if i.filename.endswith("/data.pkl")), None)
