@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
-from ..replay.result import ReplayResult
+if TYPE_CHECKING:  # NB: analyzer.replay imports torch; rendering a report must not
+    from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay", "replay_figure"]
 
