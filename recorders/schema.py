@@ -37,6 +37,10 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 3 also records the optimizer (meta.json and snapshot key ``optimizer``), ``update`` snapshots
 (``check_update=True``: the step whose update made weights non-finite) and the layer columns
 ``update_rms`` and ``unchanged_frac`` (``COLUMNS_ADDED``: trace columns older parts lack, read as null).
+4 changes the meaning of two layer columns on healthy steps, nothing in the layout: ``param_norm``
+and ``grad_zero_frac`` come from the fixed sample the update columns use (exact for parameters of
+at most 4096 elements, an estimate beyond); failing steps keep exact values. Versions 1-3 hold
+exact values on every row. Readers of any version read the same columns.
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ __all__ = [
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -108,9 +112,9 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
     "rank": pl.Int32,
     "layer": pl.Int32,             # index into meta["params"] (model order)
     "grad_norm": pl.Float32,       # unscaled L2 norm of this parameter's gradient; null if no grad
-    "param_norm": pl.Float32,      # L2 norm of the parameter
+    "param_norm": pl.Float32,      # L2 norm of the parameter (since version 4, on healthy steps: from the sample)
     "grad_nonfinite": pl.Int64,    # count of NaN/Inf gradient elements
-    "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero
+    "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero (version 4, healthy steps: sampled)
     # Since version 3, over a fixed sample of the parameter (all elements up to 4096, else 64 evenly
     # spaced runs of 64 contiguous elements), against the previous recorded row of that parameter;
     # null on its first recorded row:
