@@ -9,8 +9,8 @@ time, so generation itself stays small in memory), then times, interleaved A, B,
 
 Each variant runs under a tiny wrapper process, so ``resource.getrusage(RUSAGE_CHILDREN)``
 gives that one run's peak RSS. Prints medians and the ratio A/B of the whole process and of the
-time after imports (the analyzer's imports, torch via ``recorders`` and scipy, are a fixed
-~2-4 s that the raw polars script does not pay). Targets: A within 3x of B, peak RSS < 2 GB.
+time after imports (the interpreter's start and the imports of polars and ``analyzer.report``,
+which imports neither torch nor scipy). Targets: A within 2x of B, whole process; peak RSS < 1 GB.
 
 Usage:
     python bench/report_scale.py                 # 1M steps x 100 layers (needs ~2 GB in /tmp)

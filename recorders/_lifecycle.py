@@ -123,7 +123,6 @@ class Lifecycle:
             self._hook.remove()
             self._hook = None
         self._update_sample = None
-        self.__dict__.pop("_grad_pass", None)  # its scratch buffer (StepStats, a cached property)
         if self._layers is not None:
             self._layers.release()
         if self._writer is not None:

@@ -1,14 +1,18 @@
-"""The Recorder's per-step statistics: one host sync per healthy step, exact counts on failing ones.
+"""The Recorder's per-step statistics: one read of the gradients and one host sync per healthy step.
 
 ``StepStats`` is the hot path of ``Recorder.end_step``, kept apart from the Recorder's API and
 I/O: the total gradient norm, loss, loss scale and learning rate cross to the host in one
-transfer; per-parameter norms stay on the device in the ``LayerBuffer`` until a flush. A
-failing step (non-finite norm or loss) takes the cold path for exact non-finite counts.
-Sharded (FSDP2 ``DTensor``) parameters are measured on this rank's local shard.
+transfer; per-parameter statistics stay on the device in the ``LayerBuffer`` until a flush.
+
+A healthy step reads each gradient once, for its norm (``_norms.norms``); its layer row's
+zero fractions and parameter norms come from the update columns' fixed sample
+(``_update.UpdateSample``), a few thousand elements per parameter. A failing step (non-finite
+norm or loss) takes the cold path: exact non-finite counts, exact zero counts and the exact
+parameter norms, read in full. Sharded (FSDP2 ``DTensor``) parameters are measured on this
+rank's local shard.
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 
@@ -16,7 +20,7 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
-from ._norms import GradPass, nonzero_counts, norms
+from ._norms import nonzero_counts, norms
 
 __all__ = ["StepStats", "local_tensor"]
 
@@ -30,10 +34,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 class StepStats:
     """Mixin of ``Recorder``: computes one step's trace row and per-layer statistics."""
 
-    @functools.cached_property
-    def _grad_pass(self) -> GradPass:
-        """The gradients' norms and zero counts in one read (its scratch buffer: made at first use)."""
-        return GradPass()
 
     def _scale_state(self) -> tuple[torch.Tensor | None, bool]:
         """(scale tensor used by this step's backward, whether the grads are already unscaled)."""
@@ -64,11 +64,10 @@ class StepStats:
         sel = None if len(idx) == len(params) else idx
 
         parts = []
-        # a planned layer row: the zero counts come out of the same read of the gradients as the norms
         layer_due = step % self.config.layer_every == 0
-        nnz = None
         if grads:
-            gnorm, nnz = self._grad_pass(grads, self._device, self._single_device, zeros=layer_due)
+            # NB: the one read of the gradients on a healthy step
+            gnorm = norms(grads, self._device, self._single_device)
             if scale_t is not None and not unscaled:
                 gnorm = gnorm / scale_t.to(self._device)
             parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
@@ -102,7 +101,7 @@ class StepStats:
             failure, snap_reason = self._sync_failure(failure, snap_reason)
 
         if grads and (layer_due or failure is not None):
-            self._layer_row(step, sel, grads, gnorm, counts, None if cold else nnz)
+            self._layer_row(step, sel, grads, gnorm, counts, exact=cold)
         row = {
             "step": step,
             "rank": self.rank,
@@ -136,18 +135,26 @@ class StepStats:
             grad_norm = math.hypot(*norms)
         return gnorm, grad_norm, counts
 
-    def _layer_row(self, step, sel, grads, gnorm, counts, nnz) -> None:
-        """Store this step's per-layer row. `nnz`: the gradients' non-zero counts, or None to count
-        them here (an unplanned row, or a failing step whose NaNs make the fused count NaN)."""
-        params = [local_tensor(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
-        pnorm = norms(params, self._device, self._single_device)
-        if nnz is None:
-            nnz = nonzero_counts(grads, self._device)
+    def _layer_row(self, step, sel, grads, gnorm, counts, exact: bool) -> None:
+        """Store this step's per-layer row. `exact` (a failing step): zero fractions and parameter
+        norms counted over every element; else from the samples (see the module docstring)."""
         where = None if sel is None else self._index(sel)
-        numel = self._numel if where is None else self._numel.index_select(0, where)
-        zero_frac = (1.0 - nnz.to(self._acc) / numel).float()
         # the change since the previous recorded row, on a fixed sample: device-side, no host sync
-        update = self._update_sample.measure() if self._update_sample is not None else None
+        if sel is None:
+            by_param = grads
+        else:
+            by_param = [None] * len(self._params)
+            for i, g in zip(sel, grads):
+                by_param[i] = g
+        update = self._update_sample.measure(None if exact else by_param)
+        if exact:
+            params = [local_tensor(p) for p in self._params] if self._sharded else self._params  # no_grad: no detach
+            pnorm = norms(params, self._device, self._single_device)
+            numel = self._numel if where is None else self._numel.index_select(0, where)
+            zero_frac = (1.0 - nonzero_counts(grads, self._device).to(self._acc) / numel).float()
+        else:
+            pnorm = update.norm
+            zero_frac = update.zero_frac if where is None else update.zero_frac.index_select(0, where)
         if self._layers.full:
             self.flush()
         self._layers.put(step, sel, where, gnorm, pnorm, zero_frac, counts, update)

@@ -44,7 +44,10 @@ and how many forwards of accumulated micro-batches one recorded step sums (older
 inside the Recorder's ``with`` block (``EXCEPTION_KEYS``); a step that raised between ``begin_step``
 and ``end_step`` gets a snapshot of reason ``exception`` (``REASON_EXCEPTION``). And the meta.json
 keys ``steps_begun`` and ``autocast``: what the recorder saw of its own use (begin_step calls, and
-whether autocast was active during the forward).
+whether autocast was active during the forward). And 4 changes the meaning of two layer columns on
+healthy steps, nothing in the layout: ``param_norm`` and ``grad_zero_frac`` come from the fixed
+sample the update columns use (exact for parameters of at most 4096 elements, an estimate beyond);
+failing steps keep exact values. Versions 1-3 hold exact values on every row.
 """
 from __future__ import annotations
 
@@ -119,9 +122,9 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
     "rank": pl.Int32,
     "layer": pl.Int32,             # index into meta["params"] (model order)
     "grad_norm": pl.Float32,       # unscaled L2 norm of this parameter's gradient; null if no grad
-    "param_norm": pl.Float32,      # L2 norm of the parameter
+    "param_norm": pl.Float32,      # L2 norm of the parameter (since version 4, on healthy steps: from the sample)
     "grad_nonfinite": pl.Int64,    # count of NaN/Inf gradient elements
-    "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero
+    "grad_zero_frac": pl.Float32,  # fraction of gradient elements exactly zero (version 4, healthy steps: sampled)
     # Since version 3, over a fixed sample of the parameter (all elements up to 4096, else 64 evenly
     # spaced runs of 64 contiguous elements), against the previous recorded row of that parameter;
     # null on its first recorded row:

@@ -25,6 +25,60 @@ def test_importing_recorders_loads_no_analyzer_dependency():
     assert out.stdout.strip() == ""
 
 
+_HEAVY = "heavy = sorted(m for m in ('torch', 'matplotlib') if m in sys.modules)\n"
+
+
+@pytest.mark.parametrize("module", ["analyzer.cli", "analyzer.report", "analyzer.load", "analyzer.render"])
+def test_importing_the_cli_or_the_report_leaves_torch_and_matplotlib_out(module):
+    # a fresh interpreter: the test process itself has imported torch long ago
+    code = f"import sys, {module}\n" + _HEAVY + "print(','.join(heavy))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["report", "--help"], ["inspect", "--help"]])
+def test_help_answers_without_importing_torch_or_matplotlib(args):
+    code = ("import sys\nfrom analyzer.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            + _HEAVY + "print('heavy=' + ','.join(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "Usage: " in out.stdout and "--help" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "heavy="
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_reporting_a_run_imports_neither_torch_nor_matplotlib(tmp_path, json_out):
+    from tests.analyzer.report.report_traces import every_column, write_trace
+
+    # NaN and Inf sprinkled in every column of two ranks: most checks fire, and their statistics run
+    run = write_trace(every_column("sprinkled", lengths=(30, 30)), tmp_path / "run")
+    args = ["report", str(run)] + (["--json"] if json_out else [])
+    code = ("import sys\nfrom analyzer.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+            + _HEAVY + "print('heavy=' + ','.join(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "heavy=", out.stderr[-2000:]
+    assert "nonfinite_loss" in out.stdout
+
+
+def test_analyzer_report_help_starts_within_half_a_second_of_a_bare_interpreter():
+    # whole processes, best of three each: the shared machine's noise only ever adds time
+    import time
+
+    def best(cmd):
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, cwd=ROOT, check=True)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    bare = best([sys.executable, "-c", "pass"])
+    helped = best([sys.executable, "-m", "analyzer.cli", "report", "--help"])
+    assert helped - bare < 0.5, (helped, bare)
+
+
 def test_the_analyzer_console_script_prints_its_commands():
     out = subprocess.run([sys.executable, "-m", "analyzer.cli", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True)

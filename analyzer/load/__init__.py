@@ -4,17 +4,40 @@ Nothing here knows the analyses. Torch files are read with ``weights_only`` unde
 nesting bounds (``torchfile``); snapshots (``snapshot``) and the user code they name (``refs``);
 run directories (``run_dir``) and foreign training logs (``logs``) into one ``Run``;
 checkpoints and safetensors (``checkpoint``, ``safetensors``) for ``analyzer inspect``.
+
+NB: the readers of torch files are imported on first use (``__getattr__``): ``analyzer report``
+reads Parquet and JSON only, and must not pay for ``import torch``.
 """
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, Entry, load_checkpoint
-from .refs import INSTALLED_SAMPLES, plan_imports, recorded_cwd, resolve_ref, root_sources, samples_package, samples_roots, snapshot_roots
+import importlib
+
 from .run import Run, progress_line, step_frame
 from .run_dir import load_run, read_meta, snapshot_info
-from .snapshot import Snapshot, load_snapshot
-from .torchfile import torch_load_safe
 from .versions import check_format_version
 
 __all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "check_format_version", "load_checkpoint", "load_run",
            "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots",
            "snapshot_info", "snapshot_roots", "step_frame", "torch_load_safe"]
+
+# name -> the submodule that defines it; these import torch
+_LAZY = {
+    "Checkpoint": "checkpoint", "Entry": "checkpoint", "load_checkpoint": "checkpoint",
+    "INSTALLED_SAMPLES": "refs", "plan_imports": "refs", "resolve_ref": "refs", "samples_package": "refs",
+    "samples_roots": "refs", "snapshot_roots": "refs", "recorded_cwd": "refs", "root_sources": "refs",
+    "Snapshot": "snapshot", "load_snapshot": "snapshot",
+    "torch_load_safe": "torchfile",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

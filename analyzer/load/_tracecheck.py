@@ -5,9 +5,10 @@
 - meta.json: ranks, world sizes, parameter names, shapes and numels are integers in range (a
   hostile ``"rank": 1e400`` or ``"shape": [true, -1]`` is one error naming the file, not a
   ``ValueError`` deep in a check), and nesting is bounded;
-- Parquet parts: every column has the schema's type (a ``step`` column of strings used to pass the
-  name check and fail at the first query), and every part decodes: a part whose footer is fine but
-  whose data pages are corrupt is found here, by one streaming pass, and named.
+- Parquet parts: every column has the schema's type (a ``step`` column of strings would pass the
+  name check and fail at the first query), checked on the footer at load; and, once a query over
+  the trace has failed, every part is decoded (``check_parts_decode``, one streaming pass) so that
+  a part whose footer is fine but whose data pages are corrupt is named.
 
 Nothing here imports torch: ``analyzer report`` stays light.
 """
@@ -196,7 +197,7 @@ def _detail(e: BaseException) -> str:
 
 
 def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType], present=None) -> None:
-    """Decode every part once (streaming, bounded memory) so a corrupt data page is found here.
+    """Decode every part once (streaming, bounded memory) and name a corrupt one.
 
     One pass over all parts; only when it fails is each part decoded alone, to name the bad one.
     Key columns (step, rank, layer) may hold no nulls.

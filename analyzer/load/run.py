@@ -5,6 +5,7 @@ Both readers (``run_dir`` and ``logs``) build one; the report reads only this.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,11 @@ class Run:
         shards: for an FSDP2 run (version 3), ``(rank, layer, local_numel)`` of every sharded
             parameter: ``layers`` rows are then pieces of parameters, merged by
             ``analyzer.load.shards.merge_shards``; None for every other run.
+        diagnose: for a run directory, names the damaged part when a query over the trace failed:
+            decodes the parts (streaming) and raises ``BadInputError`` naming the first that does
+            not decode or holds a null key (step, rank, layer); returns when every part is sound.
+            Load reads only footers, so a corrupt data page is found by the first query that
+            reads it (``analyzer.report.checks.frames``). None for imported logs (read in full).
     """
 
     path: Path
@@ -57,6 +63,7 @@ class Run:
     partial: bool = False
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     shards: pl.DataFrame | None = None
+    diagnose: Callable[[], None] | None = None
 
     @property
     def world_size(self) -> int:

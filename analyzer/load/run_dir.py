@@ -2,7 +2,8 @@
 
 ``load_run(path)`` returns a ``Run`` whose ``steps`` and ``layers`` are polars LazyFrames over
 the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): nothing is read
-but the parts' footers until a query is collected. Logs from other tools (HF Trainer,
+but the parts' footers until a query is collected. A data page that does not decode is found by
+the first query that reads it; ``Run.diagnose`` then names the part. Logs from other tools (HF Trainer,
 Lightning, DeepSpeed, Megatron, CSV, JSONL, TensorBoard) are mapped onto the same step
 columns by ``analyzer.load.logs``; they have no per-layer table.
 
@@ -225,9 +226,12 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                         f"({total / 2**20:.1f} MiB) in {trace}")
     present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
     present.update({f: _check_part(f, "layers") for f in layer_files})
-    check_parts_decode(step_files, schema.STEP_COLUMNS, present)  # a corrupt data page is named here, not at a query
     check_part_ranks(parts["steps"])  # rows of another rank under this rank's name would mix two streams
-    check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
+
+    def diagnose() -> None:
+        """Decode every part (only after a query failed): a corrupt page or a null key is named."""
+        check_parts_decode(step_files, schema.STEP_COLUMNS, present)
+        check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
 
     metas = {int(meta.get("rank", 0) or 0): meta}
     for (r, w), m in by_writer.items():
@@ -263,7 +267,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                      "are left out of them)")
     return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
                layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
-               partial=partial, writers=writers, shards=shards)
+               partial=partial, writers=writers, shards=shards, diagnose=diagnose)
 
 
 def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from ..load.exceptions import raised_text
-from ..replay.result import ReplayResult
+
+if TYPE_CHECKING:  # NB: analyzer.replay imports torch; rendering a report must not
+    from ..replay.result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay", "replay_figure"]
 

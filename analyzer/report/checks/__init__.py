@@ -3,12 +3,14 @@
 The check names (the registry's keys) are a stable contract: ``--json`` output carries them.
 ``run_checks`` is the last line of defence: a check that raises becomes one ``check_failed``
 error finding (naming the check, asking for a bug report) and the other checks still run, so
-one bug never hides every other diagnosis.
+one bug never hides every other diagnosis. An ``AnalyzerError`` (a damaged trace part that a
+check's own query read first) is bad input, not a bug: it propagates.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...errors import AnalyzerError
 from ...findings import Finding
 from .exceptions import exception
 from .frames import Frames, build_frames
@@ -56,6 +58,8 @@ def run_checks(frames: Frames, only: list[str] | None = None) -> list[Finding]:
         if only is None or name in only:
             try:
                 found = list(check(frames))
+            except AnalyzerError:  # a damaged part met by the check's own query: the run's error, not a bug
+                raise
             except Exception as e:  # noqa: BLE001 - the last line of defence: any bug in one check
                 out.append(_failed(name, e))
                 continue

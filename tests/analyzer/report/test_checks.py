@@ -314,6 +314,29 @@ def test_light_statistics_match_scipy_stats():
     assert _stats.spearman(ties, y[:8]) == pytest.approx(ref.spearmanr(ties, y[:8]).statistic)
 
 
+@pytest.mark.parametrize("df", [1, 2, 7, 38, 1999, 200_000])
+@pytest.mark.parametrize("t", [0.0, 0.3, 1.0, 2.5, 6.0, 40.0])
+def test_the_t_test_p_value_matches_scipy_without_importing_it(df, t):
+    from scipy import special
+
+    from analyzer.report.checks import _stats
+
+    # two-sided: the statistic _stats.linregress turns into its slope's p-value
+    want = float(2 * special.stdtr(df, -t))
+    assert _stats._betainc(df / 2.0, 0.5, df / (df + t * t)) == pytest.approx(want, rel=1e-8, abs=1e-300)
+
+
+@pytest.mark.parametrize("k,n,p", [(0, 10, 0.3), (1, 1, 0.5), (5, 10, 0.5), (13, 398, 0.01), (400, 100_000, 0.004),
+                                   (60, 1000, 0.01), (999, 1000, 0.999), (11, 10, 0.2)])
+def test_the_binomial_tail_matches_scipy(k, n, p):
+    from scipy import special
+
+    from analyzer.report.checks import _stats
+
+    want = float(special.bdtrc(k - 1, n, p)) if k > 0 else 1.0
+    assert _stats.binom_sf(k, n, p) == pytest.approx(want, rel=1e-8, abs=1e-300)
+
+
 def test_a_bias_cancelled_by_what_follows_is_info_not_a_stall(tmp_path):
     findings, _ = _findings(tmp_path, {}, _cancelled_bias)
     info = [f for f in findings if f.check == "stalled_layers"]

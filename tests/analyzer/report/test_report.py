@@ -175,6 +175,39 @@ def test_cli_bad_input_exits_1_with_one_line_naming_the_file(tmp_path, damage, n
     assert len(res.output.strip().splitlines()) == 1
 
 
+def _corrupt_first_page(part):
+    data = bytearray(part.read_bytes())
+    for i in range(4, 40):  # the first data page header: the footer stays intact
+        data[i] ^= 0xFF
+    part.write_bytes(bytes(data))
+
+
+def test_a_corrupt_layers_page_is_found_by_the_query_and_named_in_one_error_line(tmp_path):
+    run = Script(n=50).write(tmp_path / "run", parts=2)
+    part = run / "trace" / "layers-r00000-p000001.parquet"
+    _corrupt_first_page(part)
+    from analyzer.load import load_run
+
+    assert load_run(run).layers is not None  # load reads footers only: the page is not read yet
+    res = CliRunner().invoke(main, ["report", str(run)])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("Error: ") and "layers-r00000-p000001.parquet: Parquet part's data is corrupt" \
+        in res.output and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind,column", [("steps", "step"), ("layers", "layer"), ("layers", "rank")])
+def test_a_null_key_in_a_part_is_named_in_one_error_line(tmp_path, kind, column):
+    run = Script(n=50).write(tmp_path / "run", parts=2)
+    part = run / "trace" / f"{kind}-r00000-p000001.parquet"
+    df = pl.read_parquet(part)
+    df.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(None).otherwise(pl.col(column)).alias(column)) \
+        .write_parquet(part)
+    res = CliRunner().invoke(main, ["report", str(run)])
+    assert res.exit_code == 1, res.output
+    assert f"{kind}-r00000-p000001.parquet: Parquet part has null values in its key column(s) ['{column}']" \
+        in res.output and len(res.output.strip().splitlines()) == 1
+
+
 def test_progress_goes_to_stderr(tmp_path, capsys):
     build_report(Script(n=50).write(tmp_path / "run"), progress=True)
     err = capsys.readouterr().err

@@ -131,6 +131,20 @@ def test_a_version_2_fp32_run_has_no_stalled_updates(tmp_path):
     assert not _by_check(build_report(_as_version_2(run, tmp_path / "v2")), "stalled_updates")
 
 
+def test_a_version_3_run_with_exact_layer_norms_reads_and_reports_as_a_version_4_one(bf16_run, tmp_path):
+    # format 3 differs from 4 only in what param_norm and grad_zero_frac mean on healthy rows
+    # (exact there, sampled since 4): the same files under version 3 give the same report
+    out = tmp_path / "v3"
+    shutil.copytree(bf16_run, out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["format_version"] == schema.FORMAT_VERSION == 4
+    meta["format_version"] = 3
+    (out / "meta.json").write_text(json.dumps(meta))
+    new, old = build_report(bf16_run), build_report(out)
+    assert [(f.check, f.step) for f in old.findings] == [(f.check, f.step) for f in new.findings]
+    assert _by_check(old, "stalled_updates")[0].evidence["basis"] == "unchanged_frac"
+
+
 _value = st.sampled_from([0.0, 1.0, 0.95, 1e-30, -1.0, math.nan, math.inf, -math.inf, None])
 _junk = st.one_of(st.none(), st.integers(-2, 10**19), st.floats(allow_nan=True), st.text(max_size=3),
                   st.lists(st.integers(-1, 5), max_size=3))
