@@ -1,6 +1,6 @@
 """User-code references of a snapshot (``pkg.mod:function``): resolve them, or plan what would be imported.
 
-The import rule itself is the on-disk contract's (``recorders.schema``); this module maps its
+The import rule itself is ``recorders.imports``; this module maps its
 refusals to ``FactoryError`` with the option that overrides them.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from recorders import schema
+from recorders import imports
 
 from ..errors import FactoryError
 from .snapshot import Snapshot
@@ -20,7 +20,7 @@ __all__ = ["INSTALLED_SAMPLES", "plan_imports", "resolve_ref", "samples_package"
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
 # ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
-# top-level name ``samples``, which other projects use. Both names are in ``schema.OWN_MODULES``.
+# top-level name ``samples``, which other projects use. Both names are in ``imports.OWN_MODULES``.
 INSTALLED_SAMPLES = "amp_autopsy_samples"
 
 
@@ -28,21 +28,21 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
                 explicit: bool = False):
     """Import the function or class ``"pkg.mod:name"`` names, under the import rule.
 
-    The rule (``recorders.schema``, the import-rule section) refuses anything but a function or
+    The rule (``recorders.imports``) refuses anything but a function or
     class defined in the module named, and imports a module only from an import root (`roots`:
     ``--path`` and the run's recorded cwd; the current directory is always one) or from
     amp-autopsy's own modules, never from the standard library, torch or site-packages, and
     never when another file would shadow it. ``explicit=True`` (``--factory``/``--loss-fn``) is
     the user's own say-so: the module may live anywhere, the form rule still holds.
 
-    The callable returned runs inside ``schema.import_roots(roots)``, so a builder's class
+    The callable returned runs inside ``imports.import_roots(roots)``, so a builder's class
     argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
     to what it was between calls.
     """
     roots, ref = tuple(roots), _own_name(ref)
     try:
-        obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
-    except schema.ImportRuleError as e:
+        obj = imports.import_ref(ref, roots, explicit=explicit, what=what)
+    except imports.ImportRuleError as e:
         raise FactoryError(str(e), fix=_ref_fix(e.kind, option)) from e
     except Exception as e:  # noqa: BLE001 - any import-time failure of user code is reported
         raise FactoryError(
@@ -51,7 +51,7 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
         ) from e
 
     def call_under_roots(*args, **kwargs):
-        with schema.import_roots(roots):
+        with imports.import_roots(roots):
             return obj(*args, **kwargs)
 
     return functools.update_wrapper(call_under_roots, obj, updated=())
@@ -83,21 +83,21 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
 
     Imports nothing (``analyzer replay --show``). One dict per reference: the factory, the
     loss function, and a built-in builder's class argument (HF's ``model_class``), with keys
-    ``role``, ``ref``, ``file``, ``allowed``, ``why``, ``kind`` (``schema.RefPlan.kind``) and
+    ``role``, ``ref``, ``file``, ``allowed``, ``why``, ``kind`` (``imports.RefPlan.kind``) and
     ``explicit``.
     """
     roots = snapshot_roots(snap, paths)
     rows = []
     for role, given, recorded in (("factory", factory, snap.factory), ("loss_fn", loss_fn, snap.loss_fn)):
         ref = _own_name(given or recorded)
-        plan = schema.plan_ref(ref, roots, explicit=bool(given), what=role)
+        plan = imports.plan_ref(ref, roots, explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
-        builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
+        builder = imports.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
         kwargs = snap.factory_kwargs
         if builder and isinstance(kwargs, dict):
             arg, base, libraries = builder
-            sub = schema.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
+            sub = imports.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
             rows.append({"role": f"factory_kwargs.{arg}", "ref": kwargs.get(arg), "file": sub.file,
                          "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
                          else sub.why, "kind": sub.kind, "explicit": False})
@@ -120,7 +120,7 @@ def samples_package() -> str:
     if mod is not None:
         origin = getattr(mod, "__file__", None)
     else:
-        with schema.import_roots(roots):  # appended, then removed: sys.path is left as it was
+        with imports.import_roots(roots):  # appended, then removed: sys.path is left as it was
             spec = importlib.util.find_spec("samples")
         origin = spec.origin if spec is not None else None
     return "samples" if origin and os.path.realpath(origin) == init else INSTALLED_SAMPLES
@@ -128,7 +128,7 @@ def samples_package() -> str:
 
 def samples_roots() -> tuple[str, ...]:
     """``(repository root,)`` when amp-autopsy runs from a checkout, else ``()``: the import root
-    under which ``samples`` is the checkout's own (for ``schema.import_roots``)."""
+    under which ``samples`` is the checkout's own (for ``imports.import_roots``)."""
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "samples" / "__init__.py").is_file():
         return (os.path.realpath(root),)
