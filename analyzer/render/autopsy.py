@@ -50,7 +50,7 @@ def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
     lines += ["", _RULE, f"evidence 1/{total}: analyzer report {autopsy.run}", _RULE,
               render_report_text(autopsy.report)]
     for i, result in enumerate(shown, start=2):
-        bare = dataclasses.replace(result, advice=[])  # its untried advice is in the answer, with a status
+        bare = dataclasses.replace(result, advice=[], advice_lines=())  # its untried advice is in the answer, with a status
         lines += ["", _RULE, f"evidence {i}/{total}: analyzer replay {result.snapshot}", _RULE,
                   render_replay_text(bare, ops=ops)]
     if shared:
