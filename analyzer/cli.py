@@ -35,7 +35,6 @@ from .errors import AnalyzerError
 __all__ = ["main"]
 
 
-EXIT_BAD_INPUT = 1
 EXIT_INTERNAL = 3
 
 # what each command was doing, for the internal-error line; the first argument names the file

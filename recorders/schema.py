@@ -72,6 +72,7 @@ __all__ = [
     "dcp_dir_name",
     "dtype_name",
     "dtype_from_name",
+    "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
 ]
 
 FORMAT_VERSION = 3
@@ -187,6 +188,14 @@ KEYS_ADDED["sdpa"] = 3  # the SDPA backend switches (recorders/_sdpa.py)
 KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_fsdp.py)
 KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter names (recorders/_update.py)
 KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
+# Snapshot reasons (the ``reason`` key, and the last part of a snapshot's file name).
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRADS = "nonfinite_grads"
+SCALE_COLLAPSE = "scale_collapse"
+OVERFLOW_STREAK = "overflow_streak"
+MANUAL = "manual"  # Recorder.snapshot()'s default reason: not a failure
+PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=True)
+UPDATE = "update"  # the optimizer step made weights non-finite (check_update=True)
 # The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).
 DCP_RE = re.compile(r"^step(\d+)-([A-Za-z0-9_]+)\.dcp$")
 # The snapshot's names of the SDPA backends: the keys of snapshot["sdpa"]["enabled"].
@@ -213,13 +222,13 @@ def part_name(kind: str, rank: int, index: int, writer: int = 0) -> str:
 
 def dcp_dir_name(step: int, reason: str) -> str:
     """step00000042-nonfinite_loss.dcp: a sharded snapshot's DCP directory, one for all ranks."""
-    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or "manual"
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or MANUAL
     return f"step{step:08d}-{safe}.dcp"
 
 
 def snapshot_name(step: int, rank: int, reason: str, writer: int = 0) -> str:
     """step00000042-r00000-nonfinite_loss.pt; the reason is reduced to [A-Za-z0-9_]."""
-    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or "manual"
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in reason) or MANUAL
     return f"step{step:08d}-r{rank:05d}{_writer(writer)}-{safe}.pt"
 
 

@@ -1,11 +1,11 @@
 """Validate a run directory's meta.json values and Parquet parts before any check reads them.
 
-``runs.load_run`` calls these so that the checks can trust what they get:
+``run_dir.load_run`` calls these so that the checks can trust what they get:
 
 - meta.json: ranks, world sizes, parameter names, shapes and numels are integers in range (a
   hostile ``"rank": 1e400`` or ``"shape": [true, -1]`` is one error naming the file, not a
   ``ValueError`` deep in a check), and nesting is bounded;
-- Parquet parts: every column has the schema's type (a ``step`` column of strings used to pass the
+- Parquet parts: every column has the schema's type (a ``step`` column of strings would pass the
   name check and fail at the first query), and every part decodes: a part whose footer is fine but
   whose data pages are corrupt is found here, by one streaming pass, and named.
 

@@ -221,7 +221,6 @@ def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figur
 
 
 # -- replay: per-op output range along execution order ----------------------------------------
-_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 # One look per precision, dash pattern and marker both differing: FP16 and BF16 often agree op
 # for op until the overflow, and with one plain style the later-drawn line hid the other.
 _STYLES = {
@@ -351,7 +350,10 @@ def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
         line, = ax.plot(xs, ys, label=label, gid=f"ops:{p}", **style)
         drawn.append((p, (xs, ys)))
         _mark_edges(ax, bad, zero, line.get_color(), p)
-    for name, limit in _LIMITS.items():
+    import torch  # here, not at the top: the report's figures never need it
+
+    for name in ("float16", "bfloat16"):
+        limit = float(torch.finfo(getattr(torch, name)).max)
         if limit <= top_val * 100:
             ax.axhline(limit, ls="--", lw=0.8, color="grey")
             ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")

@@ -47,10 +47,6 @@ def op_kind(run: RunTrace, rec: _OpRecord) -> int:
     return max((run.kind(s) for s in rec.outputs), default=0)
 
 
-def input_kind(run: RunTrace, rec: _OpRecord) -> int:
-    return max((run.kind(s) for s, _ in rec.inputs), default=0)
-
-
 def op_roots(run: RunTrace) -> list[Root | None]:
     """Per op of `run`, the op its non-finite output comes from (None: finite), kept on the trace."""
     if run.roots is None:
