@@ -2,7 +2,7 @@
 
 They are what replay cannot try as a fix on the snapshot (a loss rewritten with logsigmoid, a norm
 with an eps inside the sqrt, a finite mask fill), so they are printed as untested advice
-(``_advice.with_status``).
+(``_advice.advice_with_status``).
 """
 from __future__ import annotations
 
