@@ -186,11 +186,11 @@ def _replay_options(*, culprit: str, snapshot: str):
 @_one_line_errors
 def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show, rank):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf."""
-    if rank is not None:
-        from .load.dcp import sibling_snapshot
-
-        snapshot = str(sibling_snapshot(snapshot, rank))
     if show:
+        if rank is not None:
+            from .load.dcp import sibling_snapshot
+
+            snapshot = str(sibling_snapshot(snapshot, rank))
         _show_imports(snapshot, factory, loss_fn, paths, as_json)
         return
     from .render import check_output_path, plot_replay, render_replay_text
@@ -199,8 +199,8 @@ def replay(snapshot, as_json, device, dtypes, plot_path, ops, factory, loss_fn, 
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot], option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
-    result = replay_snapshot(snapshot, device=device, dtypes=dtype_list, factory=factory,
-                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths)
+    result = replay_snapshot(snapshot, device=device, dtypes=dtype_list, factory=factory, loss_fn=loss_fn,
+                             progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
     if plot_path:
         plot_replay(result, plot_path)
     if as_json:
