@@ -1,6 +1,6 @@
 """amp-autopsy analyzer: offline diagnosis of mixed-precision training failures.
 
-Commands (see ``analyzer --help``): ``replay``, ``report``, ``inspect``, ``demo``.
+Commands (see ``analyzer --help``): ``autopsy``, ``replay``, ``report``, ``inspect``, ``demo``.
 """
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ from .errors import AnalyzerError
 __all__ = ["main"]
 
 
-EXIT_BAD_INPUT = 1
 EXIT_INTERNAL = 3
 
 # what each command was doing, for the internal-error line; the first argument names the file
@@ -179,26 +178,45 @@ def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, pat
                                     device=device, paths=paths)
 
 
+_device_option = click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+    help="Where to replay: cuda when present (auto), else cpu.")
+
+
+def _replay_options(*, culprit: str, snapshot: str):
+    """The options ``replay`` and ``autopsy`` share: --ops, --factory, --loss-fn, --path."""
+    options = [
+        click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
+                     help=f"Ops to show around {culprit}."),
+        click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function."),
+        click.option("--loss-fn", "loss_fn", default=None, metavar="REF",
+                     help="Override the loss function, pkg.mod:function."),
+        click.option("--path", "paths", multiple=True, metavar="DIR",
+                     type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
+                     help=f"Also import {snapshot} factory and loss function from under DIR "
+                          "(repeatable)."),
+    ]
+
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
 @main.command(epilog="After a crash without a recorder: torch.save(batch, 'batch.pt') in the loop when the loss "
                      "is NaN, then: analyzer replay model.pt --batch batch.pt --factory pkg.mod:build --loss-fn "
                      "pkg.mod:loss (HF and Lightning checkpoints need neither).")
 @click.argument("snapshot", type=click.Path(path_type=str))  # a directory gets the command that reads it
 @_checkpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where to replay: cuda when present (auto), else cpu.")
+@_device_option
 @click.option("--dtypes", default=None, metavar="LIST",
               help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write a PNG of per-op abs-max along execution order (for an update snapshot: the update "
                    "forensics, per parameter).")
-@click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
-              help="Ops to show around the culprit.")
-@click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
-@click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
-@click.option("--path", "paths", multiple=True, metavar="DIR",
-              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
-              help="Also import the snapshot's factory and loss function from under DIR (repeatable).")
+@_replay_options(culprit="the culprit", snapshot="the snapshot's")
 @click.option("--show", is_flag=True,
               help="Print what replay would import, from which file, and whether the import rule allows "
                    "it; import nothing, replay nothing.")
@@ -214,11 +232,11 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
     """
     if batch is not None and (show or rank is not None):
         raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
-    if rank is not None:
-        from .load.dcp import sibling_snapshot
-
-        snapshot = str(sibling_snapshot(snapshot, rank))
     if show:
+        if rank is not None:
+            from .load.dcp import sibling_snapshot
+
+            snapshot = str(sibling_snapshot(snapshot, rank))
         _show_imports(snapshot, factory, loss_fn, paths, as_json)
         return
     from .render import check_output_path, plot_replay, render_replay_text
@@ -230,7 +248,7 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
     target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
                                 paths=paths)
     result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
-                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths)
+                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
     if plot_path:
         plot_replay(result, plot_path)
     if as_json:
@@ -316,15 +334,8 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Write the report's plots and each replay's figure into this directory.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where to replay: cuda when present (auto), else cpu.")
-@click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
-              help="Ops to show around each culprit.")
-@click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
-@click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
-@click.option("--path", "paths", multiple=True, metavar="DIR",
-              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
-              help="Also import the snapshots' factory and loss function from under DIR (repeatable).")
+@_device_option
+@_replay_options(culprit="each culprit", snapshot="the snapshots'")
 @click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
               help="Exit with status 4 when the report has a finding of this severity or worse (to gate a "
                    "pipeline); the autopsy is printed as usual.")

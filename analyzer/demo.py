@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recorders import schema
+from recorders import imports, schema
 
 from .errors import AnalyzerError
 from .load import samples_package, samples_roots
@@ -86,7 +86,7 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
     from .autopsy import run_autopsy
     from .render import plot_replay, render_autopsy_text, write_plots
 
-    with schema.import_roots(samples_roots()):  # a checkout's samples/, found even from elsewhere
+    with imports.import_roots(samples_roots()):  # a checkout's samples/, found even from elsewhere
         module = importlib.import_module(f"{samples_package()}.{scenario}")
     one_thread = importlib.import_module(f"{module.__package__}._common").one_thread
     out = Path(out_dir)

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "SEVERITIES", "json_safe", "safe_text", "sort_findings", "worst_severity"]
+__all__ = ["Finding", "SEVERITIES", "EXIT_FAIL_ON", "exit_status", "json_safe", "safe_text", "sort_findings"]
 
 SEVERITIES = ("error", "warning", "info")  # most severe first
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
+EXIT_FAIL_ON = 4  # --fail-on SEVERITY matched: a finding that severe or worse is present (every command)
 
 
 def safe_text(text: str) -> str:
@@ -117,7 +118,11 @@ def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
     )
 
 
-def worst_severity(findings: Iterable[Finding]) -> str | None:
-    """The most severe severity among `findings`, or None when there are none."""
-    ranks = [_RANK[f.severity] for f in findings]
-    return SEVERITIES[min(ranks)] if ranks else None
+def exit_status(findings: Iterable[Finding], fail_on: str | None) -> int:
+    """``--fail-on``: EXIT_FAIL_ON when a finding of severity `fail_on` ("error" or "warning") or
+    worse is among `findings`, else 0 (also when `fail_on` is None)."""
+    if not fail_on:
+        return 0
+    if fail_on not in _RANK:
+        raise ValueError(f"fail_on must be one of {SEVERITIES}, got {fail_on!r}")
+    return EXIT_FAIL_ON if any(_RANK[f.severity] <= _RANK[fail_on] for f in findings) else 0

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analyzer.autopsy import run_autopsy  # noqa: E402  (at the top: --help proves every import works)
 from analyzer.replay import replay_snapshot  # noqa: E402
 from analyzer.report import build_report  # noqa: E402
-from recorders import schema  # noqa: E402
+from recorders import imports, schema  # noqa: E402
 
 TARGET_S = 30.0  # issue 14: the whole autopsy of the demo run under 30 s on this CPU
 SCENARIO = "fp16_attention_overflow"
@@ -45,7 +45,7 @@ def _record(out: Path, scenario: str) -> tuple[Path, float]:
 
     from analyzer.load import samples_package, samples_roots
 
-    with schema.import_roots(samples_roots()):
+    with imports.import_roots(samples_roots()):
         module = importlib.import_module(f"{samples_package()}.{scenario}")
     t0 = time.perf_counter()
     run_dir = Path(module.run(out / scenario))

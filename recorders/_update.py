@@ -1,6 +1,6 @@
 """What the optimizer step did to the weights: per-layer change columns, the optimizer in files, check_update.
 
-Failures born in the update (issue 15) leave finite gradients and broken or frozen weights:
+Failures born in the update leave finite gradients and broken or frozen weights:
 Adam's ``eps=1e-8`` is 0 in float16, so a zero gradient gives ``0/0``; an update below half an
 ulp of a BF16 weight rounds away. This module holds what the Recorder needs to see them:
 

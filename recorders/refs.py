@@ -1,7 +1,7 @@
 """Turn a model factory or loss function into a ``"module:function"`` reference, and check it.
 
 The rule itself (form, refused modules, where a module may be imported from) lives in
-``recorders.schema``, next to the snapshot keys it governs; this module applies it on the
+``recorders.imports``; this module applies it on the
 training side, so a run never records a reference that replay would refuse.
 """
 from __future__ import annotations
@@ -11,13 +11,13 @@ import types
 import warnings
 from collections.abc import Callable
 
-from . import schema
+from . import imports
 
 __all__ = ["to_ref", "import_class"]
 
 
 def _check_refusable(module: str, ref: str, what: str) -> None:
-    if module.split(".")[0] in schema.REFUSED_MODULES:
+    if module.split(".")[0] in imports.REFUSED_MODULES:
         raise ValueError(
             f"{what} {ref!r} is in the standard library, builtins or torch: replay refuses such "
             "references, so wrap it in a function of your own module"
@@ -30,14 +30,14 @@ def to_ref(fn: str | Callable, what: str) -> str:
     Strings are checked for form only (the module may not be importable in the training
     process, e.g. when it is a path the analyzer will see). Callables must be functions or
     classes defined at the top level of an importable module: replay rebuilds the model from
-    the name alone and refuses anything else (see ``recorders.schema``, the import rule).
+    the name alone and refuses anything else (see ``recorders.imports``, the import rule).
 
     Example:
         >>> to_ref("samples.models:build_gpt", "factory")
         'samples.models:build_gpt'
     """
     if isinstance(fn, str):
-        module, _ = schema.parse_ref(fn, what)
+        module, _ = imports.parse_ref(fn, what)
         _check_refusable(module, fn, what)
         return fn
     if not callable(fn):
@@ -60,7 +60,7 @@ def to_ref(fn: str | Callable, what: str) -> str:
             "move it to an importable module or pass 'pkg.module:function'"
         )
     ref = f"{module}:{qualname}"
-    schema.parse_ref(ref, what)
+    imports.parse_ref(ref, what)
     _check_refusable(module, ref, what)
     resolved = vars(sys.modules[module]).get(qualname) if module in sys.modules else None
     if resolved is not fn:
@@ -76,7 +76,7 @@ def _warn_if_replay_refuses(ref: str, what: str) -> None:
     Typical case: a model package installed into site-packages (not ``pip install -e``), which
     replay refuses to import on a snapshot's word. Training goes on; the snapshot is still useful.
     """
-    plan = schema.plan_ref(ref, what=what)
+    plan = imports.plan_ref(ref, what=what)
     if not plan.allowed:
         option = "--factory" if what == "factory" else "--loss-fn"
         warnings.warn(
@@ -91,10 +91,10 @@ def import_class(ref: str, base: type, what: str = "model_class", *, libraries=(
 
     Used by the framework adapters' factories, which rebuild a model from a class reference
     stored in a snapshot. The class must be defined in the module the reference names, which
-    must lie under an import root (``recorders.schema.import_roots``: replay's ``--path`` and the
+    must lie under an import root (``recorders.imports.import_roots``: replay's ``--path`` and the
     current directory) or in one of `libraries` (the framework's own package).
 
     Raises:
-        ValueError (``schema.ImportRuleError``): the rule refuses the reference.
+        ValueError (``imports.ImportRuleError``): the rule refuses the reference.
     """
-    return schema.import_ref(ref, base=base, libraries=libraries, what=what)
+    return imports.import_ref(ref, base=base, libraries=libraries, what=what)

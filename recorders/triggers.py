@@ -8,6 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# The reason names are the on-disk contract's (schema), re-exported beside the triggers that fire them.
+from .schema import MANUAL, NONFINITE_GRADS, NONFINITE_LOSS, OVERFLOW_STREAK, PEER_FAILURE, SCALE_COLLAPSE, UPDATE
+
 __all__ = [
     "NONFINITE_LOSS",
     "NONFINITE_GRADS",
@@ -20,14 +23,6 @@ __all__ = [
     "StepHealth",
     "Triggers",
 ]
-
-NONFINITE_LOSS = "nonfinite_loss"
-NONFINITE_GRADS = "nonfinite_grads"
-SCALE_COLLAPSE = "scale_collapse"
-OVERFLOW_STREAK = "overflow_streak"
-MANUAL = "manual"
-PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=True)
-UPDATE = "update"  # the optimizer step made weights non-finite (check_update=True)
 
 # Automatic reasons, most telling first: when several fire on one step, the first names the snapshot.
 REASONS = (NONFINITE_LOSS, NONFINITE_GRADS, SCALE_COLLAPSE, OVERFLOW_STREAK)

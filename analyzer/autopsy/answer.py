@@ -1,7 +1,7 @@
 """The autopsy's answer: a few plain lines, root cause first, then where, then what was proven to fix it.
 
 The lines are a value of the analysis (they are the ``answer`` field of ``autopsy --json``), so
-they are built here, once, and the text renderer only prints them. The rule the issue set: a fix
+they are built here, once, and the text renderer only prints them. The rule: a fix
 whose counterfactual replay still went non-finite is never worded as a recommendation; it is
 listed as ``tried, fails:``. Advice nobody could try (``use binary_cross_entropy_with_logits``)
 is printed, marked ``untested``.
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..load.exceptions import raised_text
+from recorders import schema
 
 if TYPE_CHECKING:
     from .autopsy import AutopsyResult
@@ -72,7 +73,7 @@ def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
 
 def _report_only(autopsy: AutopsyResult) -> list[str]:
     rep = autopsy.report
-    manual = [s for s in rep.frames.snapshots if s.get("reason") == "manual"]
+    manual = [s for s in rep.frames.snapshots if s.get("reason") == schema.MANUAL]
     if autopsy.verdict == "healthy":
         lines = [f"root cause: no failing step: the run wrote no failure snapshot, so nothing was replayed; "
                  f"the report says {rep.verdict}"]

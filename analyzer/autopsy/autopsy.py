@@ -36,8 +36,7 @@ from .answer import answer_lines
 from .pick import pick_snapshots
 
 if TYPE_CHECKING:
-    from ..replay import ReplayResult
-    from ..replay.fixes import Advice, Fix
+    from ..replay import Advice, Fix, ReplayResult
     from ..report import Report
 
 __all__ = ["AUTOPSY_VERSION", "AutopsyResult", "SnapshotFailure", "run_autopsy"]
@@ -199,8 +198,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         BadInputError, VersionError: the run itself cannot be read (a snapshot that cannot be
         replayed is a ``SnapshotFailure`` instead).
     """
-    from ..replay import replay_snapshot
-    from ..replay.fixes import advice_with_status, try_fixes
+    from ..replay import Replay, advice_with_status
     from ..report import build_report
     from ..report.checks.scaler import calibration_end
 
@@ -224,8 +222,9 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         snap = str(info["file"])
         say(f"replaying {snap} ({info['why']})")
         try:
-            result = replay_snapshot(run if isinstance(run, Snapshot) else snap, device=device, factory=factory, loss_fn=loss_fn,
-                                     progress=progress, paths=paths)
+            replay = Replay(run if isinstance(run, Snapshot) else snap, device=device, factory=factory,
+                            loss_fn=loss_fn, progress=progress, paths=paths)
+            result = replay.run()
         except (AnalyzerError, OSError, MemoryError) as e:
             failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))
             continue
@@ -237,7 +236,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         if key is not None:
             say(f"trying fixes on {result.culprit.op} in {result.culprit.module}")
         try:
-            tried = try_fixes(snap, result, device=device, factory=factory, loss_fn=loss_fn, paths=paths)
+            tried = replay.try_fixes(result)
         except (AnalyzerError, OSError, MemoryError) as e:
             failures.append(SnapshotFailure(snap, "fixes", " ".join(str(e).split())))
             continue

@@ -27,10 +27,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from recorders import schema
+
 __all__ = ["MANUAL", "is_failure", "pick_snapshots"]
 
-MANUAL = "manual"  # recorders.triggers.MANUAL: Recorder.snapshot()'s default reason, not a failure
-OVERFLOW_STREAK = "overflow_streak"  # recorders.triggers.OVERFLOW_STREAK
+MANUAL = schema.MANUAL  # Recorder.snapshot()'s default reason, not a failure
+OVERFLOW_STREAK = schema.OVERFLOW_STREAK
 
 
 def is_failure(info: Mapping[str, Any]) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from ..findings import Finding, json_safe, sort_findings
+from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry, load_checkpoint
 from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
@@ -25,7 +25,6 @@ PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504
 UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam/AdamW, AMSGrad, RMSprop
 _PROGRESS_MIN_BYTES = 64 << 20
-EXIT_FAIL_ON = 4  # inspect --fail-on matched: the same status as report --fail-on (analyzer.report)
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,7 @@ class InspectResult:
     def exit_status(self, fail_on: str | None = None) -> int:
         """The CLI's exit status: EXIT_FAIL_ON when a finding of severity `fail_on` ("error" or
         "warning") or worse is present, else 0 (also when `fail_on` is None)."""
-        gate = {"error": ("error",), "warning": ("error", "warning")}.get(fail_on or "", ())
-        return EXIT_FAIL_ON if any(f.severity in gate for f in self.findings) else 0
+        return exit_status(self.findings, fail_on)
 
     def to_dict(self) -> dict[str, Any]:
         """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``)."""

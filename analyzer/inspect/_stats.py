@@ -25,7 +25,7 @@ import torch
 __all__ = ["FP16_MAX", "FP16_OVERFLOW", "FP16_FLUSH", "BF16_OVERFLOW", "BF16_FLUSH", "TensorStats",
            "PairChange", "Bits", "BITS"]
 
-FP16_MAX = 65504.0
+FP16_MAX = float(torch.finfo(torch.float16).max)
 FP16_OVERFLOW = 65520.0
 FP16_FLUSH = 2.0**-25
 BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127

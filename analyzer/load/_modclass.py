@@ -9,7 +9,7 @@ is called on the class). The class is, in order:
    ``__init__`` takes exactly those hyperparameters, found by parsing the files (``ast``, nothing
    is imported or run here).
 
-The import rule (``recorders.schema``) then decides at replay whether that module may be
+The import rule (``recorders.imports``) then decides at replay whether that module may be
 imported: under ``--path`` or the current directory, never from where the checkpoint says.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ast
 import os
 from pathlib import Path
 
-from recorders import schema
+from recorders import imports
 
 from ..errors import BadInputError, FactoryError
 from .adhoc import PL_BUILDER, PL_LOSS, _int_of, _scaler_scale, clean_state
@@ -63,13 +63,13 @@ def lightning_checkpoint(p: Path, ck: dict, *, paths=(), explicit: bool = False)
 
 def find_module_class(hparams: dict, p: Path, paths=()) -> str:
     """``pkg.mod:Class`` of the one LightningModule under the roots whose ``__init__`` fits `hparams`."""
-    with schema.import_roots(tuple(os.path.abspath(r) for r in paths)) as roots:  # the rule's roots: never "/"
+    with imports.import_roots(tuple(os.path.abspath(r) for r in paths)) as roots:  # the rule's roots: never "/"
         pass
     found: dict[str, str] = {}  # file -> ref: a file under two roots is one class
     for root in roots:
         for ref, file, params, required, var_kw in _classes(Path(root)):
             if file not in found and set(required) <= set(hparams) and (var_kw or set(hparams) <= set(params)) \
-                    and schema.plan_ref(ref, roots, what="module_class").allowed:  # importable as named
+                    and imports.plan_ref(ref, roots, what="module_class").allowed:  # importable as named
                 found[file] = ref
     found = list(dict.fromkeys(found.values()))
     fix = ("run from the directory that holds the module's code, pass --path DIR, or name the class "

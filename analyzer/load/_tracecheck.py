@@ -1,6 +1,6 @@
 """Validate a run directory's meta.json values and Parquet parts before any check reads them.
 
-``runs.load_run`` calls these so that the checks can trust what they get:
+``run_dir.load_run`` calls these so that the checks can trust what they get:
 
 - meta.json: ranks, world sizes, parameter names, shapes and numels are integers in range (a
   hostile ``"rank": 1e400`` or ``"shape": [true, -1]`` is one error naming the file, not a

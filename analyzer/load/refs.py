@@ -1,6 +1,6 @@
 """User-code references of a snapshot (``pkg.mod:function``): resolve them, or plan what would be imported.
 
-The import rule itself is the on-disk contract's (``recorders.schema``); this module maps its
+The import rule itself is ``recorders.imports``; this module maps its
 refusals to ``FactoryError`` with the option that overrides them.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from recorders import schema
+from recorders import imports
 
 from ..errors import FactoryError
 from .snapshot import Snapshot
@@ -22,7 +22,7 @@ __all__ = ["INSTALLED_SAMPLES", "plan_imports", "recorded_cwd", "resolve_ref", "
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
 # ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
-# top-level name ``samples``, which other projects use. Both names are in ``schema.OWN_MODULES``.
+# top-level name ``samples``, which other projects use. Both names are in ``imports.OWN_MODULES``.
 INSTALLED_SAMPLES = "amp_autopsy_samples"
 
 
@@ -30,7 +30,7 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
                 explicit: bool = False, recorded: str | None = None):
     """Import the function or class ``"pkg.mod:name"`` names, under the import rule.
 
-    The rule (``recorders.schema``, the import-rule section) refuses anything but a function or
+    The rule (``recorders.imports``) refuses anything but a function or
     class defined in the module named, and imports a module only from an import root (`roots`:
     ``--path``; the current directory is always one) or from amp-autopsy's own modules, never
     from the standard library, torch or site-packages, and never when another file would shadow
@@ -40,15 +40,15 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
     `recorded` (the snapshot's recorded cwd) is no root: a shared run directory must not run its
     own code. When the module is found only there, the error names the file and ``--path DIR``.
 
-    The callable returned runs inside ``schema.import_roots(roots)``, so a builder's class
+    The callable returned runs inside ``imports.import_roots(roots)``, so a builder's class
     argument (HF's ``model_class``) is imported under the same roots, and ``sys.path`` is back
     to what it was between calls.
     """
     ref = _own_name(ref)
     roots = _with_samples_root(ref, tuple(roots))
     try:
-        obj = schema.import_ref(ref, roots, explicit=explicit, what=what)
-    except schema.ImportRuleError as e:
+        obj = imports.import_ref(ref, roots, explicit=explicit, what=what)
+    except imports.ImportRuleError as e:
         found = None if explicit or e.kind not in ("missing", "refused") else _found_elsewhere(ref, roots, recorded, what)
         if found is not None:
             folder, file = found
@@ -64,7 +64,7 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
         ) from e
 
     def call_under_roots(*args, **kwargs):
-        with schema.import_roots(roots):
+        with imports.import_roots(roots):
             return obj(*args, **kwargs)
 
     return functools.update_wrapper(call_under_roots, obj, updated=())
@@ -92,14 +92,14 @@ def root_sources(snap: Snapshot, paths=()) -> dict:
     """Where replay may import from, and why (``analyzer replay --show``).
 
     ``roots``: ``{"kind": "path" | "cwd" | "own", "dir"}`` in the order the rule tries them
-    (``own``: amp-autopsy's install folder, for ``schema.OWN_MODULES`` only, listed in
+    (``own``: amp-autopsy's install folder, for ``imports.OWN_MODULES`` only, listed in
     ``modules``); ``recorded_cwd``: ``{"dir", "root"}`` or None, ``root`` true only when it is
     the current directory or under a ``--path``, since the recorded cwd is never a root itself.
     """
     roots = [{"kind": "path", "dir": p} for p in snapshot_roots(snap, paths)]
     roots.append({"kind": "cwd", "dir": os.getcwd()})
-    roots.append({"kind": "own", "dir": os.path.dirname(os.path.dirname(os.path.realpath(schema.__file__))),
-                  "modules": list(schema.OWN_MODULES)})
+    roots.append({"kind": "own", "dir": os.path.dirname(os.path.dirname(os.path.realpath(imports.__file__))),
+                  "modules": list(imports.OWN_MODULES)})
     cwd = recorded_cwd(snap)
     inside = cwd is not None and any(
         cwd == os.path.realpath(r["dir"]) or cwd.startswith(os.path.realpath(r["dir"]).rstrip(os.sep) + os.sep)
@@ -117,15 +117,15 @@ def _found_elsewhere(ref: str, roots: tuple[str, ...], recorded: str | None, wha
     """(folder, file) when `ref` would be allowed with one more root: the recorded cwd, else the
     folder above the package of the file Python would import (never amp-autopsy's own folder:
     its modules outside ``OWN_MODULES``, the scenario runners, stay refused). Imports nothing."""
-    plan = schema.plan_ref(ref, roots, what=what)
+    plan = imports.plan_ref(ref, roots, what=what)
     candidates = [recorded] if recorded else []
     if plan.file and plan.module:
         folder = Path(plan.file).parent
         depth = plan.module.count(".") + (Path(plan.file).name == "__init__.py")
         candidates.append(os.fspath(folder.parents[depth - 1]) if depth else os.fspath(folder))
-    own = os.path.dirname(os.path.dirname(os.path.realpath(schema.__file__)))
+    own = os.path.dirname(os.path.dirname(os.path.realpath(imports.__file__)))
     for folder in (c for c in candidates if os.path.realpath(c) != own):
-        with_it = schema.plan_ref(ref, (*roots, folder), what=what)
+        with_it = imports.plan_ref(ref, (*roots, folder), what=what)
         if with_it.allowed and with_it.file:
             return folder, with_it.file
     return None
@@ -137,21 +137,21 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
 
     Imports nothing (``analyzer replay --show``). One dict per reference: the factory, the
     loss function, and a built-in builder's class argument (HF's ``model_class``), with keys
-    ``role``, ``ref``, ``file``, ``allowed``, ``why``, ``kind`` (``schema.RefPlan.kind``) and
+    ``role``, ``ref``, ``file``, ``allowed``, ``why``, ``kind`` (``imports.RefPlan.kind``) and
     ``explicit``.
     """
     roots = snapshot_roots(snap, paths)
     rows = []
     for role, given, recorded in (("factory", factory, snap.factory), ("loss_fn", loss_fn, snap.loss_fn)):
         ref = _own_name(given or recorded)
-        plan = schema.plan_ref(ref, _with_samples_root(ref, roots), explicit=bool(given), what=role)
+        plan = imports.plan_ref(ref, _with_samples_root(ref, roots), explicit=bool(given), what=role)
         rows.append({"role": role, "ref": ref, "file": plan.file, "allowed": plan.allowed, "why": plan.why,
                      "kind": plan.kind, "explicit": bool(given)})
-        builder = schema.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
+        builder = imports.BUILDER_CLASS_ARGS.get(ref) if role == "factory" and plan.allowed else None
         kwargs = snap.factory_kwargs
         if builder and isinstance(kwargs, dict):
             arg, base, libraries = builder
-            sub = schema.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
+            sub = imports.plan_ref(kwargs.get(arg), roots, libraries=libraries, what=arg)
             rows.append({"role": f"factory_kwargs.{arg}", "ref": kwargs.get(arg), "file": sub.file,
                          "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
                          else sub.why, "kind": sub.kind, "explicit": False})
@@ -174,7 +174,7 @@ def samples_package() -> str:
     if mod is not None:
         origin = getattr(mod, "__file__", None)
     else:
-        with schema.import_roots(roots):  # appended, then removed: sys.path is left as it was
+        with imports.import_roots(roots):  # appended, then removed: sys.path is left as it was
             spec = importlib.util.find_spec("samples")
         origin = spec.origin if spec is not None else None
     return "samples" if origin and os.path.realpath(origin) == init else INSTALLED_SAMPLES
@@ -182,7 +182,7 @@ def samples_package() -> str:
 
 def samples_roots() -> tuple[str, ...]:
     """``(repository root,)`` when amp-autopsy runs from a checkout, else ``()``: the import root
-    under which ``samples`` is the checkout's own (for ``schema.import_roots``)."""
+    under which ``samples`` is the checkout's own (for ``imports.import_roots``)."""
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "samples" / "__init__.py").is_file():
         return (os.path.realpath(root),)
@@ -204,9 +204,9 @@ def _own_name(ref):
 
 def _with_samples_root(ref, roots: tuple[str, ...]) -> tuple[str, ...]:
     """`roots`, plus the checkout's root for a reference into its ``samples.models`` (one of
-    ``schema.OWN_MODULES``; never the scenario modules): an editable install run from another
+    ``imports.OWN_MODULES``; never the scenario modules): an editable install run from another
     directory finds it there (``samples`` is not on its sys.path)."""
     module = ref.partition(":")[0] if isinstance(ref, str) else None
-    if module in schema.OWN_MODULES and module.startswith("samples.") and samples_package() == "samples":
+    if module in imports.OWN_MODULES and module.startswith("samples.") and samples_package() == "samples":
         return roots + tuple(r for r in samples_roots() if r not in roots)
     return roots

@@ -1,7 +1,7 @@
 """Where the analyzer may write: never onto an input, always atomically.
 
 ``report --html``/``--plots`` and ``replay --plot`` write files the user names. A slip such as
-``--html runs/x/meta.json`` used to overwrite the run's own metadata and leave it unreadable. The
+``--html runs/x/meta.json`` must not overwrite the run's own metadata and leave it unreadable. The
 rule, in one place: an output path may not be an input file, nor one of a run directory's recorded
 files (``meta.json``, ``meta-r*.json``, anything under ``trace/`` or ``snapshots/``), nor a log an
 importer reads in that directory (``trainer_state.json``, ``metrics.csv``, TensorBoard events).

@@ -24,7 +24,7 @@ import polars as pl  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from ..report.checks.frames import LOG_FLOOR, Frames  # noqa: E402
+from ..report import LOG_FLOOR, Frames  # noqa: E402
 
 __all__ = ["plot_loss_scale", "plot_grad_heatmap", "plot_stalled_fraction", "plot_grad_vs_depth",
            "plot_replay_ops", "MAX_POINTS"]
@@ -221,7 +221,6 @@ def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figur
 
 
 # -- replay: per-op output range along execution order ----------------------------------------
-_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 # One look per precision, dash pattern and marker both differing: FP16 and BF16 often agree op
 # for op until the overflow, and with one plain style the later-drawn line hid the other.
 _STYLES = {
@@ -237,9 +236,7 @@ def _op_series(trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     zero: a log axis has no place for either), then the non-finite ops to mark, leaving out
     ``-inf`` mask values written on purpose and the ops that only carry them on (their root is a
     literal), and the ops whose output is all zeros."""
-    from ..replay._origin import op_roots  # kept on the trace by the replay's origin analysis
-
-    roots = op_roots(trace)
+    roots = trace.roots  # worked out by the replay's origin analysis (RunTrace.roots)
     xs, ys, bad, zero = [], [], [], []
     for rec in trace.records:
         vals = [trace.absmax[s] for s in rec.outputs]
@@ -261,9 +258,7 @@ def _op_series(trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 def _zero_counts(trace) -> tuple[np.ndarray, np.ndarray]:
     """Per op, exact zeros in its output (only a run recorded with zero counts has them)."""
-    from ..replay._origin import zero_count
-
-    pts = [(rec.index, zero_count(trace, rec)) for rec in trace.records if rec.zeros]
+    pts = [(rec.index, trace.zero_count(rec)) for rec in trace.records if rec.zeros]
     pts = [(i, z) for i, z in pts if z]  # ops with at least one exact zero
     return np.asarray([i for i, _ in pts], dtype=float), np.asarray([z for _, z in pts], dtype=float)
 
@@ -355,7 +350,10 @@ def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
         line, = ax.plot(xs, ys, label=label, gid=f"ops:{p}", **style)
         drawn.append((p, (xs, ys)))
         _mark_edges(ax, bad, zero, line.get_color(), p)
-    for name, limit in _LIMITS.items():
+    import torch  # here, not at the top: the report's figures never need it
+
+    for name in ("float16", "bfloat16"):
+        limit = float(torch.finfo(getattr(torch, name)).max)
         if limit <= top_val * 100:
             ax.axhline(limit, ls="--", lw=0.8, color="grey")
             ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")

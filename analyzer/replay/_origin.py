@@ -47,10 +47,6 @@ def op_kind(run: RunTrace, rec: _OpRecord) -> int:
     return max((run.kind(s) for s in rec.outputs), default=0)
 
 
-def input_kind(run: RunTrace, rec: _OpRecord) -> int:
-    return max((run.kind(s) for s, _ in rec.inputs), default=0)
-
-
 def op_roots(run: RunTrace) -> list[Root | None]:
     """Per op of `run`, the op its non-finite output comes from (None: finite), kept on the trace."""
     if run.roots is None:
@@ -144,12 +140,6 @@ def align(run: RunTrace, ref: RunTrace) -> dict[int, int]:
     return {i: ref_by_key[k] for i, k in keys(run).items() if k in ref_by_key}
 
 
-def zero_count(run: RunTrace, rec: _OpRecord) -> int | None:
-    if not rec.zeros or not run.nonzero:
-        return None
-    return int(sum(numel - run.nonzero[i] for i, numel in rec.zeros))
-
-
 def find_flush(low: RunTrace, ref: RunTrace, origin: int, *, depth: int = 24) -> int | None:
     """The earliest op feeding `origin` whose output has more zeros in `low` than in `ref`.
 
@@ -162,7 +152,7 @@ def find_flush(low: RunTrace, ref: RunTrace, origin: int, *, depth: int = 24) ->
         j = mapping.get(i)
         if j is None:  # a cast: compare what it read instead
             return False
-        a, b = zero_count(low, low.records[i]), zero_count(ref, ref.records[j])
+        a, b = low.zero_count(low.records[i]), ref.zero_count(ref.records[j])
         return a is not None and b is not None and a > b
 
     def producers(i: int) -> list[int]:

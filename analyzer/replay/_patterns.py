@@ -2,14 +2,16 @@
 
 They are what replay cannot try as a fix on the snapshot (a loss rewritten with logsigmoid, a norm
 with an eps inside the sqrt, a finite mask fill), so they are printed as untested advice
-(``_advice.with_status``).
+(``_advice.advice_with_status``).
 """
 from __future__ import annotations
+
+import torch
 
 __all__ = ["patterns"]
 
 # The largest finite value per dtype: a mask filled with torch.finfo(dtype).min shows as one of them.
-_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+_MAX = frozenset(float(torch.finfo(d).max) for d in (torch.float16, torch.bfloat16, torch.float32))
 
 # -- hand-written patterns around the culprit ------------------------------------------------------
 _THROUGH = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t",
@@ -136,9 +138,8 @@ def _mask_fill(run, c, result) -> str | None:
     """"-inf" or "finfo.min" when such a fill fed the culprit's failure, else None."""
     if c.get("literal_nonfinite") or result.mask_inputs:
         return "-inf"
-    big = {_MAX["float16"], _MAX["bfloat16"], _MAX["float32"]}
     for rec in run.records[:c["index"]]:
         if rec.name in ("aten.masked_fill", "aten.masked_fill_", "aten.where", "aten.full", "aten.fill_") \
-                and any(run.absmax[s] in big for s in rec.outputs):
+                and any(run.absmax[s] in _MAX for s in rec.outputs):
             return "torch.finfo(dtype).min"
     return None

@@ -38,7 +38,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 
-__all__ = ["MODES", "PrecisionMode", "precision_mode", "cast_model", "cast_batch", "io_hooks", "mode_advice"]
+__all__ = ["MODES", "PrecisionMode", "precision_mode", "cast_model", "cast_batch", "io_hooks"]
 
 MODES = ("autocast", "parameters", "fsdp_param_dtype")
 _LOW = ("float16", "bfloat16")
@@ -228,36 +228,3 @@ def io_hooks(model: torch.nn.Module, mode: PrecisionMode, precision: str) -> lis
         out_dtype = getattr(torch, mode.output_dtype)
         handles.append(model.register_forward_hook(lambda _m, _a, out: _cast_floats(out, out_dtype)))
     return handles
-
-
-def mode_advice(mode: PrecisionMode, verdict: str, culprit: Mapping | None, advice: list[str]) -> list[str]:
-    """The verdict's advice, rewritten where the run had no autocast to switch or turn off.
-
-    The autocast advice ("keep `m` in FP32 under torch.autocast(enabled=False)", "switch to BF16
-    autocast") does not apply to a model whose parameters are low precision: there, a module is
-    kept in FP32 by its parameters' dtype, and the lasting fix is FP32 master weights.
-    """
-    if mode.autocast or culprit is None or culprit.get("precision") == "float32" \
-            or verdict not in ("overflow", "underflow", "numerical_bug", "unregistered_op"):
-        return advice  # broken inputs, loss scaling, a healthy step: the dtype is not what to change
-    module = culprit.get("module", "?")
-    out = [a for a in advice if not a.startswith(("Keep `", "Switch to BF16"))]
-    if mode.kind == "parameters":
-        out.insert(0, f"The parameters themselves are {mode.dtype} and no autocast ran, so every op computes in "
-                      f"{mode.dtype}. Keep FP32 master weights: build the model in FP32 and train under "
-                      f"torch.autocast(device_type, dtype=torch.{mode.dtype})"
-                      + (" with a torch.amp.GradScaler." if mode.dtype == "float16" else "."))
-        if not module.startswith("<"):  # <loss_fn>, <autograd>: no module to call .float() on
-            out.append(f"Or keep `{module}` in FP32: `{module}`.float(), with its input cast by .float() and its "
-                       f"output cast back with .to(torch.{mode.dtype}).")
-        if mode.dtype == "float16" and verdict == "overflow":
-            out.append("Or train in bfloat16 (model.to(torch.bfloat16)): it has FP32's range, so this value fits.")
-    else:
-        out.insert(0, f"FSDP computes in param_dtype={mode.dtype}: keep `{module}` in FP32, either inside its "
-                      f"forward (compute on x.float() and cast the result back with .to(x.dtype)) or by sharding it "
-                      "with its own policy before the root's fully_shard, fully_shard(module, "
-                      "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch."
-                      f"{mode.dtype})), which casts its inputs to FP32 and its outputs back.")
-        if mode.dtype == "float16" and verdict == "overflow":
-            out.append("Or use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range.")
-    return out

@@ -46,7 +46,7 @@ class RunTrace:
     captured: tuple[Any, Any] | None = None
     buffers_read: set[str] | None = None  # of the watched buffers, those the step reads (None: none watched)
     # Per op, where its non-finite output came from (``_origin.op_roots``): worked out once, by the
-    # origin analysis, and read again by the plot, which must not redo the analysis.
+    # origin analysis, for every trace a ``ReplayResult`` carries; the plot reads it.
     roots: list | None = field(default=None, repr=False, compare=False)
     sdpa_calls: list = field(default_factory=list, repr=False)  # backends.SdpaCall per SDPA call
 
@@ -62,6 +62,12 @@ class RunTrace:
         """0 finite, 1 inf, 2 NaN, for a statistic index."""
         v = self.absmax[stat]
         return 2 if math.isnan(v) else (1 if math.isinf(v) else 0)
+
+    def zero_count(self, rec: _OpRecord) -> int | None:
+        """Exact zeros in `rec`'s output; None unless this run was recorded with zero counts."""
+        if not rec.zeros or not self.nonzero:
+            return None
+        return int(sum(numel - self.nonzero[i] for i, numel in rec.zeros))
 
 
 @dataclass

@@ -12,8 +12,8 @@ blame precision for a kernel bug. This module
   backend, named from the ops the dispatch mode saw (``aten._scaled_dot_product_flash_attention*``
   is ``flash``, ``*_efficient_attention*`` is ``mem_efficient``, ``*_cudnn_attention*`` is
   ``cudnn``, a decomposition into ``bmm``/``_safe_softmax`` is ``math``);
-- re-runs a step whose culprit is inside an SDPA call under each other backend
-  (``try_backends``): ``{"flash": "finite", "mem_efficient": "unavailable: CUDA only", ...}``.
+- names the SDPA call an op belongs to (``call_of``), which the diagnosis re-runs under each
+  other backend (``_diagnose.try_backends``): ``{"flash": "finite", "mem_efficient": "unavailable: CUDA only", ...}``.
 
 NB: an SDPA call made inside another torch function (``nn.MultiheadAttention`` calls it from
 ``F.multi_head_attention_forward``) is not seen by the function mode: its fused kernels are
@@ -37,17 +37,12 @@ from torch.overrides import TorchFunctionMode
 
 from recorders import schema
 
-from ..errors import AnalyzerError
 from ._attribution import _flat, user_source
 
-__all__ = ["SdpaCall", "BACKEND_SWITCH", "sdpa_switches", "record_calls", "fused_backend", "call_of",
-           "backend_of", "try_backends", "kernel_check", "kernel_summary", "kernel_advice"]
+__all__ = ["SdpaCall", "CUDA_ONLY", "sdpa_switches", "record_calls", "fused_backend", "call_of", "backend_of"]
 
 _SDP = {"flash": SDPBackend.FLASH_ATTENTION, "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
-# What the advice tells the user to write, per backend.
-BACKEND_SWITCH = {"flash": "SDPBackend.FLASH_ATTENTION", "mem_efficient": "SDPBackend.EFFICIENT_ATTENTION",
-                  "math": "SDPBackend.MATH", "cudnn": "SDPBackend.CUDNN_ATTENTION"}
 # Fused-kernel op names (forward and backward) -> backend. Checked by prefix, longest first:
 # "aten._scaled_dot_product_flash_attention_for_cpu" is CPU's flash kernel.
 _FUSED = (
@@ -58,7 +53,7 @@ _FUSED = (
     ("aten._efficient_attention", "mem_efficient"),
     ("aten._flash_attention", "flash"),
 )
-_CUDA_ONLY = ("mem_efficient", "cudnn")
+CUDA_ONLY = ("mem_efficient", "cudnn")  # backends with no CPU kernel
 
 
 def fused_backend(op: str) -> str | None:
@@ -136,7 +131,7 @@ def sdpa_switches(recorded: dict | None, only: str | None = None, device: str = 
     """
     enabled = (recorded or {}).get("enabled") or {}
     wanted = [only] if only else [b for b in schema.SDPA_BACKENDS if enabled.get(b)
-                                  and (device == "cuda" or b not in _CUDA_ONLY)]
+                                  and (device == "cuda" or b not in CUDA_ONLY)]
     reduced = (recorded or {}).get("math_reduced_precision")
     cuda = torch.backends.cuda
     before = cuda.fp16_bf16_reduction_math_sdp_allowed() if reduced is not None else None
@@ -177,86 +172,3 @@ def backend_of(calls: list[SdpaCall]) -> str | None:
     differ between calls; None when the step has no SDPA call."""
     seen = sorted({c.backend for c in calls if c.backend})
     return "+".join(seen) or None
-
-
-def try_backends(ctx, precision: str, scale: float, ran: str | None, *, on_ops=None) -> dict[str, str]:
-    """Replay the step in `precision` once under each SDPA backend other than `ran`.
-
-    Returns:
-        ``{backend: "finite" | "nonfinite at OP in `MODULE`" | "unavailable: why"}`` for each of
-        ``math``, ``flash`` (CPU has a fused flash kernel), ``mem_efficient`` and ``cudnn``.
-    """
-    from ._origin import find_origin
-    from ._runs import run_once
-
-    out: dict[str, str] = {}
-    for backend in ("math", "flash", "mem_efficient", "cudnn"):
-        if backend == ran:
-            continue
-        if ctx.device.type != "cuda" and backend in _CUDA_ONLY:
-            out[backend] = "unavailable: CUDA only"
-            continue
-        try:
-            run = run_once(ctx, precision, scale, sdpa_backend=backend, on_ops=on_ops)
-        except AnalyzerError as e:  # "No viable backend ...": this kernel cannot take these inputs
-            out[backend] = f"unavailable: {_why(e)}"
-            continue
-        if run.finite:
-            out[backend] = "finite"
-            continue
-        origin = find_origin(run)
-        rec = run.records[origin.index] if origin is not None and origin.index is not None else None
-        out[backend] = f"nonfinite at {rec.name} in `{rec.module}`" if rec is not None else "nonfinite"
-    return out
-
-
-def _why(e: AnalyzerError) -> str:
-    text = str(e.__cause__ or e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:160]
-
-
-# Verdicts an SDPA culprit can turn into ``kernel_specific``: the op itself broke (not an input,
-# not the loss scale, not a custom op).
-_KERNEL_CANDIDATES = ("overflow", "underflow", "numerical_bug")
-
-
-def kernel_check(ctx, verdict: str, run, rec, precision: str, scale: float, *, on_ops=None) -> tuple[str, dict]:
-    """``kernel_specific`` when the culprit `rec` is inside an SDPA call and another backend is finite.
-
-    Returns:
-        The verdict (unchanged unless another backend is finite) and ``{"backend": ..., "backends":
-        ...}``: the backend the culprit's call ran and what each other backend did, both None when
-        the culprit is no part of attention.
-    """
-    call = call_of(run.sdpa_calls, rec) if verdict in _KERNEL_CANDIDATES else None
-    if call is None:
-        return verdict, {"backend": None, "backends": None}
-    tried = try_backends(ctx, precision, scale, call.backend, on_ops=on_ops)
-    finite = any(v == "finite" for v in tried.values())
-    info = {"backend": call.backend, "backends": tried,
-            "math_reduced_precision": (ctx.sdpa or {}).get("math_reduced_precision")}
-    return ("kernel_specific" if finite else verdict), info
-
-
-def kernel_summary(c, sdpa: dict) -> str:
-    """One sentence: which op of which backend failed, and which backends are finite instead."""
-    finite = [b for b, v in sdpa["backends"].items() if v == "finite"]
-    return (f"{c['op']} in `{c['module']}` ({c['phase']}, {c['precision']}) produced {c['output_kind']} inside "
-            f"scaled_dot_product_attention's {sdpa['backend']} backend; the same step in {c['precision']} is "
-            f"finite on the {' and '.join(finite)} backend: the NaN depends on the attention kernel.")
-
-
-def kernel_advice(c, sdpa: dict) -> list[str]:
-    """The backend switch first, then what makes the failing backend itself safe."""
-    finite = [b for b, v in sdpa["backends"].items() if v == "finite"]
-    ran, prec = sdpa["backend"], c["precision"]
-    out = [f"Run attention on the {finite[0]} backend, where this step is finite: "
-           f"`with torch.nn.attention.sdpa_kernel({BACKEND_SWITCH.get(finite[0], finite[0])}): ...` around the "
-           "forward (from torch.nn.attention import SDPBackend)."]
-    if ran == "math" and sdpa.get("math_reduced_precision") and prec != "float32":
-        out.append(f"The math backend computed in {prec} because "
-                   "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) was set: leave it off (the "
-                   "default) and the math backend upcasts FP16/BF16 to FP32.")
-    out.append(f"To keep the {ran} backend, run attention outside autocast in FP32 "
-               "(torch.autocast(device_type, enabled=False) with q, k, v cast by .float()).")
-    return out

@@ -1,16 +1,18 @@
-"""Fixes tried on the snapshot: re-run the failing step with each fix, and say which ones work.
+"""The fix registry, and the fixes tried on the snapshot: re-run the failing step with each fix.
 
-``try_fixes`` takes a replay's result and re-runs the culprit's step (its precision, its loss
-scale) once per fix that applies to the verdict, under the same op recorder:
+Each fix is one ``FixSpec`` in ``FIXES`` (``register_fix``): its name, title, how to apply it to
+the rebuilt model, the verdicts it serves and the advice it stands for once verified. A replay's
+``try_fixes`` re-runs the culprit's step (its precision, its loss scale) once per fix that serves
+the verdict (``plan``), under the same op recorder:
 
+- ``guard_clamp`` / ``guard_eps``: the input of the culprit's log, div, sqrt, rsqrt, acos or pow
+  clamped away from the singular point, or moved by the dtype's eps;
 - ``module_fp32``: the culprit's module with autocast off inside it and its inputs upcast;
 - ``op_fp32``: the culprit op alone computed in FP32, its result cast back;
 - ``bf16`` (from FP16) / ``fp32`` (from BF16): the other precision (a run replay already made
   is reused, not repeated);
 - ``lower_scale``: the largest power-of-two loss scale whose backward is finite, computed from
   the per-op maxima replay already has and verified with one run;
-- ``guard_clamp`` / ``guard_eps``: the input of the culprit's log, div, sqrt, rsqrt, acos or pow
-  clamped away from the singular point, or moved by the dtype's eps;
 - ``check_input`` (verdict ``nonfinite_input``): nothing to run; which input to look at.
 
 Each ``Fix`` is ``verified`` (loss and every gradient finite), ``fails`` (still non-finite; the
@@ -21,29 +23,30 @@ NB: replays run forward and backward only. A fix verified here makes the step's 
 gradients finite; the optimizer step that follows is not replayed.
 
 Example:
-    >>> from analyzer.replay import replay_snapshot
-    >>> from analyzer.replay.fixes import advice_with_status, try_fixes
-    >>> r = replay_snapshot(path)                                  # doctest: +SKIP
-    >>> [(f.name, f.status) for f in try_fixes(path, r)]           # doctest: +SKIP
+    >>> from analyzer.replay import Replay, advice_with_status
+    >>> replay = Replay(path)                                      # doctest: +SKIP
+    >>> r = replay.run()                                           # doctest: +SKIP
+    >>> [(f.name, f.status) for f in replay.try_fixes(r)]          # doctest: +SKIP
     [('module_fp32', 'verified'), ('op_fp32', 'fails'), ('bf16', 'verified')]
 """
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..errors import AnalyzerError
 from ..findings import json_safe
-from . import _advice, _fix_hooks
+from . import _fix_hooks
 from ._fix_hooks import GUARDED, ModuleNotFound
 from ._origin import align, find_origin
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from .result import ReplayResult
+from .verdicts import VERDICTS
 
-__all__ = ["FIX_STATUSES", "Fix", "Advice", "try_fixes", "advice_with_status"]
+__all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "register_fix", "plan", "run_fixes"]
 
 FIX_STATUSES = ("verified", "fails", "not_tried")
 ADVICE_STATUSES = ("verified", "untested")
@@ -65,6 +68,8 @@ class Fix:
         precision: the precision the fix was run in.
         failing_op: where it is still non-finite (status ``fails``).
         max_safe_scale: ``lower_scale`` only: the largest power-of-two loss scale found finite.
+        covers: ``module_fp32`` only: the other modules of the culprit's class it also kept in FP32
+            (not in the JSON; the title names them).
     """
 
     name: str
@@ -74,13 +79,16 @@ class Fix:
     precision: str | None = None
     failing_op: str | None = None
     max_safe_scale: float | None = None
+    covers: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if self.status not in FIX_STATUSES:
             raise ValueError(f"status must be one of {FIX_STATUSES}, got {self.status!r}")
 
     def to_dict(self) -> dict:
-        return json_safe(asdict(self))
+        out = asdict(self)
+        del out["covers"]
+        return json_safe(out)
 
 
 @dataclass(frozen=True)
@@ -105,61 +113,79 @@ class Advice:
         return json_safe(asdict(self))
 
 
-def try_fixes(path, result: ReplayResult, *, device: str = "auto", factory: str | None = None,
-              loss_fn: str | None = None, paths: tuple[str, ...] = ()) -> list[Fix]:
+@dataclass(frozen=True)
+class FixSpec:
+    """One fix replay can try on the rebuilt model, found by name in ``FIXES``.
+
+    Attributes:
+        name: the stable id (``Fix.name``, an advice line's ``fixes``).
+        title: what the fix is, in a few words.
+        apply: ``apply(ctx, result)`` re-runs the step with the fix on the rebuilt model
+            (``ctx``, a ``ReplayContext``) and judges it; None when it does not apply to this culprit.
+        serves: the verdicts it is tried for (after the fixes a verdict names itself, ``Verdict.fixes``).
+        line: ``line(fix, culprit, mode)``: the advice a verified fix stands for, in the terms of the
+            run's precision mode (``autocast``, ``parameters``, ``fsdp_param_dtype``).
+        applies: ``applies(verdict, culprit)``: whether to plan it for this culprit at all.
+        needs_model: whether ``apply`` runs the step (False: it only names what to look at).
+    """
+
+    name: str
+    title: str
+    apply: Callable[[ReplayContext | None, ReplayResult], Fix | None]
+    serves: tuple[str, ...]
+    line: Callable[[Fix, Mapping, str], str] = lambda fix, _c, _mode: fix.title
+    applies: Callable[[str, Mapping], bool] = lambda _v, _c: True
+    needs_model: bool = True
+
+
+FIXES: dict[str, FixSpec] = {}
+
+
+def register_fix(spec: FixSpec) -> FixSpec:
+    """Add `spec` to ``FIXES``, after the fixes already there (a name already there is refused)."""
+    if spec.name in FIXES:
+        raise ValueError(f"fix {spec.name!r} is already registered")
+    unknown = [v for v in spec.serves if v not in VERDICTS]
+    if unknown:
+        raise ValueError(f"fix {spec.name!r} serves unknown verdicts {unknown}")
+    FIXES[spec.name] = spec
+    return spec
+
+
+def plan(result: ReplayResult) -> list[FixSpec]:
+    """The fixes to try for `result`: those its verdict names (``Verdict.fixes``), then the others
+    that serve it, each only where it ``applies`` to the culprit."""
+    v, c = result.verdict, result.culprit
+    named = [FIXES[name] for name in VERDICTS[v].fixes]
+    candidates = named + [f for f in FIXES.values() if v in f.serves and f not in named]
+    return [f for f in candidates if f.applies(v, c)]
+
+
+def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> list[Fix]:
     """Try each fix that applies to `result`'s verdict on the step, one run each at most.
 
-    Args:
-        path: the snapshot `result` replayed.
-        result: what ``replay_snapshot`` returned for it.
-        device, factory, loss_fn, paths: as given to ``replay_snapshot`` (used only when
-            `result` no longer holds the replay's rebuilt model).
+    `context` gives the rebuilt model the fixes run on (called only when a fix needs it).
 
     Returns:
         The fixes in the order tried; empty for a healthy step.
     """
-    if result.verdict == "healthy" or result.culprit is None:
+    if result.culprit is None:
         return [] if result.verdict == "healthy" else [_check_input(result)]
-    if result.verdict == "nonfinite_input":
-        return [_check_input(result)]
+    specs = plan(result)
+    if not any(s.needs_model for s in specs):
+        return [fix for s in specs if (fix := s.apply(None, result)) is not None]
     if result.culprit["phase"] not in ("forward", "backward"):  # e.g. an optimizer update (replay/update.py)
         op, where = result.culprit["op"], result.culprit["module"]
         return [Fix(name="check_input", status="not_tried",
                     title=f"change the optimizer's settings as the advice says: {op} in {where} made the NaN/Inf",
                     detail="replay recomputes the update from the saved state; it cannot re-run the optimizer "
                            "with other settings, and no fix of the forward or backward applies")]
-    ctx = result.context if result.context is not None else _rebuild(path, device, factory, loss_fn, paths)
+    ctx = context()
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     from ._scaler_skip import plans as exception_plans  # the exception snapshot's GradScaler-skip fix
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
-        return [fix for plan in exception_plans(result) + _plan(result) if (fix := plan(ctx, result)) is not None]
-
-
-def advice_with_status(result: ReplayResult, fixes: list[Fix]) -> list[Advice]:
-    """The verdict's advice with each line's status; lines resting on a failed fix are dropped.
-
-    Verified fixes come first, then the hand-written patterns recognised around the culprit
-    (``log(1 - sigmoid(x))`` -> ``binary_cross_entropy_with_logits``...), then the rest, untested.
-    """
-    return [Advice(text, status, fix) for text, status, fix in _advice.with_status(result, fixes)]
-
-
-# -- the plan per verdict --------------------------------------------------------------------------
-def _plan(result: ReplayResult) -> list:
-    v, c = result.verdict, result.culprit
-    low = c["precision"] in LOW_PRECISION
-    guards = [_guard("clamp"), _guard("eps")] if _guard_base(c) else []
-    if v == "overflow":
-        return [_module_fp32, _op_fp32, _switch] + ([_lower_scale] if c["phase"] == "backward" else [])
-    if v == "underflow":
-        return guards + [_module_fp32, _op_fp32, _switch]
-    if v == "unregistered_op":
-        return [_op_fp32, _module_fp32, _switch]
-    if v == "loss_scale_overflow":
-        return [_lower_scale, _switch]
-    if v == "numerical_bug":
-        return guards + ([_module_fp32, _op_fp32] if low else []) + [_switch]
-    return []
+        return ([fix for plan_ in exception_plans(result) if (fix := plan_(ctx, result)) is not None]
+                + [fix for s in specs if (fix := s.apply(ctx, result)) is not None])
 
 
 def _check_input(result: ReplayResult, why: str | None = None) -> Fix:
@@ -176,14 +202,6 @@ def _check_input(result: ReplayResult, why: str | None = None) -> Fix:
 
 
 # -- running one fix -------------------------------------------------------------------------------
-def _rebuild(path, device, factory, loss_fn, paths) -> ReplayContext:
-    from ..load import load_snapshot
-    from .replay import _context
-
-    path = os.fspath(path)
-    return _context(path, load_snapshot(path), device, factory, loss_fn, tuple(paths))
-
-
 def _where(trace: RunTrace) -> str | None:
     o = find_origin(trace)
     if o is None or o.index is None:
@@ -245,13 +263,13 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
                    prepare=lambda model: _fix_hooks.module_fp32(model, module, ctx.device.type, names))
     if isinstance(out, Fix):
         return out
-    if len(names) > 1:  # every instance of the class, as an edit of the class would
-        others = [n for n in names if n != module]
+    others = tuple(n for n in names if n != module) if len(names) > 1 else ()
+    if others:  # every instance of the class, as an edit of the class would
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         n = len(others)
         title = (f"keep {module} and the {n} other module{'s' if n > 1 else ''} of its class ({shown}) in FP32 "
                  "(autocast off inside them, inputs upcast)")
-    return _judge(result, "module_fp32", title, out)
+    return _judge(result, "module_fp32", title, out, covers=others)
 
 
 def _op_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
@@ -284,13 +302,19 @@ def _mutates(c) -> bool:
         return False
 
 
-def _switch(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
-    c = result.culprit
-    prec = c["precision"]
-    amp = result.amp_dtype
-    frm = prec if prec in LOW_PRECISION else amp
-    if frm not in LOW_PRECISION:
-        return None
+def _switch(name: str):
+    """``bf16`` (from FP16) or ``fp32`` (from BF16): the step in the other precision."""
+    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
+        c = result.culprit
+        frm = c["precision"] if c["precision"] in LOW_PRECISION else result.amp_dtype
+        if frm not in LOW_PRECISION or name != ("bf16" if frm == "float16" else "fp32"):
+            return None
+        return _switch_from(ctx, result, frm)
+    return apply
+
+
+def _switch_from(ctx: ReplayContext, result: ReplayResult, frm: str) -> Fix:
+    prec = result.culprit["precision"]
     name, to = ("bf16", "bfloat16") if frm == "float16" else ("fp32", "float32")
     title = f"switch from {_NAMES[frm]} to {_NAMES[to]}"
     note = "; the optimizer step, which replay does not cover, is untested"
@@ -373,14 +397,26 @@ def _guard_base(c) -> str | None:
     return base if base in GUARDED else None
 
 
+def guard_expr(base: str | None, kind: str) -> str:
+    """The edit a guard fix stands for, as the user would write it."""
+    if base == "acos":
+        return "x.clamp(-1 + eps, 1 - eps) with eps = torch.finfo(x.dtype).eps"
+    if base in ("div", "pow"):
+        what = "the denominator" if base == "div" else "the base"
+        if kind == "clamp":
+            return f"{what} moved away from 0 to +-torch.finfo(x.dtype).tiny, its sign kept"
+        return f"{what} + torch.finfo(x.dtype).eps, with its sign"
+    return "x.clamp_min(torch.finfo(x.dtype).tiny)" if kind == "clamp" else "x + torch.finfo(x.dtype).eps"
+
+
 def _guard(kind: str):
     name = f"guard_{kind}"
 
-    def plan(ctx: ReplayContext, result: ReplayResult) -> Fix:
+    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix:
         c = result.culprit
         base = _guard_base(c)
         prec, scale = _culprit_run(result)
-        how = _advice.guard_expr(base, kind)
+        how = guard_expr(base, kind)
         title = f"guard {base} at {c.get('source') or 'its call'}: {how}"
         if c.get("source") is None:
             return Fix(name=name, title=title, status="not_tried", precision=prec,
@@ -398,4 +434,81 @@ def _guard(kind: str):
                        detail=f"no call of {base} with a floating input was seen at {c['source']}")
         return _judge(result, name, title, out, note=f" ({seen[0]} call(s) at that line guarded)")
 
-    return plan
+    return apply
+
+
+# -- the advice a verified fix stands for ----------------------------------------------------------
+def _module_line(fix: Fix, c, _mode: str) -> str:
+    which = f"`{c['module']}` and every other module of its class" if fix.covers else f"`{c['module']}`"
+    return (f"Keep {which} in FP32: run its forward under torch.autocast(device_type, enabled=False) "
+            "with its inputs cast by .float().")
+
+
+def _op_line(_fix: Fix, c, _mode: str) -> str:
+    return (f"Compute {c['op']} (at {c.get('source') or c['module']}) in FP32 and cast the result back: "
+            "wrap the call in torch.autocast(device_type, enabled=False) with .float() inputs.")
+
+
+def _bf16_line(_fix: Fix, _c, mode: str) -> str:
+    if mode == "parameters":
+        return "Train in bfloat16 instead (model.to(torch.bfloat16)): it has FP32's range and needs no loss scaling."
+    if mode == "fsdp_param_dtype":
+        return "Use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range and needs no loss scaling."
+    return "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler."
+
+
+def _fp32_line(_fix: Fix, _c, mode: str) -> str:
+    if mode == "parameters":
+        return "Train this model in FP32: keep its parameters float32 (no .half() / .to(torch.bfloat16))."
+    if mode == "fsdp_param_dtype":
+        return "Shard this model without a low param_dtype (MixedPrecisionPolicy(param_dtype=torch.float32))."
+    return "Train this model in FP32 (no autocast)."
+
+
+def _scale_line(fix: Fix, _c, mode: str) -> str:
+    s = fix.max_safe_scale
+    if mode == "parameters":
+        return (f"Scale the loss down before backward: (loss * {s:g}).backward() (the largest power of two whose "
+                f"backward of this step is finite). The gradients stay {1 / s:g}x smaller: Adam's update ignores that "
+                f"(up to eps), SGD needs a {1 / s:g}x larger lr. A GradScaler cannot do this for float16 parameters "
+                "(scaler.unscale_ refuses FP16 gradients).")
+    return (f"Start the GradScaler at or below {s:g}: GradScaler(init_scale={s:g}) "
+            "(the largest power of two whose backward of this step is finite).")
+
+
+def _guard_line(fix: Fix, _c, _mode: str) -> str:  # "guard log at loss.py:12: x.clamp_min(...)"
+    return f"{fix.title[0].upper()}{fix.title[1:]}."
+
+
+def _low_precision(_v: str, c) -> bool:
+    return c["precision"] in LOW_PRECISION  # an FP32 culprit: no op or module to move to FP32
+
+
+# -- the registry: one entry per fix, tried in this order (those a verdict names ahead) -------------
+_GUARDED_VERDICTS = ("underflow", "numerical_bug")
+_PRECISION_VERDICTS = ("overflow", "underflow", "unregistered_op", "loss_scale_overflow", "numerical_bug")
+register_fix(FixSpec(
+    "guard_clamp", "clamp the input of the culprit's log, div, sqrt, rsqrt, acos or pow away from its singular point",
+    _guard("clamp"), serves=_GUARDED_VERDICTS, line=_guard_line, applies=lambda _v, c: _guard_base(c) is not None))
+register_fix(FixSpec(
+    "guard_eps", "move the input of the culprit's log, div, sqrt, rsqrt or pow by the dtype's eps",
+    _guard("eps"), serves=_GUARDED_VERDICTS, line=_guard_line, applies=lambda _v, c: _guard_base(c) is not None))
+register_fix(FixSpec(
+    "module_fp32", "the culprit's module with autocast off inside it and its inputs upcast",
+    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug"), line=_module_line,
+    applies=_low_precision))
+register_fix(FixSpec(
+    "op_fp32", "the culprit op alone computed in FP32, its result cast back",
+    _op_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug"), line=_op_line,
+    applies=_low_precision))
+register_fix(FixSpec(
+    "bf16", "the step in BF16 (from FP16)", _switch("bf16"), serves=_PRECISION_VERDICTS, line=_bf16_line))
+register_fix(FixSpec(
+    "fp32", "the step in FP32 (from BF16)", _switch("fp32"), serves=_PRECISION_VERDICTS, line=_fp32_line))
+register_fix(FixSpec(
+    "lower_scale", "the largest power-of-two loss scale whose backward is finite",
+    _lower_scale, serves=("overflow", "loss_scale_overflow"), line=_scale_line,
+    applies=lambda v, c: v == "loss_scale_overflow" or c["phase"] == "backward"))
+register_fix(FixSpec(
+    "check_input", "nothing to run: which NaN/Inf input to look at", lambda _ctx, r: _check_input(r),
+    serves=("nonfinite_input",), needs_model=False))

@@ -7,28 +7,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ..findings import json_safe
-from ._runs import ReplayContext, RunTrace
+from .diagnosis import PrecisionRun
 from .records import Culprit, OpRecord
+from .verdicts import VERDICTS, AdviceLine
+
+if TYPE_CHECKING:
+    from ._runs import RunTrace
 
 __all__ = ["ReplayResult", "VERDICTS"]
-
-VERDICTS = (
-    "healthy", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-    "loss_scale_overflow", "kernel_specific",
-)
 
 
 @dataclass
 class ReplayResult:
-    """What ``replay_snapshot`` found.
+    """What ``replay_snapshot`` found: a plain value (the rebuilt model stays with ``Replay``).
 
     Attributes:
-        verdict: one of ``VERDICTS``.
+        verdict: a name in ``VERDICTS`` (the verdict registry, ``verdicts.py``).
         summary: one plain sentence: what, where, why.
         culprit: the origin op (``op``, ``module``, ``phase``, ``precision``, ``index``,
             ``source``, ``input_absmax``, ``output_absmax``, ``shadow``...); None when healthy.
-        runs: per precision: ``finite``, ``loss``, ``first_nonfinite`` and more.
+        runs: per precision, a ``PrecisionRun``: ``finite``, ``loss``, ``first_nonfinite`` and more.
         nonfinite_inputs: parameters, buffers and batch leaves the step reads that were already
             NaN/Inf (``param:fc.weight``, ``batch:x``).
         written_only_buffers: buffers NaN/Inf in the snapshot that the step only writes (a
@@ -37,6 +38,8 @@ class ReplayResult:
         mask_inputs: buffers and batch leaves holding only 0 and -inf: additive masks, whose -inf
             is written on purpose (like an in-step ``masked_fill(-inf)``), so not a cause.
         advice: concrete things to try, most specific first.
+        advice_lines: the same lines with the names of the fixes each recommends (not serialised;
+            ``advice_with_status`` ties them to the fixes tried by these names).
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
         precision_mode: how the low precision was replayed: ``autocast`` (FP32 parameters under
             torch.autocast), ``parameters`` (the parameters themselves are float16/bfloat16, no
@@ -59,7 +62,7 @@ class ReplayResult:
     verdict: str
     summary: str
     culprit: Culprit | None
-    runs: dict[str, dict]
+    runs: dict[str, PrecisionRun]
     advice: list[str]
     snapshot: str
     step: int | None
@@ -82,9 +85,6 @@ class ReplayResult:
     precision_mode: str = "autocast"
     precision_dtype: str | None = None
     precision_note: str | None = None
-    # The rebuilt model, batch and RNG the runs used (not serialised): ``replay.fixes`` re-runs
-    # the step from it, with the same precision mode and device, without rebuilding the model.
-    context: ReplayContext | None = field(default=None, repr=False, compare=False)
     sdpa_backend: str | None = None
     backends: dict[str, str] | None = None
     update: dict | None = None  # update forensics (analyzer.replay.update); None for a forward/backward replay
@@ -95,10 +95,13 @@ class ReplayResult:
     # the defaults that stood in for what a snapshot records ({"checkpoint", "kind", "batch", "amp_dtype",
     # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
     checkpoint: dict | None = None
+    advice_lines: tuple[AdviceLine, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
-            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+            raise ValueError(f"verdict must be one of {tuple(VERDICTS)}, got {self.verdict!r}")
+        if self.advice_lines and [a.text for a in self.advice_lines] != list(self.advice):
+            raise ValueError("advice_lines must hold the advice's own lines")
         if self.precision_mode not in ("autocast", "parameters", "fsdp_param_dtype"):
             raise ValueError(f"precision_mode must be autocast, parameters or fsdp_param_dtype, "
                              f"got {self.precision_mode!r}")

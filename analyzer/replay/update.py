@@ -1,4 +1,4 @@
-"""Update forensics: which factor of the optimizer's update made weights NaN/Inf (issue 15, section 3).
+"""Update forensics: which factor of the optimizer's update made weights NaN/Inf.
 
 A snapshot of reason ``update`` (``Recorder(check_update=True)``) is written right after an
 ``optimizer.step()`` that left a parameter non-finite: it holds the step's gradients, the post-step

@@ -33,12 +33,11 @@ from .checks import CHECK_FAILED, CHECKS, Frames, build_frames, run_checks
 from .checks.gradients import stalled_fraction
 from ..errors import BadInputError
 from ..load import load_run
-from ..findings import Finding, json_safe, sort_findings
+from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
 
 __all__ = ["Report", "build_report", "EXIT_CHECK_FAILED", "EXIT_FAIL_ON"]
 
 EXIT_CHECK_FAILED = 3  # a check raised (check_failed): the report is incomplete, an internal error
-EXIT_FAIL_ON = 4       # --fail-on SEVERITY: a finding that severe or worse is present
 
 
 @dataclass
@@ -72,8 +71,7 @@ class Report:
         finding of severity `fail_on` ("error" or "warning") or worse is present, else 0."""
         if self.failed_checks:
             return EXIT_CHECK_FAILED
-        gate = {"error": ("error",), "warning": ("error", "warning")}.get(fail_on or "", ())
-        return EXIT_FAIL_ON if any(f.severity in gate for f in self.findings) else 0
+        return exit_status(self.findings, fail_on)
 
     def usable_values(self) -> dict[str, int]:
         """Non-null values per quantity the checks read (NaN and Inf count: they are diagnosed)."""

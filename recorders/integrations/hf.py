@@ -81,7 +81,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerCallback
 
-from .. import schema
+from .. import imports, schema
 from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
@@ -90,7 +90,7 @@ __all__ = ["AmpAutopsyCallback", "build_pretrained", "pretrained_loss", "pretrai
            "save_batch_on_nan"]
 
 # Where model_class may come from besides the import roots: the framework itself (the import rule).
-_LIBRARIES = schema.BUILDER_CLASS_ARGS["recorders.integrations.hf:build_pretrained"][2]
+_LIBRARIES = imports.BUILDER_CLASS_ARGS["recorders.integrations.hf:build_pretrained"][2]
 
 
 def build_pretrained(model_class: str, config: dict) -> PreTrainedModel:
@@ -99,7 +99,7 @@ def build_pretrained(model_class: str, config: dict) -> PreTrainedModel:
     The weights come from the snapshot afterwards, so this only needs the architecture: no
     download, no checkpoint. ``model_class`` must name a ``PreTrainedModel`` subclass defined in
     the module the reference names, which lies in transformers or under an import root (the
-    import rule in ``recorders.schema``).
+    import rule in ``recorders.imports``).
 
     Example:
         >>> m = build_pretrained("transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel",

@@ -66,7 +66,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .. import schema
+from .. import imports, schema
 from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
@@ -74,7 +74,7 @@ from ..refs import import_class
 __all__ = ["AmpAutopsyCallback", "build_module", "training_step_loss", "module_factory_kwargs"]
 
 # Where module_class may come from besides the import roots: the framework itself (the import rule).
-_LIBRARIES = schema.BUILDER_CLASS_ARGS["recorders.integrations.lightning:build_module"][2]
+_LIBRARIES = imports.BUILDER_CLASS_ARGS["recorders.integrations.lightning:build_module"][2]
 
 _AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 # LightningModule.log outside a Trainer: "You are trying to `self.log()` but the `self.trainer` reference ..."
@@ -86,7 +86,7 @@ def build_module(module_class: str, hparams: dict) -> pl.LightningModule:
 
     ``module_class`` must name a ``LightningModule`` subclass, ``"pkg.mod:Class"``, defined in the
     module the reference names, which lies under an import root (``--path``, the current
-    directory) or in Lightning itself: the import rule in ``recorders.schema``.
+    directory) or in Lightning itself: the import rule in ``recorders.imports``.
     """
     cls = import_class(module_class, pl.LightningModule, "module_class", libraries=_LIBRARIES)
     return cls(**hparams)

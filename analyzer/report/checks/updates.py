@@ -1,6 +1,6 @@
 """Update checks: ``nonfinite_weights`` (the optimizer step broke the weights) and ``stalled_updates``
 (the optimizer step stopped changing them). Both are failures born in the update, where the
-gradients look fine (issue 15).
+gradients look fine.
 
 - ``nonfinite_weights`` (error): the layer trace's ``param_norm`` is taken *before* each step, so a
   NaN/Inf ``param_norm`` at step N+1 after finite gradients at step N means the update of step N

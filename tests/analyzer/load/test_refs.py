@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from analyzer.cli import main
-from recorders import Recorder, schema
+from recorders import Recorder, imports, schema
 from recorders.refs import import_class, to_ref
 from recorders.snapshot import build_snapshot, write_snapshot
 
@@ -250,7 +250,7 @@ def test_a_samples_folder_in_the_cwd_never_stands_in_for_the_bundled_samples(tmp
     fake.mkdir()
     (fake / "__init__.py").write_text(PWN_ON_IMPORT.format(marker=str(marker)))
     (fake / "models.py").write_text("def build_mlp(**kw):\n    pass\n")
-    plan = schema.plan_ref("samples.models:build_mlp", [str(tmp_path)])
+    plan = imports.plan_ref("samples.models:build_mlp", [str(tmp_path)])
     assert plan.allowed and plan.file == str(Path(schema.__file__).resolve().parents[1] / "samples" / "models.py")
     assert not marker.exists()
 
@@ -495,7 +495,7 @@ def test_to_ref_refuses_what_replay_would_refuse(fn, match):
 def test_to_ref_accepts_a_top_level_function_and_replay_resolves_it_back():
     ref = to_ref(_top_level_factory, "factory")
     assert ref == f"{__name__}:_top_level_factory"
-    assert schema.import_ref(ref) is _top_level_factory
+    assert imports.import_ref(ref) is _top_level_factory
 
 
 def test_to_ref_warns_at_record_time_when_replay_would_not_import_the_factory(tmp_path, monkeypatch):
@@ -517,7 +517,7 @@ def test_to_ref_warns_at_record_time_when_replay_would_not_import_the_factory(tm
 @given(st.text(max_size=60) | st.from_regex(r"[a-z_.]{1,12}:[A-Za-z_.]{1,12}", fullmatch=True))
 def test_planning_any_reference_read_from_a_file_imports_nothing(ref):
     before = set(sys.modules)
-    plan = schema.plan_ref(ref)
+    plan = imports.plan_ref(ref)
     assert set(sys.modules) == before
     if plan.allowed:
         module, name = ref.split(":")

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.replay import Advice, _advice, advice_with_status, replay_snapshot, try_fixes
+from analyzer.replay import Advice, Diagnosis, advice_with_status, replay_snapshot, try_fixes, verdicts
 
 from . import fix_models as fm
 
@@ -137,7 +137,7 @@ def test_a_float32_min_mask_cast_to_fp16_gets_the_finite_fill_advice_and_no_bf16
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_replay_advice_names_bf16_only_as_its_bf16_run_allows(bce_advice, verdict, tried):
     r, _ = bce_advice  # a real culprit; the verdict picks which advice lines are written
-    lines = _advice.advice(verdict, r.culprit, scale=65536.0, tried=tried)
+    lines = [a.text for a in verdicts.advice(Diagnosis(verdict, r.culprit, scale=65536.0, tried=tried))]
     bf16 = [a for a in lines if a.startswith(("Switch to BF16", "BF16 needs"))]
     if tried.get("bfloat16") is False:
         assert bf16 == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from analyzer.replay import _advice, advice_with_status, replay_snapshot, try_fixes
+from analyzer.replay import Diagnosis, advice_with_status, replay_snapshot, try_fixes, verdicts
 from recorders import Recorder
 from tests import update_runs as ur
 
@@ -113,9 +113,9 @@ def test_an_fp32_run_without_a_scaler_gets_the_skip_advice_for_fp32(tmp_path):
 def test_a_bf16_culprit_is_never_told_to_switch_to_bf16(verdict):
     c = {"module": "m", "op": "aten.mm", "phase": "forward", "precision": "bfloat16", "node": None, "index": 0,
          "input_absmax": 1.0}
-    lines = _advice.advice(verdict, c, scale=65536.0)
+    lines = [a.text for a in verdicts.advice(Diagnosis(verdict, c, scale=65536.0))]
     assert lines and not [a for a in lines if "Switch to BF16" in a or a.startswith("BF16 needs no")]
-    fp16 = _advice.advice(verdict, {**c, "precision": "float16"}, scale=65536.0)
+    fp16 = [a.text for a in verdicts.advice(Diagnosis(verdict, {**c, "precision": "float16"}, scale=65536.0))]
     assert [a for a in fp16 if "BF16" in a]  # the same step in FP16 does get it
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from analyzer.replay import FIX_STATUSES, Fix, replay_snapshot, try_fixes
+from analyzer.replay import FIX_STATUSES, Fix, Replay, replay_snapshot, try_fixes
 from analyzer.replay._runs import run_once
 
 from . import fix_models as fm
@@ -81,16 +81,17 @@ def test_a_fix_run_replays_the_culprits_precision_and_leaves_the_replay_result_u
 def test_lower_scale_finds_a_power_of_two_whose_backward_is_finite(scaled_sum_mse_step):
     # sum-reduced MSE with |out - y| ~ 3 at scale 65536: the scaled backward does not fit FP16
     snap = scaled_sum_mse_step
-    r = replay_snapshot(snap)
+    replay = Replay(snap)
+    r = replay.run()
     assert r.verdict == "loss_scale_overflow"
-    fixes = try_fixes(snap, r)
+    fixes = replay.try_fixes(r)
     _strict(fixes)
     low = _by_name(fixes)["lower_scale"]
     assert low.status == "verified"
     s = low.max_safe_scale
     assert s is not None and 1.0 <= s < 65536.0 and math.log2(s) == int(math.log2(s))
     # checked independently: the step at that scale has a finite FP16 backward, at 65536 it has not
-    ctx = r.context
+    ctx = replay.context()
     assert run_once(ctx, "float16", s).finite and not run_once(ctx, "float16", 65536.0).grads_finite
 
 
@@ -186,11 +187,12 @@ def test_a_backward_overflow_at_scale_one_gets_a_safe_scale_below_one(tmp_path):
     batch = {"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), "y": torch.full((4, 1), 1e5)}
     snap = rm.record_step(tmp_path, factory="build_mlp", loss_fn="sum_mse", batch=batch, amp_dtype=torch.float16,
                           init_scale=1.0, overflow_streak=1)
-    r = replay_snapshot(snap)
+    replay = Replay(snap)
+    r = replay.run()
     assert (r.verdict, r.culprit["phase"], r.scale) == ("overflow", "backward", 1.0)
-    fixes = _by_name(try_fixes(snap, r))
+    fixes = _by_name(replay.try_fixes(r))
     low = fixes["lower_scale"]
     assert low.status == "verified"
     s = low.max_safe_scale
     assert s < 1.0 and math.log2(s) == int(math.log2(s))
-    assert run_once(r.context, "float16", s).finite
+    assert run_once(replay.context(), "float16", s).finite
