@@ -38,7 +38,7 @@ from contextlib import nullcontext
 import torch
 
 from ._runs import LOW_PRECISION, ReplayContext, run_once
-from .fixes import Fix
+from .fixes import Fix, FixSpec, register_fix
 from .result import ReplayResult
 
 __all__ = ["NAME", "plans", "scaler_skip"]
@@ -131,3 +131,11 @@ def _skip_step(model: torch.nn.Module, device: str, scale: float, state: dict | 
     for p in params:
         p.grad = None
     return kept, math.isfinite(new_scale) and new_scale < scale, new_scale, norm
+
+
+# Tried on an ``exception`` snapshot whatever its verdict (the replay shows what the step does; the
+# skip is what a GradScaler would have done with it); it does not apply to any other snapshot.
+register_fix(FixSpec(
+    NAME, "let GradScaler skip the step the loop raised in",
+    lambda ctx, result: scaler_skip(ctx, result) if plans(result) else None,
+    serves=("overflow", "underflow", "unregistered_op", "loss_scale_overflow", "numerical_bug", "kernel_specific")))

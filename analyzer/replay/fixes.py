@@ -182,10 +182,8 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
                            "with other settings, and no fix of the forward or backward applies")]
     ctx = context()
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
-    from ._scaler_skip import plans as exception_plans  # the exception snapshot's GradScaler-skip fix
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
-        return ([fix for plan_ in exception_plans(result) if (fix := plan_(ctx, result)) is not None]
-                + [fix for s in specs if (fix := s.apply(ctx, result)) is not None])
+        return [fix for s in specs if (fix := s.apply(ctx, result)) is not None]
 
 
 def _check_input(result: ReplayResult, why: str | None = None) -> Fix:
@@ -512,3 +510,5 @@ register_fix(FixSpec(
 register_fix(FixSpec(
     "check_input", "nothing to run: which NaN/Inf input to look at", lambda _ctx, r: _check_input(r),
     serves=("nonfinite_input",), needs_model=False))
+
+from . import _scaler_skip  # noqa: E402,F401  (registers scaler_skip: it needs FixSpec and Fix defined above)
