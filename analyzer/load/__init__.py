@@ -22,7 +22,7 @@ __all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "check
 
 # name -> the submodule that defines it; these import torch
 _LAZY = {
-    "Checkpoint": "checkpoint", "Entry": "checkpoint", "load_checkpoint": "checkpoint",
+    "Checkpoint": "checkpoint", "Entry": "checkpoint", "load_checkpoint": "checkpoints",
     "INSTALLED_SAMPLES": "refs", "plan_imports": "refs", "resolve_ref": "refs", "samples_package": "refs",
     "samples_roots": "refs", "snapshot_roots": "refs", "recorded_cwd": "refs", "root_sources": "refs",
     "Snapshot": "snapshot", "load_snapshot": "snapshot",

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInputError, FactoryError
-from .adhoc import HF_BUILDER, HF_LOSS, _scaler_scale, clean_state, read_json, state_dict_of
+from ._ckpt import HF_BUILDER, HF_LOSS, _scaler_scale, clean_state, read_json, state_dict_of
 from ._optim import optimizer_entry
 from .safetensors import load_safetensors
 from .torchfile import torch_load_safe

@@ -21,7 +21,7 @@ from pathlib import Path
 from recorders import imports
 
 from ..errors import BadInputError, FactoryError
-from .adhoc import PL_BUILDER, PL_LOSS, _int_of, _scaler_scale, clean_state
+from ._ckpt import PL_BUILDER, PL_LOSS, _int_of, _scaler_scale, clean_state
 
 __all__ = ["find_module_class", "lightning_checkpoint"]
 

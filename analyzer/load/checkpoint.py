@@ -31,7 +31,7 @@ from .torchfile import torch_load_safe
 from .versions import check_format_version
 from .safetensors import load_safetensors, looks_like_safetensors
 
-__all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint"]
+__all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint_file"]
 
 # Where training scripts usually keep the model, in order of preference for the optimizer mapping.
 _MODEL_KEYS = ("model", "model_state_dict", "state_dict", "model_state", "module", "net", "network")
@@ -348,22 +348,15 @@ def _check_snapshot(obj: dict, path: Path) -> None:
     check_format_version(obj, path=path, what="snapshot")
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open `path` and list its tensors by role. Raises BadInputError / VersionError with a fix.
+def load_checkpoint_file(path: str | os.PathLike) -> Checkpoint:
+    """Open the checkpoint file `path` and list its tensors by role (directories: ``load.checkpoints``). Raises BadInputError / VersionError with a fix.
 
     Example:
-        >>> ckpt = load_checkpoint("ckpt.pt")  # doctest: +SKIP
+        >>> ckpt = load_checkpoint_file("ckpt.pt")  # doctest: +SKIP
         >>> [(e.name, e.role) for e in ckpt.entries][:2]  # doctest: +SKIP
         [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
     """
     path = Path(path)
-    if path.is_dir():
-        from .hf_checkpoint import is_hf_checkpoint_dir, load_hf_checkpoint
-
-        if is_hf_checkpoint_dir(path):
-            return load_hf_checkpoint(path)
-        raise BadInputError("is a directory without model.safetensors, pytorch_model.bin or optimizer.pt",
-                            path=path, fix="pass an HF checkpoint-N/ directory or one checkpoint file")
     obj, fmt = _read(path)
     ckpt = Checkpoint(path=os.fspath(path), format=fmt, layout="training_checkpoint", nbytes=path.stat().st_size)
     walker = _Walker(ckpt)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report import Finding, Report
-from ..report.checks.mistakes import autocast_was_inactive
+from ..report import autocast_was_inactive
 from .outputs import atomic_write_bytes, atomic_write_text
 
 __all__ = ["FIGURE_CAPTIONS", "relative_href", "render_report_text", "write_html", "write_plots"]

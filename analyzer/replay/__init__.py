@@ -7,6 +7,7 @@ and the fix registry ``FIXES`` (``fixes.py``); ``analyzer.render`` draws the res
 """
 from __future__ import annotations
 
+from . import _scaler_skip  # noqa: F401  (registers the fix scaler_skip in FIXES)
 from ._advice import advice_with_status
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
 from .fixes import FIX_STATUSES, FIXES, Advice, Fix, FixSpec, register_fix

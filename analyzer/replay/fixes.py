@@ -510,5 +510,3 @@ register_fix(FixSpec(
 register_fix(FixSpec(
     "check_input", "nothing to run: which NaN/Inf input to look at", lambda _ctx, r: _check_input(r),
     serves=("nonfinite_input",), needs_model=False))
-
-from . import _scaler_skip  # noqa: E402,F401  (registers scaler_skip: it needs FixSpec and Fix defined above)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..findings import Finding, json_safe, sort_findings
 from .checks.frames import LOG_FLOOR, Frames
+from .checks.mistakes import autocast_was_inactive
 from .report import EXIT_CHECK_FAILED, EXIT_FAIL_ON, Report, build_report
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAIL_ON", "Finding", "Frames", "LOG_FLOOR", "Report", "build_report",
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAIL_ON", "Finding", "Frames", "LOG_FLOOR", "Report", "autocast_was_inactive", "build_report",
            "json_safe", "sort_findings"]
