@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ._compile import clean_name
+
 __all__ = ["BufferTracker"]
 
 
@@ -43,7 +45,7 @@ class BufferTracker:
         self.names: list[str] = []
         self.tensors: list[torch.Tensor] = []
         for name, buf in model.named_buffers():
-            self.names.append(name)
+            self.names.append(clean_name(name))
             self.tensors.append(buf)
         self.watch: list[int] | None = None  # None: not known yet, copy all
         self.copies: dict[int, torch.Tensor] = {}

@@ -30,6 +30,7 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
+from ._compile import clean_name
 
 __all__ = ["FsdpSnapshots", "is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
 
@@ -114,6 +115,7 @@ def local_state(model: torch.nn.Module, pre_step_buffers: dict[str, torch.Tensor
     """
     state, layout = {}, {}
     for name, value in model.state_dict().items():
+        name = clean_name(name)  # a submodule compiled with torch.compile: no _orig_mod. segment
         value = pre_step_buffers.get(name, value)
         info = shard_layout(value)
         if info is not None:

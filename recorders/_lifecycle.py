@@ -57,7 +57,7 @@ class Lifecycle:
                           device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
                           config=self.config, fsdp=self._fsdp,
-                          optimizer=optimizer_meta(self.optimizer, self._params))
+                          optimizer=optimizer_meta(self.optimizer, self._params), compile=self.compile)
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
         self._meta = meta

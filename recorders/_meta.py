@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import schema
+from ._compile import clean_name
 
 __all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta", "current_cwd"]
 
@@ -73,7 +74,7 @@ def _tensor_info(named, sharded: bool = False) -> list[dict]:
 
     out = []
     for i, (n, t) in enumerate(named):
-        entry = {"name": n, "shape": list(t.shape), "numel": t.numel(), "dtype": schema.dtype_name(t.dtype),
+        entry = {"name": clean_name(n), "shape": list(t.shape), "numel": t.numel(), "dtype": schema.dtype_name(t.dtype),
                  "depth": i}
         if sharded:
             layout = shard_layout(t)
@@ -103,11 +104,12 @@ def current_cwd() -> str | None:
 def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_type: str,
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
                factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig,
-               fsdp: dict | None = None, optimizer: dict | None = None) -> dict:
+               fsdp: dict | None = None, optimizer: dict | None = None, compile: dict | None = None) -> dict:
     """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order.
 
     `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
     `optimizer`: ``recorders._update.optimizer_meta`` (class, hyperparameters per group) or None.
+    `compile`: ``recorders._compile.compile_info`` (how it was torch.compile'd) or None.
     """
     from . import __version__
 
@@ -139,6 +141,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "exception": None,  # Recorder.__exit__ fills it in when the loop raises (recorders/_exception.py)
         "steps_begun": 0,  # rewritten at close (and when a step began and never ended)
         "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
+        "compile": compile,  # recorders/_compile.compile_info of the model the loop passed
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

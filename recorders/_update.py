@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._compile import clean_name
 from ._norms import norms
 from ._stats import local_tensor
 
@@ -356,6 +357,7 @@ def update_entry(model: torch.nn.Module, nonfinite: list[str]) -> dict:
     """The ``update`` snapshot key: this step's gradients as the optimizer used them, the new weights."""
     grads, post = {}, {}
     for name, p in model.named_parameters():
+        name = clean_name(name)  # a submodule compiled with torch.compile: no _orig_mod. segment
         post[name] = local_tensor(p).detach().to("cpu", copy=True)
         if p.grad is not None:
             g = local_tensor(p.grad).detach()

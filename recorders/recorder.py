@@ -21,6 +21,7 @@ import torch
 from . import schema
 from . import triggers as _triggers
 from ._buffers import BufferTracker
+from ._compile import clean_name, compile_info, unwrap
 from ._exception import record_exception
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
@@ -137,7 +138,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                              f"from meta.json): {e}") from e
         self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots,
                                      step_numbering, micro_batches)
-        self.model = model
+        self.compile = compile_info(model)  # how the loop compiled it, before unwrapping
+        self.model = model = unwrap(model)  # NB: torch.compile's OptimizedModule: record the original's names
         self.factory = None if factory is None else to_ref(factory, "factory")
         self.loss_fn = None if loss_fn is None else to_ref(loss_fn, "loss_fn")
         self.factory_kwargs = dict(factory_kwargs)
@@ -344,7 +346,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                                             self.config.max_snapshots)
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
-        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
         if self.check_update:
             self._update_check = UpdateCheck(self._params, self._device, self._single_device)
             self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup
@@ -408,7 +410,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
-                optimizer=optim, update=update, exception=exception,
+                optimizer=optim, update=update, exception=exception, compile=self.compile,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

@@ -42,12 +42,8 @@ snapshots keep the weights in a DCP directory ``snapshots/step00000042-nonfinite
 and how many forwards of accumulated micro-batches one recorded step sums (older runs: read as
 ``"loop"`` and None). It also adds ``exception`` to meta.json and snapshots: a loop that raised
 inside the Recorder's ``with`` block (``EXCEPTION_KEYS``); a step that raised between ``begin_step``
-and ``end_step`` gets a snapshot of reason ``exception`` (``REASON_EXCEPTION``). And the meta.json
-keys ``steps_begun`` and ``autocast``: what the recorder saw of its own use (begin_step calls, and
-whether autocast was active during the forward). And 4 changes the meaning of two layer columns on
-healthy steps, nothing in the layout: ``param_norm`` and ``grad_zero_frac`` come from the fixed
-sample the update columns use (exact for parameters of at most 4096 elements, an estimate beyond);
-failing steps keep exact values. Versions 1-3 hold exact values on every row.
+5 adds ``compile`` to meta.json and snapshots: how a ``torch.compile``'d model was compiled (backend,
+mode, dynamic, fullgraph, which submodules); names never carry ``_orig_mod.`` (older snapshots may).
 """
 from __future__ import annotations
 
@@ -89,7 +85,7 @@ __all__ = [
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
 ]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -156,6 +152,7 @@ META_KEYS = (
                  #   model.forward, as accelerate does; dtype then None if the outputs were cast back to FP32),
                  #   "step": int}: what the first recorded step's
                  #   training forward saw (amp_dtype FP16/BF16 runs only; recorders/_mistakes.py)
+    "compile",  # since version 5: None (nothing compiled) | how the model was torch.compile'd (see "compile" after KEYS_ADDED)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -173,6 +170,7 @@ STEP_NUMBERINGS: dict[str, str] = {
 META_KEYS_ADDED["exception"] = 4  # the exception the loop raised (recorders/_exception.py)
 META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with steps begun means end_step was never called
 META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
+META_KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older runs: None
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -221,6 +219,7 @@ SNAPSHOT_KEYS = (
                          #    tensor} (every parameter after it), "nonfinite_params": [names it made NaN/Inf]}
     "exception",         # since version 4: None | on reason "exception" only: the exception the step raised
                          #   before end_step, EXCEPTION_KEYS (strings, and the step as an int)
+    "compile",           # since version 5: None | how the model was compiled, as in meta.json (see below)
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -230,6 +229,16 @@ KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_
 KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter names (recorders/_update.py)
 KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
 KEYS_ADDED["exception"] = 4  # the exception a step raised before end_step (recorders/_exception.py)
+KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older files: None
+
+# meta.json's and every snapshot's "compile" (version 5), None when no part of the model was compiled:
+#   {"modules": [{"path": "" (the whole model) | "layers.0" (a module path, without _orig_mod),
+#                 "how": "torch.compile" (an OptimizedModule wrapper) | "module.compile" (in place),
+#                 "backend": "inductor" | "aot_eager" | ... | None, "mode": "default" | "reduce-overhead" |
+#                 "max-autotune" | "max-autotune-no-cudagraphs" | None, "dynamic": bool | None,
+#                 "fullgraph": bool | None, "options": {Inductor option: value} | None}]}.
+# Parameter and buffer names everywhere (meta.json params/buffers, model_state, optimizer param_names)
+# are the original module's: torch.compile's "_orig_mod." segments are left out (since version 5).
 
 # The reason of the snapshot Recorder.__exit__ writes when the loop raised inside an open step
 # (begin_step ran, end_step did not): the pre-step state, the batch and the RNG of that step.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import schema
+from ._compile import clean_name
 from ._io import atomic_write, claim_write
 from ._meta import current_cwd
 from ._sdpa import sdpa_state
@@ -79,6 +80,7 @@ def build_snapshot(
     optimizer: dict[str, Any] | None = None,
     update: dict[str, Any] | None = None,
     exception: dict[str, Any] | None = None,
+    compile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -92,12 +94,13 @@ def build_snapshot(
     None. `update`: ``recorders._update.update_entry`` on an ``update`` snapshot, whose
     ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
     `exception`: ``recorders._exception.exception_entry`` on an ``exception`` snapshot (strings and ints).
+    `compile`: ``recorders._compile.compile_info`` of the model as the loop passed it, or None.
     """
     from . import __version__
 
     state = {}
     if fsdp is None:
-        state = {k: _local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        state = {clean_name(k): _local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         for name, value in (pre_step_buffers or {}).items():
             if name in state:
                 state[name] = _local(value).detach().to("cpu", copy=True)
@@ -133,6 +136,7 @@ def build_snapshot(
         "optimizer": optimizer,
         "update": update,
         "exception": None if exception is None else dict(exception),
+        "compile": compile,  # recorders/_compile.compile_info: how training compiled the model
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -26,6 +26,7 @@ import polars as pl
 from recorders import schema
 
 from ._limits import check_nesting
+from .compiled import read_compile
 from ..errors import BadInputError
 
 __all__ = ["validate_meta", "check_part_types", "check_parts_decode", "check_part_ranks", "READ_ERRORS",
@@ -114,6 +115,10 @@ def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     mb = meta.get("micro_batches")  # since version 4
     if mb is not None and not _whole(mb, 1, 2**31):
         raise _bad_meta(path, f"micro_batches {mb!r} is not an integer in [1, 2**31)")
+    try:
+        read_compile(meta.get("compile"))  # since version 5
+    except ValueError as e:
+        raise _bad_meta(path, f"compile {e}") from e
     params = meta.get("params")
     if params is None:
         return

@@ -249,6 +249,16 @@ def _check_exception(entry: Any, path) -> None:
         raise _bad("exception", str(e), path) from e
 
 
+def _check_compile(entry: Any, path) -> None:
+    """None, or how training compiled the model (version 5, ``load/compiled.py``)."""
+    from .compiled import read_compile
+
+    try:
+        read_compile(entry)
+    except ValueError as e:
+        raise _bad("compile", str(e), path) from e
+
+
 def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     """Check every key of a loaded snapshot (``schema.SNAPSHOT_KEYS``); raise BadInputError."""
     for key in ("torch_version", "amp_autopsy_version", "host", "reason", "device_type"):
@@ -275,5 +285,6 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_optimizer(snap.get("optimizer"), path)
     _check_update(snap.get("update"), path)
     _check_exception(snap.get("exception"), path)
+    _check_compile(snap.get("compile"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

@@ -69,6 +69,7 @@ class Snapshot(Mapping):
     update: dict | None = field(repr=False)  # since version 3, reason "update": grads, post_params, nonfinite_params
     _raw: Mapping = field(repr=False)
     exception: dict | None = None  # since version 4, reason "exception": type, message, frames, step (load/exceptions.py)
+    compile: dict | None = None  # since version 5: how training torch.compile'd the model (load/compiled.py)
 
     @property
     def has_scaler(self) -> bool:
