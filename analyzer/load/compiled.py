@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COMPILE_FIELDS", "read_compile", "strip_orig_mod"]
+__all__ = ["COMPILE_FIELDS", "read_compile", "strip_orig_mod", "clean_old_names", "clean_name"]
 
 COMPILE_FIELDS = ("path", "how", "backend", "mode", "dynamic", "fullgraph", "options")
 _HOWS = ("torch.compile", "module.compile")
@@ -50,3 +50,34 @@ def strip_orig_mod(state: dict[str, Any]) -> dict[str, Any]:
     if not any(_ORIG_MOD in k for k in state):
         return state
     return {".".join(p for p in k.split(".") if p != _ORIG_MOD): v for k, v in state.items()}
+
+
+def clean_old_names(snap: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot older than version 5 of a ``torch.compile(model)``, with its names as version 5 writes them.
+
+    Its ``model_state``, ``optimizer`` param_names and ``update`` entries lose their ``_orig_mod``
+    segments, so reports and replays name ``fc1.weight``. `snap` itself when no name has one.
+    """
+    state = snap.get("model_state")
+    if not isinstance(state, dict) or not any(isinstance(k, str) and _ORIG_MOD in k for k in state):
+        return snap
+    if not all(isinstance(k, str) for k in state):
+        return snap
+    out = dict(snap, model_state=strip_orig_mod(state))
+    optimizer = snap.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("param_names"), list):
+        out["optimizer"] = dict(optimizer, param_names=[clean_name(n) for n in optimizer["param_names"]])
+    update = snap.get("update")
+    if isinstance(update, dict):
+        fixed = dict(update)
+        for key in ("grads", "post_params"):
+            if isinstance(update.get(key), dict) and all(isinstance(k, str) for k in update[key]):
+                fixed[key] = strip_orig_mod(update[key])
+        if isinstance(update.get("nonfinite_params"), list):
+            fixed["nonfinite_params"] = [clean_name(n) for n in update["nonfinite_params"]]
+        out["update"] = fixed
+    return out
+
+
+def clean_name(name: Any) -> Any:
+    return ".".join(p for p in name.split(".") if p != _ORIG_MOD) if isinstance(name, str) else name

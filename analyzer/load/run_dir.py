@@ -34,6 +34,7 @@ from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check
 from .logs import import_dir, import_file
 from .run import Run, progress_line
 from .shards import shard_table
+from .compiled import clean_name
 from .versions import check_format_version
 from .which import torch_file_given_to_report
 
@@ -73,7 +74,7 @@ def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
     names, numels = [], []
     for i, p in enumerate(meta.get("params") or []):
         if isinstance(p, str):
-            names.append(p)
+            names.append(clean_name(p))
             numels.append(None)
             continue
         if isinstance(p, (list, tuple)) and p and isinstance(p[0], str):  # [name, shape]
@@ -82,7 +83,7 @@ def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
             names.append(f"param{i}")
             numels.append(None)
             continue
-        names.append(str(p.get("name", f"param{i}")))
+        names.append(clean_name(str(p.get("name", f"param{i}"))))  # runs older than version 5: no _orig_mod.
         numel = p.get("numel")
         if numel is None and isinstance(p.get("shape"), (list, tuple)):
             numel = 1

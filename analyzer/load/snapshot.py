@@ -16,6 +16,7 @@ from recorders import schema
 from ..errors import BadInputError
 from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
+from .compiled import clean_old_names
 from .versions import check_format_version
 from .which import directory_given_to_replay
 
@@ -104,5 +105,6 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
     validate_snapshot(snap, path)
+    snap = clean_old_names(snap)  # a compiled model's snapshot older than version 5: no _orig_mod. names
     return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
                     _raw=MappingProxyType(snap))

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._attribution import _ForwardTagMode, attach_module_hooks
+from ._compiled import fit_state, original_module
 from ._mode import _OpRecord, _OpStatsMode
 from ._precision import PrecisionMode, cast_batch, cast_model, io_hooks
 from ._writes import BufferReads
@@ -122,6 +123,8 @@ class ReplayContext:
                 f"factory {self.factory_ref!r} returned {type(model).__name__}, not an nn.Module",
                 path=self.path, fix="pass --factory pkg.module:function returning the model",
             )
+        model = original_module(model)  # a factory returning torch.compile(model): replay its original
+        self.model_state = fit_state(model, self.model_state)  # names with or without _orig_mod. segments
         cast_model(model, self.mode, precision, self.model_state)
         self._load(model)
         return model.to(self.device)
