@@ -45,9 +45,8 @@ __all__ = ["load_sharded_state", "sibling_snapshot"]
 _RERECORD = ("record with Recorder(..., sync_failures=True) so that every rank writes the step's "
              "shards into one DCP directory, then replay that snapshot")
 # recorders.triggers.REASONS (the recorder's priority order), then the other automatic reasons
-_REASON_ORDER = ("nonfinite_loss", "nonfinite_grads", "scale_collapse", "overflow_streak", "exception",
-                 "peer_failure", "update")
-_MANUAL = "manual"
+_REASON_ORDER = (schema.NONFINITE_LOSS, schema.NONFINITE_GRADS, schema.SCALE_COLLAPSE, schema.OVERFLOW_STREAK,
+                 schema.REASON_EXCEPTION, schema.PEER_FAILURE, schema.UPDATE)
 _MAX_METADATA = 64 << 20  # a DCP .metadata of 64 MiB describes millions of tensors
 _META = "torch.distributed.checkpoint.metadata"
 # The globals a DCP .metadata pickle names (torch 2.x); anything else is refused unloaded.
@@ -80,7 +79,7 @@ def sibling_snapshot(path: str | os.PathLike, rank: int) -> Path:
         return same
     found = [(g, p) for p in path.parent.iterdir() if p.is_file() and (g := schema.SNAPSHOT_RE.match(p.name))]
     of_step = [(g, p) for g, p in found if (g[1], g[3]) == (step, writer)]
-    mine = [(g[4], p) for g, p in of_step if int(g[2]) == rank and (g[4] != _MANUAL or reason == g[4])]
+    mine = [(g[4], p) for g, p in of_step if int(g[2]) == rank and (g[4] != schema.MANUAL or reason == g[4])]
     if mine:
         order = {r: i for i, r in enumerate(_REASON_ORDER)}
         return min(mine, key=lambda rp: (order.get(rp[0], len(order)), rp[0]))[1]
