@@ -260,30 +260,15 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
 def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
     """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
     from .load import load_snapshot, plan_imports, root_sources
+    from .render import render_import_plan
 
     snap = load_snapshot(snapshot)
-    rows = plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)
-    sources = root_sources(snap, paths)
+    plan = {"snapshot": snapshot, **root_sources(snap, paths),
+            "imports": plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)}
     if as_json:
-        _print_json({"snapshot": snapshot, **sources, "imports": rows})
-        return
-    label = {"path": "--path", "cwd": "current directory", "own": "amp-autopsy's own modules"}
-    lines = [f"snapshot: {snapshot}", "import roots:"] + [
-        f"  {label[r['kind']]}: {r['dir']}" + (f" ({', '.join(r['modules'])} only)" if r["kind"] == "own" else "")
-        for r in sources["roots"]]
-    rec = sources["recorded_cwd"]
-    if rec is None:
-        lines.append("  (the snapshot records no working directory)")
-    elif not rec["root"]:
-        lines.append(f"  not a root: the recorded cwd {rec['dir']} (the snapshot's word; if you trust its code, "
-                     "pass --path with it or run from it)")
-    for r in rows:
-        verdict = "allowed" if r["allowed"] else "REFUSED"
-        lines += ["", f"{r['role']}: {r['ref']!r}" + ("  (given on the command line)" if r["explicit"] else ""),
-                  f"  file: {r['file'] or ('(not found)' if r['kind'] == 'missing' else '(not looked up)')}",
-                  f"  rule: {verdict}: {r['why']}"]
-    lines += ["", "nothing was imported (replay without --show imports what is allowed above)"]
-    _echo("\n".join(lines))
+        _print_json(plan)
+    else:
+        _echo(render_import_plan(plan))
 
 
 @main.command()
@@ -348,7 +333,7 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
     from pathlib import Path
 
     from .autopsy import run_autopsy
-    from .render import check_output_path, plot_replay, render_autopsy_text, write_autopsy_html, write_plots
+    from .render import check_output_path, render_autopsy_text, write_autopsy_outputs
 
     if html_path:
         check_output_path(html_path, inputs=[run], option="--html")
@@ -363,19 +348,13 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
                                                           loss_fn=loss_fn, device=device, paths=paths)
     result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
-    written = []
-    if out_dir:
-        written = write_plots(result.report, out_dir) if result.report is not None else []
-        written += [plot_replay(r, Path(out_dir) / f"{Path(r.snapshot).stem}-replay.png") for r in result.replays]
-    if html_path:
-        run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log
-        write_autopsy_html(html_path, result.to_dict(), report=result.report, replays=list(result.replays),
-                           run_dir=run_dir)
+    run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log
+    written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path, run_dir=run_dir)
     if as_json:
         _print_json(result.to_dict())
     else:
         _echo(render_autopsy_text(result, ops=ops))
-        for p in written:
+        for p in written.figures:
             _echo(f"plot: {p}")
         if html_path:
             _echo(f"html: {html_path}")

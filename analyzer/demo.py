@@ -84,7 +84,7 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
         raise AnalyzerError(f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)}",
                             fix="pass --scenario NAME")
     from .autopsy import run_autopsy
-    from .render import plot_replay, render_autopsy_text, write_plots
+    from .render import render_autopsy_text, write_autopsy_outputs
 
     with imports.import_roots(samples_roots()):  # a checkout's samples/, found even from elsewhere
         module = importlib.import_module(f"{samples_package()}.{scenario}")
@@ -103,11 +103,13 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
         echo(f"\n[2/2] analyzer autopsy {run_dir} --device cpu")
         autopsy = run_autopsy(run_dir, device="cpu", progress=sys.stderr.isatty())
         echo(render_autopsy_text(autopsy))
-        plots = write_plots(autopsy.report, out / f"{scenario}-plots")
-        html = _write_page(autopsy, out / f"{scenario}.html", run_dir)
+        written = write_autopsy_outputs(autopsy, plots_dir=out / f"{scenario}-plots",
+                                        primary_plot=out / f"{scenario}-replay.png", html=out / f"{scenario}.html",
+                                        run_dir=run_dir)
         result = autopsy.primary
         snapshot = Path(result.snapshot) if result is not None else None
-        replay_png = Path(plot_replay(result, out / f"{scenario}-replay.png")) if result is not None else None
+        plots, html = written.plots, written.html
+        replay_png = written.replay_plots[0] if written.replay_plots else None
         if result is None:
             echo("\nno snapshot: the run never failed, so there is no step to replay")
 
@@ -124,14 +126,6 @@ def run_demo(out_dir: str | Path, *, scenario: str = "fp16_attention_overflow",
          + (f"   |   analyzer replay {snapshot} --ops 12" if snapshot is not None else ""))
     return DemoOutput(out_dir=out, run_dir=run_dir, report=autopsy.report, replay=result, snapshot=snapshot,
                       plots=[Path(p) for p in plots], html=Path(html), replay_plot=replay_png, autopsy=autopsy)
-
-
-def _write_page(autopsy: AutopsyResult, path: Path, run_dir: Path) -> Path:
-    """The autopsy's HTML page: the answer first, then the replay figure, the findings and the plots."""
-    from .render import write_autopsy_html
-
-    return Path(write_autopsy_html(path, autopsy.to_dict(), report=autopsy.report, replays=list(autopsy.replays),
-                                   run_dir=run_dir))
 
 
 def _clear_previous_run(run_dir: Path) -> None:

@@ -36,6 +36,7 @@ from ..load.exceptions import raised_text
 from recorders import schema
 
 if TYPE_CHECKING:
+    from ..load import SnapshotInfo
     from .autopsy import AutopsyResult
 
 __all__ = ["answer_lines"]
@@ -43,9 +44,9 @@ __all__ = ["answer_lines"]
 _FIX_LABEL = {"verified": "verified fix", "fails": "tried, fails", "not_tried": "not tried"}
 
 
-def _where(result: Any, info: dict[str, Any] | None) -> str:
+def _where(result: Any, info: SnapshotInfo | None) -> str:
     c = result.culprit
-    rank = info.get("rank") if info else None
+    rank = info.rank if info else None
     bits = [f"{c['op']} in {c['module'] or '(no module)'}" + (f" at {c['source']}" if c["source"] else ""),
             c["phase"], c["precision"]] + ([f"step {result.step}"] if result.step is not None else [])
     if rank is not None:
@@ -73,7 +74,7 @@ def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
 
 def _report_only(autopsy: AutopsyResult) -> list[str]:
     rep = autopsy.report
-    manual = [s for s in rep.frames.snapshots if s.get("reason") == schema.MANUAL]
+    manual = [s for s in rep.frames.snapshots if s.reason == schema.MANUAL]
     if autopsy.verdict == "healthy":
         lines = [f"root cause: no failing step: the run wrote no failure snapshot, so nothing was replayed; "
                  f"the report says {rep.verdict}"]
@@ -84,7 +85,7 @@ def _report_only(autopsy: AutopsyResult) -> list[str]:
                  "analyzer autopsy on it again"]
     if manual:
         lines.append(f"manual snapshots are not failures and are not replayed; to replay one: analyzer replay "
-                     f"{manual[0]['file']}")
+                     f"{manual[0].file}")
     return lines
 
 
@@ -122,7 +123,7 @@ def answer_lines(autopsy: AutopsyResult) -> list[str]:
 
 
 def _replay_lines(autopsy: AutopsyResult) -> list[str]:
-    infos = {str(p["file"]): p for p in autopsy.picked}
+    infos = {p.file: p for p in autopsy.picked}
     primary = autopsy.primary
     if primary is None:
         said = f"the report says {autopsy.report.verdict}" if autopsy.report is not None else "there is no report"
@@ -140,8 +141,9 @@ def _replay_lines(autopsy: AutopsyResult) -> list[str]:
         lines += _fix_lines(autopsy, primary.snapshot)
     shared = dict(autopsy.shared)
     for r in (r for r in autopsy.replays if r is not primary):
-        info = infos.get(r.snapshot, {})
-        head = f"also step {r.step}, rank {info.get('rank')} ({info.get('reason')}): {r.verdict}"
+        info = infos.get(r.snapshot)
+        rank, reason = (info.rank, info.reason) if info is not None else (None, None)
+        head = f"also step {r.step}, rank {rank} ({reason}): {r.verdict}"
         if r.culprit is not None:
             head += f" at {r.culprit['op']} in {r.culprit['module'] or '(no module)'} ({r.culprit['phase']})"
         if r.snapshot in shared:

@@ -36,6 +36,7 @@ from .answer import answer_lines
 from .pick import pick_snapshots
 
 if TYPE_CHECKING:
+    from ..load import SnapshotInfo
     from ..replay import Advice, Fix, ReplayResult
     from ..report import Report
 
@@ -65,7 +66,7 @@ class AutopsyResult:
         run: the run as given.
         report: the ``Report`` (``analyzer report``'s object); None for a checkpoint and a batch
             without a training log of their own.
-        picked: the snapshot descriptions picked, earliest first, each with ``why``.
+        picked: the snapshots picked, earliest first, each with ``why``.
         replays: the ``ReplayResult`` of each picked snapshot that replayed: the primary first,
             then the others in ``picked`` order.
         fixes: ``(snapshot, Fix)`` for every fix tried or considered, per distinct culprit.
@@ -76,7 +77,7 @@ class AutopsyResult:
 
     run: str
     report: Report | None  # None: a checkpoint replayed with no training log of its own
-    picked: tuple[dict[str, Any], ...] = ()
+    picked: tuple[SnapshotInfo, ...] = ()
     replays: tuple[ReplayResult, ...] = ()
     fixes: tuple[tuple[str, Fix], ...] = ()
     advice: tuple[tuple[str, Advice], ...] = ()
@@ -123,7 +124,7 @@ class AutopsyResult:
             "replays": [r.to_dict() for r in self.replays],
             "fixes": [{"snapshot": s, **f.to_dict()} for s, f in self.fixes],
             "advice": [{"snapshot": s, **a.to_dict()} for s, a in self.advice],
-            "picked": [dict(p) for p in self.picked],
+            "picked": [p.to_dict() for p in self.picked],
             "shared_fixes": [{"snapshot": s, "same_culprit_as": o} for s, o in self.shared],
             "errors": [f.to_dict() for f in self.failures],
         })
@@ -173,8 +174,10 @@ def _checkpoint_report(snap, progress: bool):
     from ..report import build_report
 
     report = build_report(snap.logs, progress=progress) if getattr(snap, "logs", None) else None
-    picked = [{"file": snap.path, "step": snap.step, "rank": 0, "reason": snap.reason, "writer": 0,
-               "why": "the checkpoint and batch given"}]
+    from ..load import SnapshotInfo
+
+    picked = [SnapshotInfo(str(snap.path), step=snap.step, rank=0, reason=snap.reason, writer=0,
+                           why="the checkpoint and batch given")]
     return report, picked
 
 
@@ -219,8 +222,8 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     failures: list = []
     fixed: dict[tuple, str] = {}
     for info in picked:
-        snap = str(info["file"])
-        say(f"replaying {snap} ({info['why']})")
+        snap = info.file
+        say(f"replaying {snap} ({info.why})")
         try:
             replay = Replay(run if isinstance(run, Snapshot) else snap, device=device, factory=factory,
                             loss_fn=loss_fn, progress=progress, paths=paths)
@@ -244,7 +247,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
             fixed[key] = snap
         fixes += [(snap, f) for f in tried]
         advice += [(snap, a) for a in advice_with_status(result, tried)]
-    ranks = {str(p["file"]): p.get("rank") for p in picked}
+    ranks = {p.file: p.rank for p in picked}
     return AutopsyResult(run=run.path if isinstance(run, Snapshot) else str(run), report=report,
                          picked=tuple(picked), replays=_primary_first(replays, report, ranks),
                          fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib
 
-from .run import Run, progress_line, step_frame
+from .run import Run, SnapshotInfo, progress_line, step_frame
 from .run_dir import load_run, read_meta, snapshot_info
 from .versions import check_format_version
 
-__all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "check_format_version", "load_checkpoint", "load_run",
+__all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "SnapshotInfo", "check_format_version", "load_checkpoint", "load_run",
            "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots",
            "snapshot_info", "snapshot_roots", "step_frame", "torch_load_safe"]
 

@@ -16,7 +16,39 @@ from recorders import schema
 
 from .._terminal import escape_controls
 
-__all__ = ["Run", "progress_line", "step_frame"]
+__all__ = ["Run", "SnapshotInfo", "progress_line", "step_frame"]
+
+
+_INFO_KEYS = ("file", "step", "rank", "reason", "writer", "why")
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One snapshot file as its name describes it (``run_dir.snapshot_info``); no file is opened.
+
+    Attributes:
+        file: the snapshot's path, as listed.
+        step, rank, reason: parsed from ``schema.SNAPSHOT_RE``; None when the name does not parse.
+        writer: the writer number (0: the rank's first process); None when the name does not parse.
+        why: why the autopsy replays it (``autopsy.pick_snapshots``); None for a snapshot not picked.
+    """
+
+    file: str
+    step: int | None = None
+    rank: int | None = None
+    reason: str | None = None
+    writer: int | None = None
+    why: str | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        """``info["step"]``: the field, read as the JSON object's key (code that reads the snapshot list as dicts)."""
+        if key not in _INFO_KEYS or (key == "why" and self.why is None):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (``report --json``'s ``snapshots``, ``autopsy --json``'s ``picked``)."""
+        return {k: getattr(self, k) for k in _INFO_KEYS if k != "why" or self.why is not None}
 
 
 @dataclass

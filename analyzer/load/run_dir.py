@@ -32,7 +32,7 @@ from ._limits import NumberTooLong, json_int, safe_strings
 from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check_parts_decode, quiet_native_stderr,
                           validate_meta)
 from .logs import import_dir, import_file
-from .run import Run, progress_line
+from .run import Run, SnapshotInfo, progress_line
 from .shards import shard_table
 from .compiled import clean_name
 from .versions import check_format_version
@@ -282,12 +282,12 @@ def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: d
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 
 
-def snapshot_info(path: Path) -> dict[str, Any]:
+def snapshot_info(path: Path) -> SnapshotInfo:
     """step, rank, reason and writer (0: the rank's first process) parsed from a snapshot's file name."""
     m = _SNAP_RE.match(path.name)
     if not m:
-        return {"file": str(path), "step": None, "rank": None, "reason": None, "writer": None}
-    return {"file": str(path), "step": int(m[1]), "rank": int(m[2]), "reason": m[4], "writer": int(m[3] or 0)}
+        return SnapshotInfo(str(path))
+    return SnapshotInfo(str(path), step=int(m[1]), rank=int(m[2]), reason=m[4], writer=int(m[3] or 0))
 
 
 def load_run(path: str | Path, *, progress: bool = False) -> Run:

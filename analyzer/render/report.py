@@ -88,7 +88,7 @@ def render_report_text(rep: Report) -> str:
             lines.append(f"  ... and {fr.n_ranks - _MAX_LISTED} more (--json lists every rank)")
     if fr.snapshots:
         lines.append("snapshots (replay with: analyzer replay FILE):")
-        lines += [f"  {sn['file']} (step {sn['step']}, rank {sn['rank']}, {sn['reason']})"
+        lines += [f"  {sn.file} (step {sn.step}, rank {sn.rank}, {sn.reason})"
                   for sn in fr.snapshots[:_MAX_LISTED]]
         if len(fr.snapshots) > _MAX_LISTED:
             lines.append(f"  ... and {len(fr.snapshots) - _MAX_LISTED} more (--json lists every snapshot)")
@@ -191,9 +191,9 @@ def write_html(rep: Report, path) -> Path:
                         f"<img alt='{stem}' src='data:image/png;base64,{_png_b64(fig)}'>")
         finally:
             plt.close(fig)
-    snaps = "".join(f"<li><a href='{e(relative_href(sn['file'], path))}'>{e(Path(sn['file']).name)}</a> "
-                    f"(step {sn['step']}, rank {sn['rank']}, {e(str(sn['reason']))}): "
-                    f"<code>analyzer replay {e(sn['file'])}</code></li>" for sn in rep.frames.snapshots)
+    snaps = "".join(f"<li><a href='{e(relative_href(sn.file, path))}'>{e(Path(sn.file).name)}</a> "
+                    f"(step {sn.step}, rank {sn.rank}, {e(str(sn.reason))}): "
+                    f"<code>analyzer replay {e(sn.file)}</code></li>" for sn in rep.frames.snapshots)
     notes = "".join(f"<li>{e(n)}</li>" for n in rep.notes)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>amp-autopsy report: {e(rep.run)}</title>
 <style>{_CSS}</style></head><body>

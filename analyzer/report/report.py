@@ -129,7 +129,7 @@ class Report:
             "verdict": self.verdict, "partial": self.partial, "notes": self.notes,
             "steps": self.steps_summary(),
             "findings": [f.to_dict() for f in self.findings],
-            "snapshots": self.frames.snapshots,
+            "snapshots": [s.to_dict() for s in self.frames.snapshots],
             "ranks": self.frames.ranks.to_dicts(),
             "checks": list(CHECKS),
         })

@@ -39,8 +39,8 @@ _CLIP = "is non-finite, so it cannot be clipped"  # torch.nn.utils.clip_grad_nor
 
 def _snapshot(frames: Frames, step: int | None, rank: int | None) -> str | None:
     for s in frames.snapshots:
-        if s.get("reason") == schema.REASON_EXCEPTION and s.get("step") == step and (rank is None or s["rank"] == rank):
-            return s["file"]
+        if s.reason == schema.REASON_EXCEPTION and s.step == step and (rank is None or s.rank == rank):
+            return s.file
     return None
 
 
@@ -146,13 +146,13 @@ def exception(frames: Frames) -> list[Finding]:
             out.append(_finding(frames, entry, 0 if frames.n_ranks > 1 or frames.rank == 0 else None))
             seen.add((0, entry["step"]))
     for s in frames.snapshots:
-        if s.get("reason") != schema.REASON_EXCEPTION or s.get("step") is None or (s["rank"], s["step"]) in seen:
+        if s.reason != schema.REASON_EXCEPTION or s.step is None or (s.rank, s.step) in seen:
             continue
-        seen.add((s["rank"], s["step"]))
-        step = int(s["step"])
+        seen.add((s.rank, s.step))
+        step = s.step
         clause, ev = _which_first(frames, step, _row(frames, step))
         out.append(Finding("exception", "error", step,
-                           f"rank {s['rank']}'s loop raised at step {step}; {clause}; replay it: analyzer replay "
-                           f"{s['file']}", {**ev, "snapshot": s["file"], "step": step, "rank": s["rank"],
-                                             "file": Path(s["file"]).name}, rank=s["rank"]))
+                           f"rank {s.rank}'s loop raised at step {step}; {clause}; replay it: analyzer replay "
+                           f"{s.file}", {**ev, "snapshot": s.file, "step": step, "rank": s.rank,
+                                         "file": Path(s.file).name}, rank=s.rank))
     return out

@@ -27,7 +27,7 @@ from typing import Any
 
 import polars as pl
 
-from ...load import Run, progress_line, snapshot_info
+from ...load import Run, SnapshotInfo, progress_line, snapshot_info
 from ...load._tracecheck import READ_ERRORS, quiet_native_stderr
 from ...load.shards import merge_shards
 
@@ -49,7 +49,7 @@ class Frames:
     amp_dtype: str | None
     growth_interval: int
     ranks: pl.DataFrame
-    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    snapshots: list[SnapshotInfo] = field(default_factory=list)
     bin_width: int = 1
     rank: int | None = None
     source_format: str = "amp-autopsy"
@@ -237,7 +237,7 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
 
     snaps = [snapshot_info(p) for p in run.snapshots]
     if rank is not None:
-        snaps = [s for s in snaps if s["rank"] in (rank, None)]
+        snaps = [s for s in snaps if s.rank in (rank, None)]
     return Frames(steps=merged, layer_bins=layer_bins, params=list(run.params), numels=list(run.numels),
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,

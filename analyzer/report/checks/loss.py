@@ -32,9 +32,9 @@ MOVE_DECADES = 0.5   # a layer "moved" when its grad norm left its baseline by >
 
 
 def snapshot_for(frames: Frames, step: int, rank: int | None) -> str | None:
-    cands = [s for s in frames.snapshots if s["step"] is not None and s["step"] >= step
-             and (rank is None or s["rank"] == rank)]
-    return min(cands, key=lambda s: (s["step"], s["rank"] or 0))["file"] if cands else None
+    cands = [s for s in frames.snapshots if s.step is not None and s.step >= step
+             and (rank is None or s.rank == rank)]
+    return min(cands, key=lambda s: (s.step, s.rank or 0)).file if cands else None
 
 
 def _first_rank(frames: Frames) -> tuple[int | None, int | None]:

@@ -44,7 +44,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from recorders import schema
+
 from ...findings import Finding
+from ...load import SnapshotInfo
 from .frames import Frames
 from .gradients import ABS_SMALL, _stalled_bins
 from .loss import snapshot_for
@@ -165,11 +168,11 @@ def _layer_every(frames: Frames) -> int:
     return le if isinstance(le, int) and not isinstance(le, bool) and le >= 1 else 1
 
 
-def _update_snapshot(frames: Frames, lo: int | None, hi: int | None) -> dict | None:
-    snaps = [s for s in frames.snapshots if s.get("reason") == "update" and s.get("step") is not None
-             and (frames.rank is None or s.get("rank") == frames.rank)
-             and (lo is None or lo <= s["step"]) and (hi is None or s["step"] <= hi)]
-    return min(snaps, key=lambda s: (s["step"], s.get("rank") or 0)) if snaps else None
+def _update_snapshot(frames: Frames, lo: int | None, hi: int | None) -> SnapshotInfo | None:
+    snaps = [s for s in frames.snapshots if s.reason == schema.UPDATE and s.step is not None
+             and (frames.rank is None or s.rank == frames.rank)
+             and (lo is None or lo <= s.step) and (hi is None or s.step <= hi)]
+    return min(snaps, key=lambda s: (s.step, s.rank or 0)) if snaps else None
 
 
 def nonfinite_weights(frames: Frames) -> list[Finding]:
@@ -209,7 +212,7 @@ def nonfinite_weights(frames: Frames) -> list[Finding]:
         head += (f" (param_norm, taken before each step, was finite before and NaN/Inf at step {s}; "
                  f"the update of {span} did it)")
     causes = _causes(frames, layers)
-    snap = upd_snap["file"] if upd_snap else snapshot_for(frames, s, frames.rank)
+    snap = upd_snap.file if upd_snap else snapshot_for(frames, s, frames.rank)
     if upd_snap:
         look = f"replay the update snapshot to see which factor went NaN/Inf: analyzer replay {snap}"
     elif snap:
@@ -220,7 +223,7 @@ def nonfinite_weights(frames: Frames) -> list[Finding]:
     why = f"likely cause: {'; or '.join(causes)}; " if causes else ""
     ev = {"step": u, "nonfinite_param_norm_step": s if found else None, "params": names[:20],
           "n_params": len(names), "loss": loss, "causes": causes, "snapshot": snap,
-          "update_snapshot": upd_snap["file"] if upd_snap else None, "rank": frames.rank}
+          "update_snapshot": upd_snap.file if upd_snap else None, "rank": frames.rank}
     return [Finding("nonfinite_weights", "error", u, f"{head}; {why}{look}", ev, rank=frames.rank)]
 
 
