@@ -28,7 +28,7 @@ import warnings
 
 import click
 
-from .load._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, set_max_archive_ratio
+from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
 from ._terminal import escape_controls
 from .errors import AnalyzerError
 
@@ -145,7 +145,7 @@ def main(ctx, debug, max_archive_ratio) -> None:
     Exit status: 0 ran, 1 bad input, 2 usage error, 3 internal error (please report it).
     """
     ctx.obj = {"debug": debug}
-    set_max_archive_ratio(max_archive_ratio)
+    ctx.with_resource(archive_ratio_limit(max_archive_ratio))  # for this command's reads only
 
 
 def _checkpoint_options(fn):

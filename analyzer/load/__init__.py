@@ -13,12 +13,15 @@ from __future__ import annotations
 import importlib
 
 from .run import Run, SnapshotInfo, progress_line, step_frame
+from ._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
 from .run_dir import load_run, read_meta, snapshot_info
 from .versions import check_format_version
 
-__all__ = ["INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot", "SnapshotInfo", "check_format_version", "load_checkpoint", "load_run",
-           "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots",
-           "snapshot_info", "snapshot_roots", "step_frame", "torch_load_safe"]
+__all__ = ["ARCHIVE_RATIO_ENV", "DEFAULT_ARCHIVE_RATIO", "INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot",
+           "SnapshotInfo", "archive_ratio_limit", "check_format_version", "load_checkpoint", "load_run",
+           "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref",
+           "root_sources", "samples_package", "samples_roots", "snapshot_info", "snapshot_roots", "step_frame",
+           "torch_load_safe"]
 
 # name -> the submodule that defines it; these import torch
 _LAZY = {

@@ -5,16 +5,23 @@ as it holds. A re-zipped (deflated) file can declare far more: a 1 MB zip bomb m
 take 2.3 GB. Archives whose declared uncompressed size exceeds ``max_archive_ratio()`` times the
 file's size (plus ``_SLACK`` bytes) are refused before anything is decompressed.
 
-Raise the limit with ``analyzer --max-archive-ratio N ...`` or ``AMP_AUTOPSY_MAX_ARCHIVE_RATIO=N``.
+Raise the limit with ``analyzer --max-archive-ratio N ...`` or ``AMP_AUTOPSY_MAX_ARCHIVE_RATIO=N``;
+from Python, pass the ratio for a block of reads:
+
+    >>> with archive_ratio_limit(10000):            # doctest: +SKIP
+    ...     snap = load_snapshot("trusted-deflated.pt")
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from ..errors import BadInputError
 
-__all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "max_archive_ratio", "set_max_archive_ratio",
+__all__ = ["DEFAULT_ARCHIVE_RATIO", "ARCHIVE_RATIO_ENV", "archive_ratio_limit", "max_archive_ratio",
            "MAX_NESTING", "archive_budget", "check_nesting", "MAX_JSON_DIGITS", "NumberTooLong", "json_int",
            "safe_strings"]
 
@@ -28,21 +35,33 @@ MAX_NESTING = 100
 # ValueError deep in json.loads, and a long one costs quadratic time to convert.
 MAX_JSON_DIGITS = 100
 
-_override: float | None = None
+# The ratio given for the reads in progress (archive_ratio_limit); a ContextVar, so a value given
+# for one command or thread never leaks into another.
+_GIVEN: ContextVar[float | None] = ContextVar("amp_autopsy_max_archive_ratio", default=None)
 
 
-def set_max_archive_ratio(ratio: float | None) -> None:
-    """Set the ratio for this process (the CLI's ``--max-archive-ratio``); None restores the default."""
-    global _override
+@contextlib.contextmanager
+def archive_ratio_limit(ratio: float | None) -> Iterator[None]:
+    """Within the block, torch files may declare up to `ratio` times their size uncompressed.
+
+    Args:
+        ratio: the limit (the CLI's ``--max-archive-ratio``); None: the environment variable,
+            else ``DEFAULT_ARCHIVE_RATIO``.
+    """
     if ratio is not None and not ratio > 0:
         raise ValueError(f"max archive ratio must be positive, got {ratio!r}")
-    _override = ratio
+    token = _GIVEN.set(ratio)
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 def max_archive_ratio() -> float:
-    """The ratio in force: the CLI flag, else the environment variable, else the default."""
-    if _override is not None:
-        return _override
+    """The ratio in force: the one given (``archive_ratio_limit``), else the environment variable, else the default."""
+    given = _GIVEN.get()
+    if given is not None:
+        return given
     raw = os.environ.get(ARCHIVE_RATIO_ENV)
     try:
         value = float(raw) if raw else DEFAULT_ARCHIVE_RATIO

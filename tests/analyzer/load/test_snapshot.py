@@ -167,17 +167,14 @@ def test_a_zip_bomb_is_refused_before_decompression_naming_the_flag(tmp_path):
 
 
 def test_raising_the_archive_ratio_lets_a_trusted_compressed_file_load(tmp_path, monkeypatch):
-    from analyzer.load._limits import set_max_archive_ratio
+    from analyzer.load import archive_ratio_limit
 
     bomb = _deflated_snapshot(tmp_path)
     monkeypatch.setenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO", "10000")
     assert load_snapshot(bomb)["batch"]["x"].numel() == 2_000_000
     monkeypatch.delenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO")
-    try:
-        set_max_archive_ratio(10000)  # what 'analyzer --max-archive-ratio 10000' does
+    with archive_ratio_limit(10000):  # what 'analyzer --max-archive-ratio 10000' does
         assert load_snapshot(bomb)["batch"]["x"].numel() == 2_000_000
-    finally:
-        set_max_archive_ratio(None)
     with pytest.raises(BadInputError, match="zip bomb"):
         load_snapshot(bomb)
 
