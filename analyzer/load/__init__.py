@@ -14,14 +14,15 @@ import importlib
 
 from .run import Run, SnapshotInfo, progress_line, step_frame
 from ._limits import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
+from .logs import IMPORTED_LOGS, TFEVENTS_PREFIX
 from .run_dir import load_run, read_meta, snapshot_info
 from .versions import check_format_version
 
-__all__ = ["ARCHIVE_RATIO_ENV", "DEFAULT_ARCHIVE_RATIO", "INSTALLED_SAMPLES", "Checkpoint", "Entry", "Run", "Snapshot",
-           "SnapshotInfo", "archive_ratio_limit", "check_format_version", "load_checkpoint", "load_run",
-           "load_snapshot", "plan_imports", "progress_line", "read_meta", "recorded_cwd", "resolve_ref",
-           "root_sources", "samples_package", "samples_roots", "snapshot_info", "snapshot_roots", "step_frame",
-           "torch_load_safe"]
+__all__ = ["ARCHIVE_RATIO_ENV", "DEFAULT_ARCHIVE_RATIO", "IMPORTED_LOGS", "INSTALLED_SAMPLES", "TFEVENTS_PREFIX",
+           "Checkpoint", "Entry", "Run", "Snapshot", "SnapshotInfo", "archive_ratio_limit", "check_format_version",
+           "load_checkpoint", "load_run", "load_snapshot", "plan_imports", "progress_line", "read_meta",
+           "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots", "snapshot_info",
+           "snapshot_roots", "step_frame", "torch_load_safe"]
 
 # name -> the submodule that defines it; these import torch
 _LAZY = {

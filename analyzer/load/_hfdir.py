@@ -15,6 +15,7 @@ import torch
 from ..errors import BadInputError, FactoryError
 from ._ckpt import HF_BUILDER, HF_LOSS, _scaler_scale, clean_state, read_json, state_dict_of
 from ._optim import optimizer_entry
+from .logs import HF_TRAINER_STATE
 from .safetensors import load_safetensors
 from .torchfile import torch_load_safe
 
@@ -46,7 +47,7 @@ def read_hf_dir(p: Path, *, build: bool = True) -> dict:
     out = {"kind": "hf", "what": "an HF checkpoint directory", "state": state, "factory": HF_BUILDER,
            "loss_fn": HF_LOSS, "factory_kwargs": {"model_class": ref, "config": config}, "notes": notes,
            "step": None, "logs": None, "scaler_scale": None, "optimizer": optimizer}
-    ts = p / "trainer_state.json"
+    ts = p / HF_TRAINER_STATE
     if ts.is_file():
         st = read_json(ts)
         gs = st.get("global_step") if isinstance(st, dict) else None

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import BadInputError
 from .checkpoint import Checkpoint, _is_optimizer_state, _is_scaler_state, _number, _optimizer, _read, _Walker
+from .logs import HF_TRAINER_STATE
 from .torchfile import torch_load_safe
 
 __all__ = ["is_hf_checkpoint_dir", "load_hf_checkpoint"]
@@ -177,8 +178,8 @@ def load_hf_checkpoint(path: str | os.PathLike) -> Checkpoint:
         walker.walk(weights, "")
     else:
         ckpt.notes.append("no model weights (model.safetensors / pytorch_model.bin) in this directory")
-    if (d / "trainer_state.json").is_file():
-        ckpt.notes.append(_trainer_state(d / "trainer_state.json", ckpt))
+    if (d / HF_TRAINER_STATE).is_file():
+        ckpt.notes.append(_trainer_state(d / HF_TRAINER_STATE, ckpt))
     mapping_note = ""
     if opt_path.is_file():
         opt = torch_load_safe(opt_path, mmap=True)

@@ -36,10 +36,16 @@ from ..errors import BadInputError
 from ._limits import NumberTooLong, json_int, safe_strings
 from .run import Run, progress_line, step_frame
 
-__all__ = ["import_file", "import_dir"]
+__all__ = ["HF_TRAINER_STATE", "IMPORTED_LOGS", "LIGHTNING_METRICS", "RUN_HINT", "TFEVENTS_PREFIX",
+           "import_dir", "import_file"]
 
-_FIX = ("pass a run directory written by the amp-autopsy Recorder, or a trainer_state.json, "
-        "metrics.csv, DeepSpeed/Megatron log, CSV or JSONL file")
+HF_TRAINER_STATE = "trainer_state.json"
+LIGHTNING_METRICS = "metrics.csv"
+IMPORTED_LOGS = (HF_TRAINER_STATE, LIGHTNING_METRICS)  # found by name in a directory, in this order
+TFEVENTS_PREFIX = "events.out.tfevents"
+# the fix of every "not a run" error, here and in run_dir
+RUN_HINT = (f"pass a run directory written by the amp-autopsy Recorder, or a {HF_TRAINER_STATE}, "
+            f"{LIGHTNING_METRICS}, DeepSpeed/Megatron log, CSV or JSONL file")
 _LOSS_KEYS = ("loss", "train_loss_step", "train_loss", "train/loss", "loss_step", "training_loss", "lm_loss")
 _SCALE_KEYS = ("scale", "loss_scale", "loss scale", "train/loss_scale", "grad_scale")
 _GN_KEYS = ("grad_norm", "train/grad_norm", "grad_2.0_norm_total", "total_grad_norm", "gradient_norm")
@@ -72,11 +78,11 @@ def _read_json(path: Path) -> Any:
     try:
         return safe_strings(json.loads(path.read_bytes().decode("utf-8"), parse_int=json_int))
     except NumberTooLong as e:
-        raise BadInputError(str(e), path=path, fix=_FIX) from e
+        raise BadInputError(str(e), path=path, fix=RUN_HINT) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInputError(f"not valid JSON ({e})"[:300], path=path, fix=_FIX) from e
+        raise BadInputError(f"not valid JSON ({e})"[:300], path=path, fix=RUN_HINT) from e
     except RecursionError as e:
-        raise BadInputError("JSON nested too deeply to read", path=path, fix=_FIX) from e
+        raise BadInputError("JSON nested too deeply to read", path=path, fix=RUN_HINT) from e
 
 
 def _lines(path: Path, *, errors: str = "strict"):
@@ -84,11 +90,12 @@ def _lines(path: Path, *, errors: str = "strict"):
     with path.open("rb") as f:
         for i, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), 1):
             if len(raw) > _MAX_LINE and not raw.endswith(b"\n"):
-                raise BadInputError(f"line {i} is longer than {_MAX_LINE >> 20} MiB: not a log", path=path, fix=_FIX)
+                raise BadInputError(f"line {i} is longer than {_MAX_LINE >> 20} MiB: not a log", path=path,
+                                    fix=RUN_HINT)
             try:
                 yield i, raw.decode("utf-8", errors=errors).rstrip("\r\n")
             except UnicodeDecodeError as e:
-                raise BadInputError(f"line {i} is not UTF-8 text ({e.reason})", path=path, fix=_FIX) from e
+                raise BadInputError(f"line {i} is not UTF-8 text ({e.reason})", path=path, fix=RUN_HINT) from e
 
 
 def _whole(v, path: Path, what: str, lo: int, hi: int) -> int:
@@ -101,7 +108,7 @@ def _whole(v, path: Path, what: str, lo: int, hi: int) -> int:
             x = int(f)
     if x is None or not lo <= x < hi:
         raise BadInputError(f"{what} {str(v)[:40]!r} is not an integer in [{lo}, {hi})", path=path,
-                            fix="the log is damaged or foreign; " + _FIX)
+                            fix="the log is damaged or foreign; " + RUN_HINT)
     return x
 
 
@@ -150,7 +157,7 @@ def _import_hf(path: Path) -> Run:
     state = _read_json(path)
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
         raise BadInputError("JSON without a 'log_history' list: not an HF trainer_state.json",
-                            path=path, fix=_FIX)
+                            path=path, fix=RUN_HINT)
     # only "loss": the end-of-training summary entry carries "train_loss" (a run average)
     rows = _generic_rows([e for e in state["log_history"] if isinstance(e, dict)], path, ("loss",))
     notes = []
@@ -176,10 +183,10 @@ def _import_csv(path: Path) -> Run:
                                     fix="add a 'step' column, or pass a Lightning CSVLogger metrics.csv")
             records = list(reader)
     except UnicodeDecodeError as e:
-        raise BadInputError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, fix=_FIX) from e
+        raise BadInputError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, fix=RUN_HINT) from e
     except csv.Error as e:
-        raise BadInputError(f"malformed CSV ({e})"[:300], path=path, fix=_FIX) from e
-    fmt = "lightning_csv" if path.name == "metrics.csv" or "epoch" in (reader.fieldnames or []) else "csv"
+        raise BadInputError(f"malformed CSV ({e})"[:300], path=path, fix=RUN_HINT) from e
+    fmt = "lightning_csv" if path.name == LIGHTNING_METRICS or "epoch" in (reader.fieldnames or []) else "csv"
     rows = _generic_rows(records, path)
     if fmt == "lightning_csv":  # Lightning logs _step and _epoch rows separately; keep one per step
         rows = rows.unique("step", keep="first")
@@ -226,7 +233,7 @@ def _import_deepspeed(path: Path, lines: list[str]) -> Run:
             r = rows.setdefault(step, {"step": step, "scale": scale, "skipped": False})
             r["loss"] = _num(m[2])  # float() reads "nan" and "inf" as DeepSpeed prints them
     if not rows:
-        raise BadInputError("no DeepSpeed 'OVERFLOW!' or 'steps: N loss:' lines", path=path, fix=_FIX)
+        raise BadInputError("no DeepSpeed 'OVERFLOW!' or 'steps: N loss:' lines", path=path, fix=RUN_HINT)
     df = pl.DataFrame(list(rows.values()), schema={"step": pl.Int64, "scale": pl.Float64,
                                                    "skipped": pl.Boolean, "loss": pl.Float64})
     return _run(path, "deepspeed_log", df.with_columns(rank=pl.lit(0)), amp_dtype="float16",
@@ -281,7 +288,7 @@ def _import_tensorboard(path: Path) -> Run:
         tags = acc.Tags().get("scalars", [])
     except Exception as e:  # noqa: BLE001 - tensorboard's reader raises many types on damaged events
         raise BadInputError(f"unreadable TensorBoard events ({type(e).__name__}: {str(e)[:160]})",
-                            path=path, fix=_FIX) from e
+                            path=path, fix=RUN_HINT) from e
     by_step: dict[int, dict[str, Any]] = {}
     for tag in tags:
         short = tag.split("/")[-1]
@@ -320,26 +327,26 @@ def _newest(hits: list[Path], by_step: bool) -> Path:
 
 def import_dir(path: Path, *, progress: bool = False) -> Run:
     """A directory without meta.json: an HF output dir, a Lightning log dir or TensorBoard events."""
-    for name in ("trainer_state.json", "metrics.csv"):
+    for name in IMPORTED_LOGS:
         hits = sorted(path.rglob(name))
         if hits:
-            newest = _newest(hits, by_step=name == "trainer_state.json")
+            newest = _newest(hits, by_step=name == HF_TRAINER_STATE)
             progress_line(progress, f"importing {newest}")
             return import_file(newest)
-    if any(path.glob("**/events.out.tfevents*")):
+    if any(path.glob(f"**/{TFEVENTS_PREFIX}*")):
         return _import_tensorboard(path)
     if (path / "training_args.bin").exists() or any(path.glob("checkpoint-*")):
         raise BadInputError("an HF Trainer output directory without a trainer_state.json", path=path,
                             fix="HF writes trainer_state.json into each checkpoint-N/ (save_strategy='steps') and "
                                 "with trainer.save_state(); or record the run with the amp-autopsy callback")
-    raise BadInputError(f"not a run directory: no {schema.META_FILE}", path=path, fix=_FIX)
+    raise BadInputError(f"not a run directory: no {schema.META_FILE}", path=path, fix=RUN_HINT)
 
 
 def import_file(path: Path, *, progress: bool = False) -> Run:
     """Detect the tool that wrote `path` and map its rows onto the step columns."""
     progress_line(progress, f"importing {path}")
     suffix = path.suffix.lower()
-    if path.name.startswith("events.out.tfevents"):
+    if path.name.startswith(TFEVENTS_PREFIX):
         return _import_tensorboard(path.parent)
     if suffix == ".json":
         return _import_hf(path)
@@ -353,10 +360,10 @@ def import_file(path: Path, *, progress: bool = False) -> Run:
     try:
         lines = [line for _, line in _lines(path, errors="replace")]
     except OSError as e:
-        raise BadInputError(f"cannot read ({e.strerror})", path=path, fix=_FIX) from e
+        raise BadInputError(f"cannot read ({e.strerror})", path=path, fix=RUN_HINT) from e
     if any(_DS_OVERFLOW.search(x) or _DS_LOSS.search(x) for x in lines):
         return _import_deepspeed(path, lines)
     if any(_MEG.search(x) for x in lines):
         return _import_megatron(path, lines)
     raise BadInputError("unrecognised file: not a run directory, HF/Lightning/DeepSpeed/Megatron log, CSV or JSONL",
-                        path=path, fix=_FIX)
+                        path=path, fix=RUN_HINT)

@@ -31,7 +31,7 @@ from ..errors import BadInputError, VersionError
 from ._limits import NumberTooLong, json_int, safe_strings
 from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check_parts_decode, quiet_native_stderr,
                           validate_meta)
-from .logs import import_dir, import_file
+from .logs import RUN_HINT, import_dir, import_file
 from .run import Run, SnapshotInfo, progress_line
 from .shards import shard_table
 from .compiled import clean_name
@@ -42,8 +42,6 @@ __all__ = ["load_run", "read_meta", "snapshot_info"]
 
 _PART_RE = schema.PART_RE
 _SNAP_RE = schema.SNAPSHOT_RE
-_RUN_HINT = ("pass a run directory written by the amp-autopsy Recorder, or a trainer_state.json, "
-             "metrics.csv, DeepSpeed/Megatron log, CSV or JSONL file")
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -54,7 +52,7 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise BadInputError(f"meta.json {e}", path=path,
                             fix="the run's meta.json is damaged; restore it from the training host") from e
     except FileNotFoundError:
-        raise BadInputError("no such file", path=path, fix=_RUN_HINT) from None
+        raise BadInputError("no such file", path=path, fix=RUN_HINT) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInputError(f"not valid JSON ({e})", path=path,
                             fix="the run's meta.json is damaged; restore it from the training host") from e
@@ -63,7 +61,7 @@ def read_meta(path: Path) -> dict[str, Any]:
                             fix="the run's meta.json is damaged; restore it from the training host") from e
     if not isinstance(meta, dict) or meta.get("format") != schema.META_FORMAT:
         raise BadInputError(f"not an amp-autopsy meta file (no 'format': '{schema.META_FORMAT}')",
-                            path=path, fix=_RUN_HINT)
+                            path=path, fix=RUN_HINT)
     check_format_version(meta, path=path, what="run")
     validate_meta(meta, path)  # ranks, shapes, numels: integers in range, bounded nesting
     return safe_strings(meta)  # a lone surrogate in a name would crash the checks that format it
@@ -294,7 +292,7 @@ def load_run(path: str | Path, *, progress: bool = False) -> Run:
     """Open a run directory or a foreign log for reading. Raises BadInputError / VersionError."""
     p = Path(path)
     if not p.exists():
-        raise BadInputError("no such file or directory", path=p, fix=_RUN_HINT)
+        raise BadInputError("no such file or directory", path=p, fix=RUN_HINT)
     if p.is_file() and p.name == schema.META_FILE:
         p = p.parent
     if p.is_dir():

@@ -21,10 +21,9 @@ from pathlib import Path
 from recorders import schema
 
 from ..errors import BadInputError
+from ..load import IMPORTED_LOGS, TFEVENTS_PREFIX
 
 __all__ = ["check_output_path", "atomic_write_bytes", "atomic_write_text"]
-
-_IMPORTED_LOGS = ("trainer_state.json", "metrics.csv")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -48,7 +47,7 @@ def _recorded_in(out: Path, run_dir: Path) -> str | None:
     name = parts[-1]
     if len(parts) == 1 and (name == schema.META_FILE or (name.startswith("meta-r") and name.endswith(".json"))):
         return "it is one of the run's meta files"
-    if name in _IMPORTED_LOGS or name.startswith("events.out.tfevents"):
+    if name in IMPORTED_LOGS or name.startswith(TFEVENTS_PREFIX):
         return "it is a training log the run is read from"
     return None
 
