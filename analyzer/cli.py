@@ -31,6 +31,7 @@ import click
 from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
 from ._terminal import escape_controls
 from .errors import AnalyzerError
+from .findings import EXIT_FAIL_ON
 
 __all__ = ["main"]
 
@@ -178,6 +179,13 @@ def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, pat
                                     device=device, paths=paths)
 
 
+def _fail_on_option(when: str, printed: str):
+    """``--fail-on SEVERITY``: exit EXIT_FAIL_ON (4) when `when` (``findings.exit_status``)."""
+    return click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
+                        help=f"Exit with status {EXIT_FAIL_ON} when {when} (to gate a pipeline); {printed} is "
+                             "printed as usual.")
+
+
 _device_option = click.option(
     "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
     help="Where to replay: cuda when present (auto), else cpu.")
@@ -280,9 +288,7 @@ def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
               help="Write one self-contained HTML report.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
 @click.option("--steps", callback=_parse_steps, default=None, metavar="A:B", help="Only steps A <= step < B.")
-@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
-              help="Exit with status 4 when a finding of this severity or worse is present (to gate a "
-                   "pipeline); the report is printed as usual.")
+@_fail_on_option("a finding of this severity or worse is present", "the report")
 @_one_line_errors
 def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
     """Diagnose a run's traces: a run directory, or a log from HF, Lightning, DeepSpeed, CSV/JSONL."""
@@ -321,9 +327,7 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
 @_device_option
 @_replay_options(culprit="each culprit", snapshot="the snapshots'")
-@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
-              help="Exit with status 4 when the report has a finding of this severity or worse (to gate a "
-                   "pipeline); the autopsy is printed as usual.")
+@_fail_on_option("the report has a finding of this severity or worse", "the autopsy")
 @_one_line_errors
 def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
     """One answer: report the run, replay its first failing snapshots, try each fix on them.
@@ -375,9 +379,7 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to scan the tensors: cuda copies each chunk to the GPU (auto: cuda when present). "
                    "The results are the same.")
-@click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
-              help="Exit with status 4 when a finding of this severity or worse is present (to gate a "
-                   "pipeline); the output is printed as usual.")
+@_fail_on_option("a finding of this severity or worse is present", "the output")
 @_one_line_errors
 def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
     """Check a checkpoint (or two) for NaN/Inf, FP16/BF16 range risk and optimizer-state damage."""

@@ -25,11 +25,24 @@ import torch
 __all__ = ["FP16_MAX", "FP16_OVERFLOW", "FP16_FLUSH", "BF16_OVERFLOW", "BF16_FLUSH", "TensorStats",
            "PairChange", "Bits", "BITS"]
 
+
+def _overflow_at(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to inf: the largest finite value plus half its spacing."""
+    fi = torch.finfo(dtype)
+    return fi.max + 2.0 ** (math.frexp(fi.max)[1] - 1) * fi.eps / 2
+
+
+def _flush_below(dtype: torch.dtype) -> float:
+    """Magnitudes at or below this round to zero: half the smallest subnormal."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
 FP16_MAX = float(torch.finfo(torch.float16).max)
-FP16_OVERFLOW = 65520.0
-FP16_FLUSH = 2.0**-25
-BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
-BF16_FLUSH = 2.0**-134
+FP16_OVERFLOW = _overflow_at(torch.float16)   # 65520
+FP16_FLUSH = _flush_below(torch.float16)      # 2**-25
+BF16_OVERFLOW = _overflow_at(torch.bfloat16)  # (2 - 2**-8) * 2**127
+BF16_FLUSH = _flush_below(torch.bfloat16)     # 2**-134
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,6 @@ from ..errors import BadInputError
 
 __all__ = ["directory_given_to_replay", "torch_file_given_to_report"]
 
-_MANUAL = "manual"  # recorders.triggers.MANUAL: the user's own checkpoints, not failures
-
-
 def _q(path: Path | str) -> str:
     return shlex.quote(str(path))
 
@@ -31,7 +28,7 @@ def _first_failing_snapshot(run_dir: Path) -> Path | None:
         return None
     for name in names:
         m = schema.SNAPSHOT_RE.match(name)
-        if m and not name.startswith(".") and m[4] != _MANUAL:
+        if m and not name.startswith(".") and m[4] != schema.MANUAL:  # the user's own checkpoints, not failures
             found.append((int(m[1]), int(m[2]), int(m[3] or 0), name))
     return run_dir / schema.SNAPSHOT_DIR / min(found)[3] if found else None
 

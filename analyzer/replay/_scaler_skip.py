@@ -37,6 +37,8 @@ from contextlib import nullcontext
 
 import torch
 
+from recorders import schema
+
 from ._runs import LOW_PRECISION, ReplayContext, run_once
 from .fixes import Fix, FixSpec, register_fix
 from .result import ReplayResult
@@ -51,7 +53,7 @@ _WITHOUT = ("without a GradScaler, clip only finite steps: norm = clip_grad_norm
 
 def plans(result: ReplayResult) -> list:
     """The fixes of this module that apply to `result`: ``scaler_skip`` on an ``exception`` snapshot."""
-    return [scaler_skip] if result.reason == "exception" and result.exception is not None else []
+    return [scaler_skip] if result.reason == schema.REASON_EXCEPTION and result.exception is not None else []
 
 
 def _title(clip: bool) -> str:

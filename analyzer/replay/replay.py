@@ -87,7 +87,7 @@ class Replay:
     def is_update(self) -> bool:
         """The NaN was born in the optimizer step: the update is recomputed, no model code imported."""
         snap = self.snapshot
-        return update_applies(snap) and (snap.reason == "update" or explained_by_update(self.path, snap))
+        return update_applies(snap) and (snap.reason == schema.UPDATE or explained_by_update(self.path, snap))
 
     def context(self) -> ReplayContext:
         """The rebuilt model, batch and RNG every run of this replay uses (built once)."""

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from recorders import schema
+
 from ..errors import BadInputError
 from ..load import Snapshot
 from .records import Culprit
@@ -104,7 +106,7 @@ def _named_state(path: str, opt: Any) -> tuple[str, list[tuple[str, dict, dict]]
 def update_applies(snap: Snapshot) -> bool:
     """True for an ``update`` snapshot, or one whose parameters are non-finite beside optimizer state."""
     upd, opt = _get(snap, "update"), _get(snap, "optimizer")
-    if snap.reason == "update" and upd is not None:
+    if snap.reason == schema.UPDATE and upd is not None:
         return True
     if not isinstance(opt, dict) or not isinstance(opt.get("param_names"), (list, tuple)):
         return False
@@ -261,7 +263,7 @@ def update_forensics(path: str, snap: Snapshot) -> dict:
             continue
         grad = grads.get(name) if _floating(grads.get(name)) else None
         params.append(_param_record(name, cls, st, g, post, grad))
-    return {"optimizer": cls, "update_snapshot": snap.reason == "update", "params": params,
+    return {"optimizer": cls, "update_snapshot": snap.reason == schema.UPDATE, "params": params,
             "clip_signature": _clip_signature(grads) if grads else False, "forward_backward_replayed": False}
 
 
