@@ -1,6 +1,6 @@
 """Wall time of ``analyzer autopsy`` on the demo run, against one plain replay of the same snapshot.
 
-Issue 14's cost target: the whole autopsy of the demo run (report, snapshot pick, replays, every
+The cost target: the whole autopsy of the demo run (report, snapshot pick, replays, every
 fix tried on the culprit) takes under 30 s on this project's 2-core CPU. The script records the
 demo scenario once (``samples.fp16_attention_overflow``, the run ``analyzer demo`` trains), then
 times, interleaved round by round so that load from other processes hits them alike:
@@ -36,7 +36,7 @@ from analyzer.replay import replay_snapshot  # noqa: E402
 from analyzer.report import build_report  # noqa: E402
 from recorders import imports, schema  # noqa: E402
 
-TARGET_S = 30.0  # issue 14: the whole autopsy of the demo run under 30 s on this CPU
+TARGET_S = 30.0  # the whole autopsy of the demo run under 30 s on this CPU
 SCENARIO = "fp16_attention_overflow"
 
 

@@ -18,8 +18,8 @@ Usage::
     python bench/replay_cost.py --quick    # tiny model, 3 rounds: a smoke run
     python bench/replay_cost.py --device cuda   # the same on a GPU (each variant ends in a sync)
 
-``--rows FILE`` appends one row per precision (replay run / plain against the 1.5x target of
-issue 16) to FILE, for ``bench/gpu_check.sh``'s table.
+``--rows FILE`` appends one row per precision (replay run / plain against the 1.5x target)
+to FILE, for ``bench/gpu_check.sh``'s table.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from samples.models import build_gpt, gpt_loss  # noqa: E402
 
 FULL = dict(vocab_size=1024, block_size=128, n_layer=6, n_head=6, n_embd=384)
 QUICK = dict(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=64)
-TARGET_RATIO = 1.5  # issue 16: a replay run at most 1.5x a plain forward+backward (on a GPU)
+TARGET_RATIO = 1.5  # a replay run at most 1.5x a plain forward+backward (on a GPU)
 
 
 def _plain(model, batch, precision: str, anomaly: bool = False, device: str = "cpu") -> None:

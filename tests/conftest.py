@@ -1,6 +1,6 @@
 """Shared pytest setup: deterministic, single-threaded torch so the suite behaves on 2 cores.
 
-Also the session's shared recordings of ``tests/update_runs.py`` (issue 13: no test trains the
+Also the session's shared recordings of ``tests/update_runs.py`` (no test trains the
 same scenario twice): each run is trained once, on first use, and only read by the tests (a test
 that writes into a run directory copies it first).
 """

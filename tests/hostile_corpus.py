@@ -4,7 +4,7 @@ Nothing here is committed as a binary: each case writes its files into a fresh d
 is ``(name, build)`` where ``build(dir) -> list[str]`` writes the input and returns the analyzer
 arguments that read it (``["report", RUN]``, ``["replay", SNAP]``, ``["inspect", CKPT]``).
 
-The classes follow issue 11's probe: unvalidated values (ranks, shapes, steps, scaler state,
+The classes: unvalidated values (ranks, shapes, steps, scaler state,
 RNG), deep nesting, encoding and CSV errors, Parquet parts with wrong types or corrupt pages,
 safetensors headers with impossible shapes, memory bombs, and escape sequences in names.
 """

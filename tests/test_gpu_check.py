@@ -1,7 +1,7 @@
 """bench/gpu_check.sh on CPU: the dry run lists and checks every command; a real run needs CUDA.
 
 No GPU is lent to CI, so the real check cannot run here. What can be proved on CPU is that the
-dry run names every step of issue 16's GPU check, that each script it calls exists and accepts
+dry run names every step of the GPU check, that each script it calls exists and accepts
 the options it passes, that its table says nothing was measured, and that the CUDA-vs-CPU
 replay comparison it relies on (bench/replay_devices.py) works end to end on a real sample.
 """

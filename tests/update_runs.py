@@ -1,4 +1,4 @@
-"""Real recorded CPU runs whose failure is born in the optimizer step (issue 15 acceptance runs).
+"""Real recorded CPU runs whose failure is born in the optimizer step.
 
 Each ``record_<name>(run_dir, *, check_update=...)`` trains a tiny model with the real
 ``Recorder`` into `run_dir` and returns an info dict naming what a diagnosis must find (the

@@ -1,7 +1,7 @@
 """``analyzer autopsy RUN``: report, pick the snapshots, replay them, try the fixes; one answer.
 
-Before this command a user ran ``analyzer report``, read which snapshot to pick, ran ``analyzer
-replay`` on it and then had to trust advice nobody had tried. ``run_autopsy`` chains the four
+Without it a user runs ``analyzer report``, reads which snapshot to pick, runs ``analyzer replay``
+on it and then has to trust advice nobody has tried. ``run_autopsy`` chains the four
 stages and returns one frozen ``AutopsyResult``:
 
 1. the report, exactly as ``analyzer report`` builds it (``build_report``);

@@ -1,6 +1,6 @@
 """Recorded steps and runs that several analyzer test files read: each is trained once per session.
 
-Issue 13: no test trains the same scenario twice. A fixture here is a real step recorded by the
+No test trains the same scenario twice. A fixture here is a real step recorded by the
 real ``Recorder`` (``replay/replay_models.py``, ``replay/fix_models.py``) or a short real run
 (``autopsy/autopsy_runs.py``), trained on first use into a session temporary folder. Tests only
 read them (replay, fixes, report and autopsy never write into their input); a test that moves or
@@ -96,7 +96,7 @@ def scaled_sum_mse_step(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def bce_step(tmp_path_factory) -> Path:
-    """The hand-written BCE of issue 14: one real FP16 step with a logit of 10 and label 0, where
+    """The hand-written BCE: one real FP16 step with a logit of 10 and label 0, where
     1 - sigmoid(10) rounds to 0 in FP16 and log(0) = -inf."""
     return _seeded(lambda: fm.record(tmp_path_factory.mktemp("bce") / "run", factory="build_logit",
                                      loss_fn="bce_loss", batch=fm.bce_batch(), amp_dtype=torch.float16))

@@ -73,7 +73,7 @@ def test_json_is_strict_and_its_report_and_replay_equal_the_standalone_commands(
 
 
 def test_nonfinite_input_tries_no_fix(as_json):
-    # The issue: for nonfinite_input try nothing, say which input to look at.
+    # A non-finite input is not the model's fault: no fix applies; the answer names the input to look at.
     assert all(f["status"] == "not_tried" for f in as_json["fixes"])
 
 

@@ -148,7 +148,7 @@ def test_garbage_after_a_pickle_protocol_byte_is_reported_as_corrupt(tmp_path):
         load_snapshot(path)
 
 
-# -- bounded memory and validated values (issue 11) -----------------------------------------------
+# -- bounded memory and validated values -------------------------------------------------------
 def _deflated_snapshot(tmp_path, numel: int = 2_000_000):
     """A real snapshot (8 MB of zero batch data) re-zipped with deflate: ~10 KiB declaring 8 MB."""
     from tests.hostile_corpus import rezip

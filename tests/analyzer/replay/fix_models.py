@@ -1,6 +1,6 @@
 """Tiny models for the fixes tried on a snapshot (``analyzer.replay.fixes``), and their recorded steps.
 
-``build_logit`` with ``bce_loss`` is the hand-written binary cross-entropy of issue 14:
+``build_logit`` with ``bce_loss`` is a hand-written binary cross-entropy:
 ``-(y*log(p) + (1-y)*log(1-p))`` with ``p = sigmoid(x)``. A logit of 10 gives ``p = 0.9999546``
 in FP32 (``1 - p = 4.5e-5``, finite log), but FP16's spacing below 1 is 4.9e-4 (BF16's 3.9e-3),
 so ``p`` rounds to exactly 1.0 there, ``1 - p`` is 0 and ``log(0) = -inf``: an FP16 underflow

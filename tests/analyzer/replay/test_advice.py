@@ -22,7 +22,7 @@ def _recommends_bf16(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def bce_snapshot(bce_step):
-    return bce_step  # the hand-written BCE of issue 14 (tests/analyzer/conftest.py)
+    return bce_step  # the hand-written BCE (tests/analyzer/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def _strict(fixes: list[Fix]) -> None:
 
 @pytest.fixture(scope="module")
 def bce(bce_step):
-    """The hand-written BCE of issue 14: one FP16 step, logit 10 and label 0 (tests/analyzer/conftest.py)."""
+    """The hand-written BCE: one FP16 step, logit 10 and label 0 (tests/analyzer/conftest.py)."""
     result = replay_snapshot(bce_step)
     return bce_step, result, try_fixes(bce_step, result)
 

@@ -137,7 +137,7 @@ def test_hostile_optimizer_entries_give_a_result_or_one_analyzer_error(emb_updat
     render_replay_text(res)
 
 
-# --- acceptance: the recorded runs of tests/update_runs.py (issue 15) -------------------------------
+# --- the recorded runs of tests/update_runs.py -------------------------------------------------------
 def test_acceptance_update_snapshot_of_the_fp16_adam_eps_run_is_underflow_naming_the_parameter_and_eps(
         fp16_adam_eps_update_run):
     info = fp16_adam_eps_update_run  # tests/conftest.py: record_fp16_adam_eps(check_update=True)

@@ -178,7 +178,7 @@ def test_update_checks_never_fail_on_odd_update_columns_and_optimizer_meta(bf16_
         json.dumps(f.to_dict(), allow_nan=False)
 
 
-# --- acceptance: the recorded runs of tests/update_runs.py (issue 15) -------------------------------
+# --- the recorded runs of tests/update_runs.py -------------------------------------------------------
 def test_acceptance_fp16_adam_eps_run_reports_nonfinite_weights_at_the_broken_update_before_the_nan_loss(
         fp16_adam_eps_run):
     info = fp16_adam_eps_run  # tests/conftest.py: record_fp16_adam_eps(), once per session

@@ -1,4 +1,4 @@
-"""Tiny real training runs whose failure is born in the optimizer update (issue 15), recorded with the Recorder.
+"""Tiny real training runs whose failure is born in the optimizer update, recorded with the Recorder.
 
 - ``fp16_embedding_run``: a pure-FP16 (``model.half()``) embedding model trained with Adam at the
   default eps=1e-8, which is 0 in float16. Step 0's batch uses rows 0-7 only, so every other row
