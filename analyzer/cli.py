@@ -241,11 +241,7 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
     if batch is not None and (show or rank is not None):
         raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
     if show:
-        if rank is not None:
-            from .load.dcp import sibling_snapshot
-
-            snapshot = str(sibling_snapshot(snapshot, rank))
-        _show_imports(snapshot, factory, loss_fn, paths, as_json)
+        _show_imports(snapshot, rank, factory, loss_fn, paths, as_json)
         return
     from .render import check_output_path, plot_replay, render_replay_text
     from .replay import replay_snapshot
@@ -265,14 +261,12 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
         _echo(render_replay_text(result, ops=ops))
 
 
-def _show_imports(snapshot, factory, loss_fn, paths, as_json) -> None:
+def _show_imports(snapshot, rank, factory, loss_fn, paths, as_json) -> None:
     """``replay --show``: the import plan of a snapshot, read with weights_only, nothing imported."""
-    from .load import load_snapshot, plan_imports, root_sources
+    from .load import import_plan
     from .render import render_import_plan
 
-    snap = load_snapshot(snapshot)
-    plan = {"snapshot": snapshot, **root_sources(snap, paths),
-            "imports": plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)}
+    plan = import_plan(snapshot, rank=rank, factory=factory, loss_fn=loss_fn, paths=paths)
     if as_json:
         _print_json(plan)
     else:

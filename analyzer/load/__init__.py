@@ -20,15 +20,15 @@ from .versions import check_format_version
 
 __all__ = ["ARCHIVE_RATIO_ENV", "DEFAULT_ARCHIVE_RATIO", "IMPORTED_LOGS", "INSTALLED_SAMPLES", "TFEVENTS_PREFIX",
            "Checkpoint", "Entry", "Run", "Snapshot", "SnapshotInfo", "archive_ratio_limit", "check_format_version",
-           "load_checkpoint", "load_run", "load_snapshot", "plan_imports", "progress_line", "read_meta",
-           "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots", "snapshot_info",
-           "snapshot_roots", "step_frame", "torch_load_safe"]
+           "import_plan", "load_checkpoint", "load_run", "load_snapshot", "plan_imports", "progress_line",
+           "read_meta", "recorded_cwd", "resolve_ref", "root_sources", "samples_package", "samples_roots",
+           "snapshot_info", "snapshot_roots", "step_frame", "torch_load_safe"]
 
 # name -> the submodule that defines it; these import torch
 _LAZY = {
     "Checkpoint": "checkpoint", "Entry": "checkpoint", "load_checkpoint": "checkpoints",
-    "INSTALLED_SAMPLES": "refs", "plan_imports": "refs", "resolve_ref": "refs", "samples_package": "refs",
-    "samples_roots": "refs", "snapshot_roots": "refs", "recorded_cwd": "refs", "root_sources": "refs",
+    "INSTALLED_SAMPLES": "refs", "import_plan": "refs", "plan_imports": "refs", "resolve_ref": "refs",
+    "samples_package": "refs", "samples_roots": "refs", "snapshot_roots": "refs", "recorded_cwd": "refs", "root_sources": "refs",
     "Snapshot": "snapshot", "load_snapshot": "snapshot",
     "torch_load_safe": "torchfile",
 }

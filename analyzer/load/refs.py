@@ -17,8 +17,8 @@ from recorders import imports
 from ..errors import FactoryError
 from .snapshot import Snapshot
 
-__all__ = ["INSTALLED_SAMPLES", "plan_imports", "recorded_cwd", "resolve_ref", "root_sources", "samples_package",
-           "samples_roots", "snapshot_roots"]
+__all__ = ["INSTALLED_SAMPLES", "import_plan", "plan_imports", "recorded_cwd", "resolve_ref", "root_sources",
+           "samples_package", "samples_roots", "snapshot_roots"]
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
 # ``amp_autopsy_samples`` (pyproject's package-dir), so installing amp-autopsy never claims the
@@ -156,6 +156,23 @@ def plan_imports(snap: Snapshot, *, factory: str | None = None, loss_fn: str | N
                          "allowed": sub.allowed, "why": f"{sub.why}; must subclass {base}" if sub.allowed
                          else sub.why, "kind": sub.kind, "explicit": False})
     return rows
+
+
+def import_plan(path: str | os.PathLike, *, rank: int | None = None, factory: str | None = None,
+                loss_fn: str | None = None, paths=()) -> dict:
+    """``analyzer replay --show``: the snapshot at `path` (or `rank`'s of the same step), where
+    replay may import from (``root_sources``) and what it would import (``plan_imports``).
+
+    Reads the snapshot with weights_only and imports nothing. Returns ``{"snapshot", "roots",
+    "recorded_cwd", "imports"}``, the ``--show --json`` object.
+    """
+    from .dcp import sibling_snapshot
+    from .snapshot import load_snapshot
+
+    shown = str(path) if rank is None else str(sibling_snapshot(path, rank))
+    snap = load_snapshot(shown)
+    return {"snapshot": shown, **root_sources(snap, paths),
+            "imports": plan_imports(snap, factory=factory, loss_fn=loss_fn, paths=paths)}
 
 
 def samples_package() -> str:

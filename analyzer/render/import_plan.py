@@ -34,8 +34,7 @@ def render_import_plan(plan: dict[str, Any]) -> str:
     """The text of ``replay --show`` from the plan its ``--json`` prints.
 
     Args:
-        plan: ``{"snapshot", "roots", "recorded_cwd", "imports"}``: ``load.root_sources`` and
-            ``load.plan_imports`` of one snapshot.
+        plan: ``load.import_plan``'s ``{"snapshot", "roots", "recorded_cwd", "imports"}``.
     """
     lines = [f"snapshot: {plan['snapshot']}", "import roots:"] + [
         f"  {_ROOT_LABEL[r['kind']]}: {r['dir']}" + (f" ({', '.join(r['modules'])} only)" if r["kind"] == "own" else "")
