@@ -4,11 +4,13 @@
 file, each from the function that draws it (``write_plots``, ``plot_replay``,
 ``write_autopsy_html``); only where they go differs, so that is all the caller passes.
 
-Example:
+Example (the demo run, as ``analyzer autopsy RUN --out out --html out/autopsy.html`` writes it):
     >>> out = write_autopsy_outputs(result, plots_dir="out", replays_dir="out",  # doctest: +SKIP
     ...                             html="out/autopsy.html")
-    >>> [p.name for p in out.replay_plots]  # doctest: +SKIP
-    ['step00000024-r00000-nonfinite_loss-replay.png']
+    >>> [p.name for p in out.figures]  # doctest: +SKIP
+    ['loss_scale.png', 'grad_heatmap.png', 'stalled_fraction.png', 'grad_vs_depth.png',
+     'step00000024-r00000-nonfinite_loss-replay.png', 'step00000031-r00000-overflow_streak-replay.png',
+     'step00000037-r00000-scale_collapse-replay.png']
 """
 from __future__ import annotations
 
