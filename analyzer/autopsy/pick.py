@@ -30,15 +30,12 @@ from recorders import schema
 
 from ..load import SnapshotInfo
 
-__all__ = ["MANUAL", "is_failure", "pick_snapshots"]
-
-MANUAL = schema.MANUAL  # Recorder.snapshot()'s default reason, not a failure
-OVERFLOW_STREAK = schema.OVERFLOW_STREAK
+__all__ = ["is_failure", "pick_snapshots"]
 
 
 def is_failure(info: SnapshotInfo) -> bool:
     """True for a snapshot a trigger (or a user's own named reason) wrote; False for ``manual``."""
-    return info.step is not None and info.reason not in (None, MANUAL)
+    return info.step is not None and info.reason not in (None, schema.MANUAL)  # manual: Recorder.snapshot()'s default
 
 
 def _order(info: SnapshotInfo) -> tuple:
@@ -46,7 +43,7 @@ def _order(info: SnapshotInfo) -> tuple:
 
 
 def _calibration(info: SnapshotInfo, calibrated_until: int | None) -> bool:
-    return calibrated_until is not None and info.reason == OVERFLOW_STREAK and info.step <= calibrated_until
+    return calibrated_until is not None and info.reason == schema.OVERFLOW_STREAK and info.step <= calibrated_until
 
 
 def pick_snapshots(snapshots: Iterable[SnapshotInfo], *, rank: int | None = None,
