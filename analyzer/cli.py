@@ -186,6 +186,7 @@ def _fail_on_option(when: str, printed: str):
                              "printed as usual.")
 
 
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
 _device_option = click.option(
     "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
     help="Where to replay: cuda when present (auto), else cpu.")
@@ -217,7 +218,7 @@ def _replay_options(*, culprit: str, snapshot: str):
                      "pkg.mod:loss (HF and Lightning checkpoints need neither).")
 @click.argument("snapshot", type=click.Path(path_type=str))  # a directory gets the command that reads it
 @_checkpoint_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@_json_option
 @_device_option
 @click.option("--dtypes", default=None, metavar="LIST",
               help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype.")
@@ -275,7 +276,7 @@ def _show_imports(snapshot, rank, factory, loss_fn, paths, as_json) -> None:
 
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@_json_option
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Write diagnosis PNGs into this directory.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -313,7 +314,7 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
 @_checkpoint_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write one self-contained HTML page, the answer first (links to snapshots are relative).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
@@ -368,7 +369,7 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=str))  # a file, or an HF checkpoint-N/ directory
 @click.argument("checkpoint_b", required=False, type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@_json_option
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, None), help="Tensors to list per finding.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to scan the tensors: cuda copies each chunk to the GPU (auto: cuda when present). "
