@@ -70,9 +70,9 @@ def max_archive_ratio() -> float:
     return value if value > 0 else DEFAULT_ARCHIVE_RATIO
 
 
-def archive_budget(file_size: int) -> int:
-    """Declared uncompressed bytes allowed for an archive of `file_size` bytes."""
-    return int(max_archive_ratio() * file_size) + _SLACK
+def archive_budget(file_size: int, ratio: float | None = None) -> int:
+    """Declared uncompressed bytes allowed for an archive of `file_size` bytes (`ratio`: else the one in force)."""
+    return int((max_archive_ratio() if ratio is None else ratio) * file_size) + _SLACK
 
 
 def check_nesting(obj: Any, *, path: str | os.PathLike, what: str, limit: int = MAX_NESTING) -> None:

@@ -20,7 +20,7 @@ from ._limits import ARCHIVE_RATIO_ENV, archive_budget, check_nesting, max_archi
 __all__ = ["torch_load_safe"]
 
 
-def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
+def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False, max_ratio: float | None = None) -> Any:
     """``torch.load(weights_only=True)`` with every failure mapped to a one-line BadInputError.
 
     Loading never executes code from the file: weights_only refuses pickled classes. Memory is
@@ -29,13 +29,18 @@ def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     against the size the pickle declares), and nesting deeper than ``_limits.MAX_NESTING`` is
     refused. Warnings torch emits while reading are held back: dropped when the file is refused,
     re-issued after a successful load.
+
+    `max_ratio` bounds this read's archive (declared bytes per byte of file); None: the ratio in
+    force (``archive_ratio_limit``, ``AMP_AUTOPSY_MAX_ARCHIVE_RATIO``, else the default).
     """
+    if max_ratio is not None and not max_ratio > 0:
+        raise ValueError(f"max_ratio must be positive, got {max_ratio!r}")
     path = Path(path)
     if not path.exists():
         raise BadInputError("no such file", path=path, fix="check the path")
     if path.is_dir():
         raise BadInputError("is a directory, expected a file", path=path)
-    _check_archive(path)
+    _check_archive(path, max_archive_ratio() if max_ratio is None else max_ratio)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         obj = _torch_load(path, mmap)
@@ -45,7 +50,7 @@ def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     return obj
 
 
-def _check_archive(path: Path) -> None:
+def _check_archive(path: Path, ratio: float) -> None:
     """Refuse a zip whose declared uncompressed sizes exceed the file by more than the limit."""
     size = path.stat().st_size
     try:
@@ -53,10 +58,10 @@ def _check_archive(path: Path) -> None:
             declared = sum(max(0, i.file_size) for i in zf.infolist())
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
         return  # not a zip (or a broken one): torch.load reports it
-    if declared > archive_budget(size):
+    if declared > archive_budget(size, ratio):
         raise BadInputError(
             f"refused: the archive declares {declared} bytes uncompressed in a {size}-byte file "
-            f"(more than {max_archive_ratio():g}x; torch.save files are stored uncompressed), "
+            f"(more than {ratio:g}x; torch.save files are stored uncompressed), "
             "so it looks like a zip bomb",
             path=path, fix=f"if you trust the file, raise the limit with 'analyzer --max-archive-ratio N' "
             f"or {ARCHIVE_RATIO_ENV}=N")

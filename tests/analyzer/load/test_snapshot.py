@@ -175,6 +175,7 @@ def test_raising_the_archive_ratio_lets_a_trusted_compressed_file_load(tmp_path,
     monkeypatch.delenv("AMP_AUTOPSY_MAX_ARCHIVE_RATIO")
     with archive_ratio_limit(10000):  # what 'analyzer --max-archive-ratio 10000' does
         assert load_snapshot(bomb)["batch"]["x"].numel() == 2_000_000
+    assert torch_load_safe(bomb, max_ratio=10000)["batch"]["x"].numel() == 2_000_000  # one read, given its ratio
     with pytest.raises(BadInputError, match="zip bomb"):
         load_snapshot(bomb)
 
