@@ -265,3 +265,34 @@ def test_the_readmes_recorder_loop_runs_as_written_on_cpu_without_a_recorder_war
     assert result.exit_code == 0, result.output
     checks = {f["check"] for f in json.loads(result.output)["findings"]}
     assert not checks & {"scaled_loss", "autocast_inactive"}
+
+
+def test_a_scaled_loss_the_recorder_cannot_see_is_caught_by_the_reports_check_alone(tmp_path):
+    # scaler.scale(loss).detach() has no autograd node to recognise: the trace alone shows that
+    # the recorded loss doubles and halves with the scale
+    torch.manual_seed(0)
+    model, scaler = build_mlp(), torch.amp.GradScaler("cpu", growth_interval=2)
+    opt = sgd(model)
+    run = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(run, model, **REFS, scaler=scaler, amp_dtype=torch.float16, optimizer=opt) as rec:
+            for step, batch in enumerate(batches(24, size=256)):
+                rec.begin_step(step, batch)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = mse_loss(model, batch)
+                scaled = scaler.scale(loss)
+                scaled.backward()
+                rec.end_step(scaled.detach())
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    assert not [w for w in _recorder_warnings(caught) if "scaled loss" in w]
+    text = _report(run)
+    assert text.exit_code == 0, text.output
+    assert "scaled_loss" in text.output and "so the trace holds loss x scale: end_step was given scaler.scale(loss)" \
+        in text.output
+    (f,) = [f for f in json.loads(_report(run, "--json").output)["findings"] if f["check"] == "scaled_loss"]
+    assert f["severity"] == "warning" and f["evidence"]["followed"] >= 3
+    assert f["evidence"]["loss_after"] / f["evidence"]["loss_before"] == pytest.approx(
+        f["evidence"]["scale_after"] / f["evidence"]["scale_before"], rel=0.5)
