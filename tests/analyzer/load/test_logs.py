@@ -248,3 +248,23 @@ def test_any_megatron_counts_are_read_as_counts_or_named(tmp_path_factory, token
     assert (f["evidence"]["log_problems"] if f else 0) == expected
     nan_steps = sum(ok(nan) and float(nan) > 0 for _, nan in tokens)
     assert out["steps"]["nonfinite_loss"] == nan_steps
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(scales=st.lists(st.tuples(*[st.one_of(st.sampled_from(["65536", "1.5e4", "0", "-2", "nan", "inf", "...", "x",
+                                                                "", "1e999"]),
+                                             st.floats(allow_nan=True, allow_infinity=True).map(repr))] * 2),
+                       min_size=1, max_size=5))
+def test_any_deepspeed_overflow_scales_are_read_or_named(tmp_path_factory, scales):
+    text = "steps: 0 loss: 2.0\n" + "".join(_DS_OVERFLOW.format(a, r) for a, r in scales)
+    path = tmp_path_factory.mktemp("ds") / "train.log"
+    path.write_text(text)
+    code, out = report(path)
+    assert code == 0, out
+    assert out["steps"]["skipped"] == len(scales)  # every overflow line is a skipped step, whatever its scale
+
+    def ok(tok: str) -> bool:
+        return _is_number(tok) and math.isfinite(float(tok)) and float(tok) > 0
+
+    f = implausible(out)
+    assert (f["evidence"]["log_problems"] if f else 0) == sum((not ok(a)) + (not ok(r)) for a, r in scales)
