@@ -92,7 +92,7 @@ def check_crcs(path: Path) -> None:
             if whole or info.file_size <= CRC_SMALL_RECORD:
                 _check_record(path, zf, info)
     if skipped:
-        warnings.warn(f"{path.name}: {len(skipped)} tensor record(s) over {CRC_SMALL_RECORD >> 20} MiB were not "
+        warnings.warn(f"{path}: {len(skipped)} tensor record(s) over {CRC_SMALL_RECORD >> 20} MiB were not "
                       f"checked against their CRC-32 (the file holds more than {CRC_FULL_BYTES >> 30} GiB; "
                       "zipfile.ZipFile(path).testzip() checks them all)", UserWarning, stacklevel=3)
 
