@@ -209,6 +209,24 @@ def _deep_batch(d: Path) -> list[str]:
     return ["replay", str(write_snapshot(d / "snap.pt", snapshot_dict(batch=deep)))]
 
 
+def _flipped(name: str, cmd: str, record: str):
+    """A real torch file with one byte flipped in the middle of `record` (torch.load still reads it)."""
+    def build(d):
+        src = (write_snapshot(d / "full.pt", snapshot_dict()) if cmd == "replay"
+               else (torch.save({"w": torch.randn(256), "b": torch.randn(4)}, d / "full.pt") or d / "full.pt"))
+        raw = bytearray(src.read_bytes())
+        with zipfile.ZipFile(src) as zf:
+            info = next(i for i in zf.infolist() if i.filename.split("/", 1)[1] == record)
+        head = info.header_offset
+        start = head + 30 + int.from_bytes(raw[head + 26:head + 28], "little") + int.from_bytes(raw[head + 28:head + 30],
+                                                                                               "little")
+        raw[start + info.compress_size // 2] ^= 0x10
+        src.unlink()
+        (d / name).write_bytes(bytes(raw))
+        return [cmd, str(d / name)]
+    return build
+
+
 _NUL_CSV = "step,loss\n1,2\n2,\x003\n"
 _DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
@@ -237,6 +255,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("snapshot garbage", _raw("snap.pt", b"\x80\x02garbage" * 50, "replay")),
     ("snapshot deep pickle", lambda d: ["replay", str(_deep_torch(d, "snap.pt"))]),
     ("snapshot zip bomb", lambda d: ["replay", str(zip_bomb(d, "snap.pt", 4_000_000))]),
+    ("snapshot flipped byte in a tensor", _flipped("snap.pt", "replay", "data/0")),
     # checkpoints
     ("checkpoint deep pickle", _torch_file("ckpt.pt", _deep_torch)),
     ("checkpoint zip bomb", _torch_file("ckpt.pt", lambda d, n: zip_bomb(d, n, 4_000_000))),
@@ -247,6 +266,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("checkpoint zip name not utf-8", _torch_file("ckpt.pt", _bad_zip_name)),
     ("snapshot zip name not utf-8", lambda d: ["replay", str(_bad_zip_name(d, "snap.pt"))]),
     ("checkpoint garbage", _raw("ckpt.pt", bytes(range(256)) * 8, "inspect")),
+    ("checkpoint flipped byte in a tensor", _flipped("ckpt.pt", "inspect", "data/0")),
+    ("checkpoint flipped byte in data.pkl", _flipped("ckpt.pt", "inspect", "data.pkl")),
     ("safetensors bool shape", _safetensors({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}})),
     ("safetensors 2**63 shape", _safetensors({"w": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}})),
     ("safetensors offsets past the end", _safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}})),
@@ -293,6 +314,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
     ("hf log_history of numbers", _file("trainer_state.json", '{"log_history": [1, 2, 3]}')),
     ("lightning csv with a NUL byte", _file("metrics.csv", _NUL_CSV)),
     ("lightning csv not utf-8", _file("metrics.csv", b"step,loss\n1,\xff\xfe\n")),
+    ("lightning csv row cut short", _file("metrics.csv", "epoch,step,train_loss_step\n0,1,2.0\n0,2,1.9\n0,3\n")),
+    ("lightning csv column twice", _file("metrics.csv", "epoch,step,loss,loss\n0,1,2.0,9\n0,2,1.9,9\n")),
     ("csv huge field", _file("log.csv", "step,loss\n1," + "9" * 200_000 + "\n")),
     ("csv step nan", _file("log.csv", "step,loss\nnan,1.0\n")),
     ("csv step 5000 digits", _file("log.csv", "step,loss\n" + "9" * 5000 + ",1.0\n")),
@@ -306,6 +329,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]]]] = [
                                   + " Skipping step. Attempted loss scale: 65536, reducing to 32768\n")),
     ("deepspeed scale of dots", _file("train.log", "[deepspeed] OVERFLOW! Rank 0 Skipping step. "
                                       "Attempted loss scale: ..., reducing to ...\n")),
+    ("deepspeed scale nan", _file("train.log", "steps: 1 loss: 2.0\n[deepspeed] OVERFLOW! Rank 0 Skipping step. "
+                                  "Attempted loss scale: nan, reducing to nan\n")),
+    ("megatron nan iteration", _file("train.log", "iteration nan/ 100 | lm loss: 1.0 |\n")),
+    ("megatron inf iteration", _file("train.log", "iteration 5/ 100 | lm loss: 1.0 |\niteration inf/ 100 | lm loss: "
+                                     "1.0 |\n")),
     ("megatron huge iteration", _file("train.log", "iteration " + "9" * 40 + "/ 100 | lm loss: 1.0 |\n")),
     ("megatron inf skipped", _file("train.log", "iteration 5/ 100 | lm loss: 1.0 | number of skipped "
                                    "iterations: inf | number of nan iterations: 1e999 |\n")),

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RSS_CEILING_MIB = 512
 # cases that are odd but readable: they must not crash, and may succeed
 SURVIVABLE = {"csv extra fields", "deepspeed scale of dots", "megatron inf skipped", "lightning csv with a NUL byte",
-              "checkpoint stride-0 weight of 3e9", "checkpoint re-zipped unaligned", "checkpoint bad param_groups"}
+              "checkpoint stride-0 weight of 3e9", "checkpoint re-zipped unaligned", "checkpoint bad param_groups",
+              "lightning csv row cut short", "lightning csv column twice", "deepspeed scale nan"}
 
 
 def tree_hash(root: Path) -> dict[str, str]:
@@ -474,3 +475,50 @@ def test_any_step_numbers_read_from_a_part_give_a_report_or_one_error_line(tmp_p
     assert "check_failed" not in checks
     if any(s < 0 or abs(s) > 10**12 for s in steps):
         assert "implausible_trace" in checks
+
+
+# -- damaged foreign logs and torch files: named in a warning, or refused; never read in silence ---
+@pytest.mark.parametrize("name, examples", [
+    ("csv extra fields", ["line 2: 5 field(s), the header has 2"]),
+    ("lightning csv with a NUL byte", ["line 3: loss '\\x003' is not a number"]),
+    ("lightning csv row cut short", ["line 4: 2 field(s), the header has 3"]),
+    ("lightning csv column twice", ["header: column 'loss' appears 2 times (the last one is read)"]),
+    ("deepspeed scale of dots", ["line 1: attempted loss scale '...' is not a positive finite number",
+                                 "line 1: reduced loss scale '...' is not a positive finite number"]),
+    ("deepspeed scale nan", ["line 2: attempted loss scale 'nan' is not a positive finite number",
+                             "line 2: reduced loss scale 'nan' is not a positive finite number"]),
+    ("megatron inf skipped", ["line 1: number of nan iterations '1e999' is not a whole count of the interval's 5 "
+                              "iteration(s) (read as 0)",
+                              "line 1: number of skipped iterations 'inf' is not a whole count of the interval's 5 "
+                              "iteration(s) (read as 0)"]),
+])
+def test_a_damaged_foreign_log_is_analysed_with_a_warning_naming_its_bad_values(tmp_path, name, examples):
+    args = dict(CASES)[name](tmp_path)
+    res = invoke([*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    (f,) = [f for f in out["findings"] if f["check"] == "implausible_trace"]
+    assert f["severity"] == "warning" and f["evidence"]["log_examples"] == examples
+    assert f"{len(examples)} malformed value(s) in the {out['source_format']} log: " + "; ".join(examples) in f["message"]
+    text = invoke(args)
+    assert text.exit_code == 0 and "implausible_trace:" in text.stdout and examples[0] in text.stdout
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("megatron nan iteration", "train.log: line 1: iteration 'nan' is not an integer in [0, 9223372036854775808) "
+                               "(the log is damaged or foreign; "),
+    ("megatron inf iteration", "train.log: line 2: iteration 'inf' is not an integer in [0, 9223372036854775808) "
+                               "(the log is damaged or foreign; "),
+    ("checkpoint flipped byte in a tensor", "ckpt.pt: damaged: record 'full/data/0' does not match the CRC-32 it was "
+                                            "saved with (its bytes changed after torch.save wrote them; torch.load "
+                                            "would read the changed values without a word) (copy the file again "
+                                            "from its source, or save it again)"),
+    ("checkpoint flipped byte in data.pkl", "ckpt.pt: damaged: record 'full/data.pkl' does not match the CRC-32"),
+    ("snapshot flipped byte in a tensor", "snap.pt: damaged: record 'archive/data/0' does not match the CRC-32"),
+    ("safetensors duplicate keys", "model.safetensors: not a valid safetensors file: the header names tensor 'w' "
+                                   "twice (a writer would not; which one is meant is unknown)"),
+])
+def test_a_damaged_log_or_torch_file_is_refused_naming_the_file_and_what_changed(tmp_path, name, fragment):
+    args = dict(CASES)[name](tmp_path)
+    line = assert_one_error_line(*(lambda r: (r.exit_code, r.stderr, r.stdout))(invoke(args)))
+    assert line.startswith(f"Error: {args[-1]}") and fragment in line

@@ -115,17 +115,9 @@ def _next_commands(demo_stdout: str) -> list[list[str]]:
     return [c[1:] for c in commands]
 
 
-def _wheel_env(tmp: Path) -> tuple[Path, dict]:
-    """Build the wheel from a copy of the sources, unpack it, and return (site dir, environment).
-
-    The environment runs Python with ``-S`` (no ``.pth`` files: not the development install's
-    path hooks) on the unpacked wheel, then the virtual environment's site-packages for torch,
-    polars and the rest, so only what the wheel installs is importable of amp-autopsy.
-    """
-    import os
+def _build_wheel(tmp: Path) -> Path:
+    """The wheel of a copy of the sources (no build isolation, no index: offline)."""
     import shutil
-    import site
-    import zipfile
 
     src = tmp / "src"
     src.mkdir()
@@ -138,6 +130,21 @@ def _wheel_env(tmp: Path) -> tuple[Path, dict]:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "-w", str(wheels), str(src)], check=True, capture_output=True, text=True)
     (whl,) = wheels.glob("amp_autopsy-*.whl")
+    return whl
+
+
+def _wheel_env(tmp: Path) -> tuple[Path, dict]:
+    """Build the wheel from a copy of the sources, unpack it, and return (site dir, environment).
+
+    The environment runs Python with ``-S`` (no ``.pth`` files: not the development install's
+    path hooks) on the unpacked wheel, then the virtual environment's site-packages for torch,
+    polars and the rest, so only what the wheel installs is importable of amp-autopsy.
+    """
+    import os
+    import site
+    import zipfile
+
+    whl = _build_wheel(tmp)
     installed = tmp / "site"
     with zipfile.ZipFile(whl) as z:
         z.extractall(installed)
@@ -186,6 +193,43 @@ def test_the_wheel_installs_samples_under_its_own_name_and_the_demo_and_old_snap
     assert json.loads(replay.stdout)["verdict"] == json.loads(
         subprocess.run(py + ["-m", "analyzer.cli", "replay", "--json", "--dtypes", "fp32,bf16", str(snap)],
                        cwd=away, env=env, capture_output=True, text=True, timeout=600).stdout)["verdict"]
+
+
+@pytest.mark.slow  # builds a wheel, pip-installs it into a new virtual environment, trains a small scenario (~60 s)
+def test_a_wheel_pip_installed_into_a_fresh_venv_demos_and_its_next_commands_work_from_there(tmp_path):
+    import os
+    import site
+    import venv
+
+    whl = _build_wheel(tmp_path)
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    vpy = env_dir / "bin" / "python"
+    purelib = Path(subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    # torch, polars, click...: this environment's site-packages, after the new one's own. A .pth line
+    # adds the folder only: the development install's own .pth hooks there never run.
+    (purelib / "_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "-q", "--no-deps",
+                          "--no-index", str(whl)], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    script = env_dir / "bin" / "analyzer"  # the console script pip wrote from the wheel's entry points
+    assert script.is_file()
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
+    env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    probe = subprocess.run([str(vpy), "-c", "import importlib.util as u, analyzer; print(u.find_spec('samples'), "
+                                            "analyzer.__file__)"], cwd=away, env=env, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["None", str(purelib / "analyzer" / "__init__.py")]  # the wheel's, not the checkout
+    demo = subprocess.run([str(script), "demo", "--scenario", "bf16_nan", "--out", "d"], cwd=away, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    for args in _next_commands(demo.stdout):
+        step = subprocess.run([str(script), *args], cwd=away, env=env, capture_output=True, text=True, timeout=600)
+        assert step.returncode == 0, (args, step.stdout + step.stderr)
+        assert "numerical_bug" in step.stdout and "Error" not in step.stderr, step.stdout + step.stderr
 
 
 # How an editable install imports amp-autopsy: the checkout's packages by path, the checkout

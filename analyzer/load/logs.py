@@ -34,9 +34,11 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import NumberTooLong, json_int, safe_strings
+from ._logcheck import LOG_PROBLEMS, Problems, count, number_cell, scale_value, short
+from ._logcheck import to_float as _num
 from .run import Run, progress_line, step_frame
 
-__all__ = ["HF_TRAINER_STATE", "IMPORTED_LOGS", "LIGHTNING_METRICS", "RUN_HINT", "TFEVENTS_PREFIX",
+__all__ = ["HF_TRAINER_STATE", "IMPORTED_LOGS", "LIGHTNING_METRICS", "LOG_PROBLEMS", "RUN_HINT", "TFEVENTS_PREFIX",
            "import_dir", "import_file"]
 
 HF_TRAINER_STATE = "trainer_state.json"
@@ -55,23 +57,18 @@ _MAX_LINE = 16 << 20  # a log line longer than 16 MiB is not a log line
 
 
 def _run(path: Path, fmt: str, rows: pl.DataFrame, *, amp_dtype=None, growth_interval=None,
-         notes=()) -> Run:
+         notes=(), bad: Problems | None = None) -> Run:
     if rows.height == 0:
-        raise BadInputError(f"no training steps found in this {fmt} log", path=path,
+        raise BadInputError(f"no training steps found in this {fmt} log" + (bad.first() if bad else ""), path=path,
                             fix="pass the log of a run that logged at least one training step")
     steps = step_frame(rows)
     meta = {"format": fmt, "amp_dtype": amp_dtype, "world_size": 1, "params": [],
             "scaler": None if growth_interval is None else {"growth_interval": growth_interval}}
+    if bad:  # the implausible_trace check names them: a damaged log is never analysed in silence
+        meta[LOG_PROBLEMS] = bad.to_meta()
     return Run(path=path, source_format=fmt, meta=meta, metas={0: meta}, steps=steps.lazy(),
                layers=None, notes=[f"imported from a {fmt} log: no per-layer gradient norms, "
                                    "so stalled/vanishing/underflow checks cannot run", *notes])
-
-
-def _first(d: dict[str, Any], keys) -> Any:
-    for k in keys:
-        if k in d and not isinstance(d[k], (dict, list)) and d[k] not in (None, ""):
-            return d[k]
-    return None
 
 
 def _read_json(path: Path) -> Any:
@@ -112,42 +109,44 @@ def _whole(v, path: Path, what: str, lo: int, hi: int) -> int:
     return x
 
 
-def _num(v) -> float | None:
-    if v is None or v == "" or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
+def _first_key(d: dict[str, Any], keys) -> str | None:
+    return next((k for k in keys if k in d and not isinstance(d[k], (dict, list)) and d[k] not in (None, "")), None)
 
 
-def _generic_rows(records: list[dict[str, Any]], path: Path, loss_keys=_LOSS_KEYS) -> pl.DataFrame:
+def _generic_rows(records: list[tuple[str, dict[str, Any]]], path: Path, bad: Problems,
+                  loss_keys=_LOSS_KEYS, shape: dict[str, str] | None = None) -> pl.DataFrame:
+    """Rows from ``(where, record)`` pairs; a cell of a mapped column that holds no number is named
+    in `bad` (``where`` is "line 3" or "log_history[2]"), after the record's `shape` problem if any."""
     rows = []
-    for r in records:
-        raw_step, loss = r.get("step", r.get("global_step")), _num(_first(r, loss_keys))
-        if _num(raw_step) is None or loss is None:
+    for where, r in records:
+        if shape and where in shape:
+            bad.add(where, shape[where])
+        raw_step = r.get("step", r.get("global_step"))
+        lk = _first_key(r, loss_keys)
+        loss = None if lk is None else number_cell(r[lk], where, lk, bad)
+        if number_cell(raw_step, where, "step", bad) is None or loss is None:
             continue  # validation/epoch rows carry no training loss
         step = _whole(raw_step, path, "step", -_I64, _I64)
         rank = 0 if _num(r.get("rank")) is None else _whole(r.get("rank"), path, "rank", 0, 2**31)
-        gn = _num(_first(r, _GN_KEYS))
-        if gn is None:
-            gn = _num(next((v for k, v in r.items()
-                            if isinstance(k, str) and k.startswith("grad_") and "norm_total" in k), None))
-        lr = _num(_first(r, _LR_KEYS))
-        if lr is None:
-            lr = _num(next((v for k, v in r.items()
-                            if isinstance(k, str) and k.startswith("lr-") and v not in (None, "")), None))
+        gk = _first_key(r, _GN_KEYS) or next((k for k, v in r.items() if isinstance(k, str) and k.startswith("grad_")
+                                              and "norm_total" in k and v not in (None, "")), None)
+        gn = None if gk is None else number_cell(r[gk], where, gk, bad)
+        lrk = _first_key(r, _LR_KEYS) or next((k for k, v in r.items() if isinstance(k, str) and k.startswith("lr-")
+                                               and v not in (None, "")), None)
+        lr = None if lrk is None else number_cell(r[lrk], where, lrk, bad)
+        sk = _first_key(r, _SCALE_KEYS)
+        scale = None if sk is None else number_cell(r[sk], where, sk, bad)
         skipped = r.get("skipped")
         if not isinstance(skipped, (bool, int, float, str)):
             skipped = None
         loss_dtype = r.get("loss_dtype")
-        rows.append({"step": step, "rank": rank, "loss": loss,
-                     "scale": _num(_first(r, _SCALE_KEYS)), "grad_norm": gn, "lr": lr,
+        rows.append({"step": step, "rank": rank, "loss": loss, "scale": scale, "grad_norm": gn, "lr": lr,
                      "skipped": None if skipped in (None, "") else str(skipped).lower() in ("1", "true", "1.0"),
                      "loss_dtype": loss_dtype[:64] if isinstance(loss_dtype, str) and loss_dtype else None})
     if not rows:
-        raise BadInputError(f"no rows with both 'step' and a loss column ({', '.join(_LOSS_KEYS[:4])}, ...)",
-                            path=path, fix="log the training loss with its step, e.g. a 'step,loss' CSV")
+        raise BadInputError(f"no rows with both 'step' and a loss column ({', '.join(_LOSS_KEYS[:4])}, ...)"
+                            + bad.first(), path=path,
+                            fix="log the training loss with its step, e.g. a 'step,loss' CSV")
     schema_ = {"step": pl.Int64, "rank": pl.Int32, "loss": pl.Float64, "scale": pl.Float64,
                "grad_norm": pl.Float64, "lr": pl.Float64, "skipped": pl.Boolean, "loss_dtype": pl.String}
     return pl.DataFrame(rows, schema=schema_)
@@ -159,7 +158,9 @@ def _import_hf(path: Path) -> Run:
         raise BadInputError("JSON without a 'log_history' list: not an HF trainer_state.json",
                             path=path, fix=RUN_HINT)
     # only "loss": the end-of-training summary entry carries "train_loss" (a run average)
-    rows = _generic_rows([e for e in state["log_history"] if isinstance(e, dict)], path, ("loss",))
+    bad = Problems()
+    rows = _generic_rows([(f"log_history[{i}]", e) for i, e in enumerate(state["log_history"]) if isinstance(e, dict)],
+                         path, bad, ("loss",))
     notes = []
     gn = pl.col("grad_norm")
     hidden = pl.col("loss").is_finite() & gn.is_not_null() & ~gn.is_finite()
@@ -170,10 +171,11 @@ def _import_hf(path: Path) -> Run:
                      "running mean, so those losses are read as unknown; set logging_nan_inf_filter=False to "
                      "log the real ones")
     rows = rows.with_columns(loss_filtered=hidden, loss=pl.when(hidden).then(None).otherwise(pl.col("loss")))
-    return _run(path, "hf_trainer_state", rows, notes=notes)
+    return _run(path, "hf_trainer_state", rows, notes=notes, bad=bad)
 
 
 def _import_csv(path: Path) -> Run:
+    bad = Problems()
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
@@ -181,25 +183,34 @@ def _import_csv(path: Path) -> Run:
                 cols = str(reader.fieldnames)[:200]
                 raise BadInputError(f"CSV without a 'step' column (columns: {cols})", path=path,
                                     fix="add a 'step' column, or pass a Lightning CSVLogger metrics.csv")
-            records = list(reader)
+            header = list(reader.fieldnames)
+            for name in sorted({c for c in header if header.count(c) > 1}):
+                bad.add("header", f"column {short(name)} appears {header.count(name)} times (the last one is read)")
+            records, shape = [], {}
+            for r in reader:
+                where = f"line {reader.line_num}"
+                n = len(header) - sum(v is None for v in r.values()) + len(r.get(None) or ())
+                if n != len(header):  # DictReader files extra fields under None and fills missing ones with None
+                    shape[where] = f"{n} field(s), the header has {len(header)}"
+                records.append((where, r))
     except UnicodeDecodeError as e:
         raise BadInputError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, fix=RUN_HINT) from e
     except csv.Error as e:
         raise BadInputError(f"malformed CSV ({e})"[:300], path=path, fix=RUN_HINT) from e
-    fmt = "lightning_csv" if path.name == LIGHTNING_METRICS or "epoch" in (reader.fieldnames or []) else "csv"
-    rows = _generic_rows(records, path)
+    fmt = "lightning_csv" if path.name == LIGHTNING_METRICS or "epoch" in header else "csv"
+    rows = _generic_rows(records, path, bad, shape=shape)
     if fmt == "lightning_csv":  # Lightning logs _step and _epoch rows separately; keep one per step
         rows = rows.unique("step", keep="first")
-    return _run(path, fmt, rows)
+    return _run(path, fmt, rows, bad=bad)
 
 
 def _import_jsonl(path: Path) -> Run:
-    records = []
+    records, bad = [], Problems()
     for i, line in _lines(path):
         if not line.strip():
             continue
         try:
-            records.append(safe_strings(json.loads(line, parse_int=json_int)))
+            records.append((f"line {i}", safe_strings(json.loads(line, parse_int=json_int))))
         except NumberTooLong as e:
             raise BadInputError(f"line {i} {e}", path=path, fix="each line must be one JSON object with 'step' and "
                                 "'loss'") from e
@@ -207,71 +218,78 @@ def _import_jsonl(path: Path) -> Run:
             msg = getattr(e, "msg", "nested too deeply")
             raise BadInputError(f"line {i} is not JSON ({msg})", path=path,
                                 fix="each line must be one JSON object with 'step' and 'loss'") from e
-    return _run(path, "jsonl", _generic_rows([r for r in records if isinstance(r, dict)], path))
+    rows = _generic_rows([(w, r) for w, r in records if isinstance(r, dict)], path, bad)
+    return _run(path, "jsonl", rows, bad=bad)
 
 
-_DS_OVERFLOW = re.compile(r"OVERFLOW!\s+Rank\s+(\d+)\s+Skipping step\.\s+Attempted loss scale:\s*([\d.eE+-]+),"
-                          r"\s*reducing to\s*([\d.eE+-]+)")
+# the scales as any token up to the comma, so that an unreadable one is named, not the line skipped
+_DS_OVERFLOW = re.compile(r"OVERFLOW!\s+Rank\s+(\d+)\s+Skipping step\.\s+Attempted loss scale:\s*([^,\s]*)\s*,"
+                          r"\s*reducing to\s*([^\s,]*)")
 _DS_STEP = re.compile(r"\bstep=(\d+),\s*skipped=(\d+)")
 _DS_LOSS = re.compile(r"\bsteps:\s*(\d+)\s+loss:\s*([-+\w.]+)")
 
 
 def _import_deepspeed(path: Path, lines: list[str]) -> Run:
     """DeepSpeed counts skipped steps in global_steps, so an overflow line is one step."""
-    step, scale, rows = 0, None, {}
-    for line in lines:
+    step, scale, rows, bad = 0, None, {}, Problems()
+    for i, line in enumerate(lines, 1):
         if m := _DS_OVERFLOW.search(line):
             if _whole(m[1], path, "rank", 0, 2**31) != 0:
                 continue  # rank 0 speaks for the data-parallel group: the scaler is synchronised
             step += 1
-            rows[step] = {"step": step, "scale": _num(m[2]), "skipped": True, "loss": None}
-            scale = _num(m[3])
+            rows[step] = {"step": step, "scale": scale_value(m[2], f"line {i}", "attempted loss scale", bad), "skipped": True, "loss": None}
+            scale = scale_value(m[3], f"line {i}", "reduced loss scale", bad)
         elif m := _DS_STEP.search(line):
             step = _whole(m[1], path, "step", 0, _I64 >> 1)
         elif m := _DS_LOSS.search(line):
             step = _whole(m[1], path, "step", 0, _I64 >> 1)
             r = rows.setdefault(step, {"step": step, "scale": scale, "skipped": False})
-            r["loss"] = _num(m[2])  # float() reads "nan" and "inf" as DeepSpeed prints them
+            # float() reads "nan" and "inf" as DeepSpeed prints them
+            r["loss"] = number_cell(m[2], f"line {i}", "loss", bad)
     if not rows:
         raise BadInputError("no DeepSpeed 'OVERFLOW!' or 'steps: N loss:' lines", path=path, fix=RUN_HINT)
     df = pl.DataFrame(list(rows.values()), schema={"step": pl.Int64, "scale": pl.Float64,
                                                    "skipped": pl.Boolean, "loss": pl.Float64})
     return _run(path, "deepspeed_log", df.with_columns(rank=pl.lit(0)), amp_dtype="float16",
-                growth_interval=1000,
+                growth_interval=1000, bad=bad,
                 notes=["DeepSpeed log: only logged steps and overflow lines are known; "
                        "growth interval assumed to be loss_scale_window's default, 1000"])
 
 
-_MEG = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|(.*)")
+# the iteration as any token, so that "nan" or "1e999" is refused rather than the line skipped
+_MEG = re.compile(r"iteration\s+([-+]?[\w.]+)\s*/\s*[-+]?[\w.]+\s*\|(.*)")
 _MEG_FIELD = re.compile(r"\s*([a-zA-Z][\w \-()/]*?)\s*:\s*([-+\w.]+)\s*")
+_MEG_NUMBERS = ("loss scale", "grad norm", "learning rate")
 
 
 def _import_megatron(path: Path, lines: list[str]) -> Run:
-    rows, prev = [], 0
-    for line in lines:
+    rows, prev, bad = [], 0, Problems()
+    for i, line in enumerate(lines, 1):
         m = _MEG.search(line)
         if not m:
             continue
-        it = _whole(m[1], path, "iteration", 0, _I64)
+        it, where = _whole(m[1], path, f"line {i}: iteration", 0, _I64), f"line {i}"
         fields = {}
         for chunk in m[2].split("|"):
             if fm := _MEG_FIELD.fullmatch(chunk):
                 fields[fm[1].strip().lower()] = fm[2]
-        loss = next((_num(v) for k, v in fields.items() if k.endswith("loss") and "scale" not in k), None)
-        nan_iters = _num(fields.get("number of nan iterations")) or 0
-        if nan_iters:
+        n_iter = max(1, it - prev)
+        loss = next((number_cell(v, where, k, bad) for k, v in fields.items() if k.endswith("loss") and "scale" not in k),
+                    None)
+        nums = {k: number_cell(fields.get(k), where, k, bad) for k in _MEG_NUMBERS}
+        if nums["loss scale"] is not None:
+            nums["loss scale"] = scale_value(fields["loss scale"], where, "loss scale", bad)
+        if count(fields.get("number of nan iterations"), n_iter, where, "number of nan iterations", bad):
             loss = math.nan  # Megatron averages only finite losses; a nan count is a non-finite loss
-        skipped = _num(fields.get("number of skipped iterations")) or 0
-        skipped = int(skipped) if math.isfinite(skipped) and 0 <= skipped < _I64 else 0
-        rows.append({"step": it, "loss": loss, "scale": _num(fields.get("loss scale")),
-                     "grad_norm": _num(fields.get("grad norm")), "lr": _num(fields.get("learning rate")),
-                     "skipped": skipped > 0, "n_iter": max(1, it - prev), "n_skipped": skipped})
+        skipped = count(fields.get("number of skipped iterations"), n_iter, where, "number of skipped iterations", bad)
+        rows.append({"step": it, "loss": loss, "scale": nums["loss scale"], "grad_norm": nums["grad norm"],
+                     "lr": nums["learning rate"], "skipped": skipped > 0, "n_iter": n_iter, "n_skipped": skipped})
         prev = it
     df = pl.DataFrame(rows, schema={"step": pl.Int64, "loss": pl.Float64, "scale": pl.Float64,
                                     "grad_norm": pl.Float64, "lr": pl.Float64, "skipped": pl.Boolean,
                                     "n_iter": pl.Int64, "n_skipped": pl.Int64})
     amp = "float16" if df["scale"].drop_nulls().len() else None
-    return _run(path, "megatron_log", df.with_columns(rank=pl.lit(0)), amp_dtype=amp, growth_interval=1000,
+    return _run(path, "megatron_log", df.with_columns(rank=pl.lit(0)), amp_dtype=amp, growth_interval=1000, bad=bad,
                 notes=["Megatron log: one row per log interval (losses are interval averages); "
                        "growth interval assumed to be --loss-scale-window's default, 1000"])
 
@@ -295,7 +313,9 @@ def _import_tensorboard(path: Path) -> Run:
         for ev in acc.Scalars(tag):
             by_step.setdefault(ev.step, {"step": ev.step})[tag] = ev.value
             by_step[ev.step].setdefault(short, ev.value)
-    return _run(path, "tensorboard", _generic_rows(list(by_step.values()), path))
+    bad = Problems()
+    rows = _generic_rows([(f"step {s}", r) for s, r in by_step.items()], path, bad)
+    return _run(path, "tensorboard", rows, bad=bad)
 
 
 _MAX_STATES = 10_000  # trainer_state.json files weighed to find the newest; past that, by mtime only

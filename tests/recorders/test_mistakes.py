@@ -226,3 +226,73 @@ def test_a_compiled_model_is_observed_under_autocast_without_a_warning_or_a_reco
     assert (seen["enabled"], seen["dtype"]) == (True, "bfloat16")
     # the root's hook runs before the graph, which stays whole; removing it after step 0 recompiled nothing
     assert counter.frame_count == after_first == 1
+
+
+def _readme_recorder_loop() -> str:
+    """The python block of README.md's "Add the recorder to your own loop" section."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Add the recorder to your own loop", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[0]  # the loop; the later ones are variants
+
+
+def test_the_readmes_recorder_loop_passes_the_unscaled_loss_and_the_models_device_type():
+    code = _readme_recorder_loop()
+    assert "rec.end_step(loss)" in code and "end_step(scaler.scale" not in code
+    assert "device_type = next(model.parameters()).device.type" in code
+    assert "torch.autocast(device_type, dtype=torch.float16)" in code  # the model's device, not "cuda"
+
+
+def test_the_readmes_recorder_loop_runs_as_written_on_cpu_without_a_recorder_warning(tmp_path, monkeypatch):
+    # The snippet verbatim, with its placeholders bound: a CPU model, a GradScaler, a loader. Had it
+    # passed scaler.scale(loss) or named autocast's device type "cuda", the recorder would warn.
+    code = (_readme_recorder_loop().replace("mypkg.model:build", REFS["factory"])
+            .replace("mypkg.model:loss", REFS["loss_fn"]))
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = build_mlp()
+    scope = {"torch": torch, "model": model, "cfg": {}, "scaler": torch.amp.GradScaler("cpu"), "opt": sgd(model),
+             "loader": batches(6), "loss_fn": mse_loss}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(code, "README.md", "exec"), scope)
+    assert _recorder_warnings(caught) == []
+    meta = json.loads((tmp_path / "runs" / "exp1" / "meta.json").read_text())
+    assert meta["autocast"]["enabled"] is True and meta["steps_begun"] == 6
+    result = _report(tmp_path / "runs" / "exp1", "--json")
+    assert result.exit_code == 0, result.output
+    checks = {f["check"] for f in json.loads(result.output)["findings"]}
+    assert not checks & {"scaled_loss", "autocast_inactive"}
+
+
+def test_a_scaled_loss_the_recorder_cannot_see_is_caught_by_the_reports_check_alone(tmp_path):
+    # scaler.scale(loss).detach() has no autograd node to recognise: the trace alone shows that
+    # the recorded loss doubles and halves with the scale
+    torch.manual_seed(0)
+    model, scaler = build_mlp(), torch.amp.GradScaler("cpu", growth_interval=2)
+    opt = sgd(model)
+    run = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(run, model, **REFS, scaler=scaler, amp_dtype=torch.float16, optimizer=opt) as rec:
+            for step, batch in enumerate(batches(24, size=256)):
+                rec.begin_step(step, batch)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = mse_loss(model, batch)
+                scaled = scaler.scale(loss)
+                scaled.backward()
+                rec.end_step(scaled.detach())
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    assert not [w for w in _recorder_warnings(caught) if "scaled loss" in w]
+    text = _report(run)
+    assert text.exit_code == 0, text.output
+    assert "scaled_loss" in text.output and "so the trace holds loss x scale: end_step was given scaler.scale(loss)" \
+        in text.output
+    (f,) = [f for f in json.loads(_report(run, "--json").output)["findings"] if f["check"] == "scaled_loss"]
+    assert f["severity"] == "warning" and f["evidence"]["followed"] >= 3
+    assert f["evidence"]["loss_after"] / f["evidence"]["loss_before"] == pytest.approx(
+        f["evidence"]["scale_after"] / f["evidence"]["scale_before"], rel=0.5)

@@ -1,0 +1,139 @@
+"""torch files whose bytes changed after torch.save: torch.load reads them in silence, we do not.
+
+torch's zip reader never checks the CRC-32 each record carries, so one flipped byte in a tensor
+record loads as a different weight, and one in data.pkl as a different key. ``torch_load_safe``
+checks the records against their CRCs first (``analyzer.load.torchfile.check_crcs``).
+"""
+from __future__ import annotations
+
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from analyzer.cli import main
+from analyzer.errors import BadInputError
+from analyzer.load import torchfile
+from analyzer.load.torchfile import torch_load_safe
+from recorders.snapshot import write_snapshot
+
+from ...hostile_corpus import snapshot_dict
+
+
+def _records(path: Path) -> dict[str, tuple[int, int]]:
+    """Each record's data range in the file: name after the archive folder -> (start, end)."""
+    out = {}
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        for i in zf.infolist():
+            n, m = int.from_bytes(raw[i.header_offset + 26:i.header_offset + 28], "little"), \
+                int.from_bytes(raw[i.header_offset + 28:i.header_offset + 30], "little")
+            start = i.header_offset + 30 + n + m
+            out[i.filename.split("/", 1)[1]] = (start, start + i.compress_size)
+    return out
+
+
+def flipped(src: Path, dst: Path, at: int) -> Path:
+    raw = bytearray(src.read_bytes())
+    raw[at] ^= 0x01
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    torch.manual_seed(0)
+    torch.save({"weight": torch.randn(64, 32), "bias": torch.randn(64)}, tmp_path / "ckpt.pt")
+    return tmp_path / "ckpt.pt"
+
+
+def one_error(args: list[str]) -> str:
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    (line,) = res.stderr.strip().splitlines()
+    return line
+
+
+def test_torch_itself_loads_a_flipped_tensor_byte_in_silence(checkpoint, tmp_path):
+    # the premise: without the CRC check the changed weight would be analysed as the real one
+    start, end = _records(checkpoint)["data/0"]
+    bad = flipped(checkpoint, tmp_path / "bad.pt", (start + end) // 2)
+    assert not torch.equal(torch.load(bad, weights_only=True)["weight"], torch.load(checkpoint)["weight"])
+
+
+@pytest.mark.parametrize("record", ["data/0", "data/1", "data.pkl"])
+def test_inspect_refuses_a_flipped_byte_in_any_record_naming_it(checkpoint, tmp_path, record):
+    start, end = _records(checkpoint)[record]
+    bad = flipped(checkpoint, tmp_path / "bad.pt", (start + end) // 2)
+    assert one_error(["inspect", str(bad)]) == (
+        f"Error: {bad}: damaged: record 'ckpt/{record}' does not match the CRC-32 it was saved with (its bytes "
+        "changed after torch.save wrote them; torch.load would read the changed values without a word) (copy "
+        "the file again from its source, or save it again)")
+
+
+def test_replay_refuses_a_snapshot_with_a_flipped_byte_in_its_weights(tmp_path):
+    snap = write_snapshot(tmp_path / "snap.pt", snapshot_dict())
+    rec = next(k for k in _records(snap) if k.startswith("data/"))
+    start, end = _records(snap)[rec]
+    bad = flipped(snap, tmp_path / "bad.pt", (start + end) // 2)
+    line = one_error(["replay", str(bad)])
+    assert line.startswith(f"Error: {bad}: damaged: record 'archive/{rec}' does not match the CRC-32")
+
+
+def test_a_file_saved_without_crcs_still_loads(tmp_path):
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(4.0)}, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(tmp_path / "nocrc.pt") as zf:
+        assert {i.CRC for i in zf.infolist()} == {0}  # what torch writes: nothing to check against
+    assert torch.equal(torch_load_safe(tmp_path / "nocrc.pt")["w"], torch.arange(4.0))
+
+
+def test_a_sound_file_loads_without_a_warning(checkpoint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(torch_load_safe(checkpoint)) == {"weight", "bias"}
+
+
+def test_past_the_budget_large_records_go_unchecked_with_a_warning_and_small_ones_are_checked(
+        tmp_path, monkeypatch):
+    torch.save({"big": torch.randn(300_000), "small": torch.randn(8)}, tmp_path / "ckpt.pt")
+    recs = _records(tmp_path / "ckpt.pt")
+    monkeypatch.setattr(torchfile, "CRC_FULL_BYTES", 1 << 20)  # the 1.2 MB file is now "large"
+    start, end = recs["data/0"]
+    big = flipped(tmp_path / "ckpt.pt", tmp_path / "big.pt", (start + end) // 2)
+    with pytest.warns(UserWarning, match=r"big.pt: 1 tensor record\(s\) over 1 MiB were not checked against their "
+                                         r"CRC-32 \(the file holds more than 0 GiB"):
+        torch_load_safe(big)
+    start, end = recs["data.pkl"]
+    pkl = flipped(tmp_path / "ckpt.pt", tmp_path / "pkl.pt", (start + end) // 2)
+    with pytest.raises(BadInputError, match="record 'ckpt/data.pkl' does not match the CRC-32"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_load_safe(pkl)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_any_flipped_bit_is_refused_when_it_lands_in_a_record_and_never_crashes(tmp_path_factory, frac, bit):
+    d = tmp_path_factory.mktemp("flip")
+    torch.manual_seed(0)
+    torch.save({"weight": torch.randn(16, 8), "bias": torch.randn(16)}, d / "ok.pt")
+    raw = bytearray((d / "ok.pt").read_bytes())
+    at = int(frac * len(raw))
+    raw[at] ^= 1 << bit
+    (d / "ckpt.pt").write_bytes(bytes(raw))
+    in_record = any(s <= at < e for s, e in _records(d / "ok.pt").values())
+    res = CliRunner().invoke(main, ["inspect", str(d / "ckpt.pt")])
+    assert "Traceback" not in res.output
+    if in_record:
+        assert res.exit_code == 1 and "damaged: record" in res.stderr, res.output
+    elif res.exit_code:  # a header or the central directory: zip's or torch's own word, on one line
+        assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
