@@ -356,8 +356,10 @@ def _bug_summary(d: Diagnosis) -> str:
     if c["precision"] == "float32":
         return (f"{_where(c)} produced {c['output_kind']} from finite inputs in FP32 as well: "
                 "a numerical bug, not a precision problem.")
-    return (f"{_where(c)} produced {c['output_kind']} in {c['precision']} from finite inputs and "
-            "is non-finite in FP32 from the same inputs, though the FP32 run stayed finite.")
+    return (f"{_where(c)} produced {c['output_kind']} in {c['precision']} from finite inputs; recomputed in FP32 "
+            f"from the same rounded {c['precision']} inputs it is {c['output_kind']} too, so an earlier "
+            f"{c['precision']} op had already lost what it needed (the FP32 run of the step, from unrounded values, "
+            "is finite) and no cancelling subtraction or flush to zero was found on the way.")
 
 
 def _bug_advice(d: Diagnosis) -> list[AdviceLine]:
@@ -496,3 +498,5 @@ register(Verdict(
     "kernel_specific", "The NaN/Inf happens inside one scaled-dot-product-attention backend; another backend "
     "runs the same step finite.",
     summary=_kernel_summary, advice=_kernel_advice))
+
+from . import _cancellation  # noqa: E402,F401 - registers "cancellation" (its detection: _diagnose)
