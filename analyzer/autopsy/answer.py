@@ -56,6 +56,16 @@ def _where(result: Any, info: dict[str, Any] | None) -> str:
     return "where: " + ", ".join(str(b) for b in bits) + f" ({Path(result.snapshot).name})"
 
 
+def _first_nonfinite(result: Any) -> list[str]:
+    """The forward op whose NaN/Inf a later op hid, when the culprit is in backward: the first event in time."""
+    h, c = result.hidden_nonfinite, result.culprit
+    if h is None or h["phase"] != "forward" or c["phase"] == "forward":
+        return []
+    at = f" at {h['source']}" if h["source"] else ""
+    return [f"first non-finite op: {h['op']} in {h['module'] or '(no module)'}{at}, forward, {h['precision']}, "
+            f"{h['output_kind']} (hidden by a later forward op; the culprit below is where backward broke)"]
+
+
 def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
     fixes = [f for s, f in autopsy.fixes if s == snapshot]
     order = {"verified": 0, "changes_result": 1, "fails": 2, "not_tried": 3}
@@ -137,6 +147,7 @@ def _replay_lines(autopsy: AutopsyResult) -> list[str]:
         lines += _fix_lines(autopsy, primary.snapshot)
     else:
         lines = [f"root cause: {primary.verdict}: {primary.summary}",
+                 *_first_nonfinite(primary),
                  _where(primary, infos.get(primary.snapshot))]
         if primary.exception:  # an exception snapshot: what the loop raised at that step
             lines.append(f"raised: {raised_text(primary.exception)}")

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..errors import AnalyzerError
+from ._actionable import batch_fault
 from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
@@ -30,7 +31,9 @@ _KIND = ("finite", "inf", "nan")
 def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
     """The step's ``Diagnosis``: the verdict ``_detect`` reaches, refined by the registry (``verdicts.refine``)."""
-    return refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
+    d = refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
+    fault = batch_fault(ctx.batch, d.culprit)
+    return dataclasses.replace(d, batch_fault=fault) if fault else d
 
 
 def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,

@@ -42,6 +42,7 @@ import torch
 from ..errors import AnalyzerError
 from ..findings import json_safe
 from . import _fix_hooks
+from ._actionable import installed_line, library_of
 from ._fix_hooks import GUARDED, ModuleNotFound
 from ._origin import align, find_origin
 from ._reference import judge
@@ -421,7 +422,7 @@ def guard_expr(base: str | None, kind: str) -> str:
 def _guard(kind: str):
     name = f"guard_{kind}"
 
-    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix:
+    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
         c = result.culprit
         base = _guard_base(c)
         prec, scale = _culprit_run(result)
@@ -430,6 +431,14 @@ def _guard(kind: str):
         if c.get("source") is None:
             return Fix(name=name, title=title, status="not_tried", precision=prec,
                        detail="the culprit has no user source line to guard")
+        if installed_line(c["source"]):  # nobody edits site-packages: no guard is offered there
+            if kind == "eps":
+                return None  # guard_clamp's line already says why
+            lib = library_of(c["source"])
+            return Fix(name=name, title=f"guard {base}: not offered, the call is in the installed library {lib}",
+                       status="not_tried", precision=prec,
+                       detail=f"{base} is called from {lib}'s own code, and the culprit's innermost frame outside torch "
+                              "is that library's, so no line of your code calls it: fix what feeds it instead")
         if kind == "eps" and base == "acos":
             return Fix(name=name, title=title, status="not_tried", precision=prec,
                        detail="acos has no eps form; see guard_clamp")
