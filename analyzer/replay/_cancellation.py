@@ -104,11 +104,11 @@ def _pattern(run: RunTrace, i: int) -> str | None:
     rec = run.records[i]
     ins = [p for _, p in rec.inputs]
     if rec.name == "aten.sub" and len(ins) == 2:
-        first = _mean(run, ins[0])
-        sq = _square_of(run, ins[1])
-        if first is not None and _square_of(run, run.records[first].inputs[0][1] if run.records[first].inputs
-                                            else None) is not None and sq is not None and sq >= 0 \
-                and _mean(run, sq) is not None:
+        mean_sq = _mean(run, ins[0])  # E[x²]: a mean of a square
+        m = _square_of(run, ins[1])   # E[x]²: the square of what made m, itself a mean
+        if mean_sq is not None and run.records[mean_sq].inputs \
+                and _square_of(run, run.records[mean_sq].inputs[0][1]) is not None \
+                and m is not None and m >= 0 and _mean(run, m) is not None:
             return "one_pass_variance"
     if rec.name == "aten.rsub" and len(ins) == 1 and _square_of(run, ins[0]) is not None:
         return "one_minus_square"

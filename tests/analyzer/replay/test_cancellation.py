@@ -3,8 +3,11 @@ the verdict names the cancelling subtraction, the clamp that hides it changes th
 and keeping the module in FP32 is verified against the FP32 run's loss (plain loop and Lightning)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from analyzer.autopsy.autopsy import run_autopsy
 from analyzer.replay import Replay, advice_with_status
 from analyzer.replay._reference import TOLERANCE
 from tests.analyzer.replay import cancel_models as cm
@@ -73,3 +76,21 @@ def test_keeping_norm_in_fp32_is_verified_with_its_loss_within_tolerance_of_fp32
     line = next(a for a in advice if a.fix == "module_fp32")
     assert line.status == "verified" and f"{fix.loss:.4g}" in line.text and f"{fp32:.4g}" in line.text
     assert advice[0].fix == "module_fp32"  # the first "do" line is the fix that matches FP32
+
+
+def test_the_json_carries_the_cancelling_op_and_both_losses_of_each_fix(plain):
+    result, fixes, _ = plain
+    obj = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert obj["verdict"] == "cancellation" and obj["culprit"]["cancelled_at"]["op"] == "aten.sub"
+    clamp = json.loads(json.dumps(fixes["guard_clamp"].to_dict(), allow_nan=False))
+    assert clamp["status"] == "changes_result" and clamp["loss"] > clamp["reference_loss"] > 0
+
+
+def test_the_autopsy_answer_does_the_fp32_module_and_lists_the_clamp_as_changing_the_result(tmp_path):
+    snap = cm.train(tmp_path / "run")
+    lines = run_autopsy(snap.parent.parent, device="cpu").answer()
+    assert lines[0].startswith("root cause: cancellation: aten.sqrt in `norm`")
+    assert any(line.startswith("tried, changes the result: guard sqrt") for line in lines)
+    do = [line for line in lines if line.startswith("do (verified above): ")]
+    assert do and do[0].startswith("do (verified above): Keep `norm` in FP32")
+    assert not any("clamp_min" in line for line in do)
