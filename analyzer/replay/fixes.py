@@ -41,6 +41,7 @@ import torch
 
 from ..errors import AnalyzerError
 from ..findings import json_safe
+from . import _cancellation  # noqa: F401 - registers "cancellation" before the fixes that serve it
 from . import _fix_hooks
 from ._actionable import installed_line, library_of
 from ._fix_hooks import GUARDED, ModuleNotFound

@@ -512,5 +512,3 @@ register(Verdict(
     "kernel_specific", "The NaN/Inf happens inside one scaled-dot-product-attention backend; another backend "
     "runs the same step finite.",
     summary=_kernel_summary, advice=_kernel_advice))
-
-from . import _cancellation  # noqa: E402,F401 - registers "cancellation" (its detection: _diagnose)
