@@ -30,6 +30,7 @@ _TORCH = os.path.realpath(os.path.dirname(torch.__file__))
 # The ops a loss's 0/0 comes out of: a sum divided by a count of zero, a mean over nothing.
 _LOSS_OPS = ("aten.div", "aten.nll_loss_forward", "aten.nll_loss2d_forward", "aten.mean")
 _LABEL_KEYS = ("labels", "label", "targets", "target")
+_NLL = ("aten.nll_loss_forward", "aten.nll_loss2d_forward")
 IGNORE_INDEX = -100
 
 BATCH_FAULT_ADVICE = "Skip such batches (no target tokens) or fix the masking that set every label to -100."
@@ -67,10 +68,32 @@ def _leaves(batch, prefix: str = ""):
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
 
 
-def batch_fault(batch, culprit: Mapping | None) -> str | None:
-    """What is wrong with the batch, when the culprit is a forward 0/0 of the loss; None otherwise."""
+def _reads_targets(trace, index: int, depth: int = 6) -> bool:
+    """Whether op `index` of `trace` is, or is fed within `depth` ops by, an ``nll_loss`` (which reads the labels)."""
+    frontier, seen = [index], set()
+    for _ in range(depth):
+        nxt = []
+        for i in frontier:
+            if i is None or i in seen:
+                continue
+            seen.add(i)
+            if trace.records[i].name in _NLL:
+                return True
+            nxt += [p for _, p in trace.records[i].inputs]
+        frontier = nxt
+    return False
+
+
+def batch_fault(batch, culprit: Mapping | None, trace=None) -> str | None:
+    """What is wrong with the batch, when the culprit is a forward 0/0 of the loss; None otherwise.
+
+    With the culprit's run `trace`, the culprit must also be (or be fed by) the ``nll_loss`` that
+    reads the labels, so a 0/0 elsewhere in a batch without targets is not blamed on them.
+    """
     if culprit is None or culprit.get("phase") != "forward" or culprit.get("output_kind") != "nan" \
             or culprit.get("op") not in _LOSS_OPS:
+        return None
+    if trace is not None and not _reads_targets(trace, culprit["index"]):
         return None
     leaves = dict(_leaves(batch))
     items = leaves.get("num_items_in_batch")

@@ -32,7 +32,7 @@ def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, Ru
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
     """The step's ``Diagnosis``: the verdict ``_detect`` reaches, refined by the registry (``verdicts.refine``)."""
     d = refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
-    fault = batch_fault(ctx.batch, d.culprit)
+    fault = batch_fault(ctx.batch, d.culprit, d.trace)
     return dataclasses.replace(d, batch_fault=fault) if fault else d
 
 
