@@ -11,11 +11,12 @@ the step captures that op's inputs, so the summary quotes one element: ``47104 �
 Recognised patterns name the stable form: the one-pass variance (``torch.var``, two-pass,
 Welford) and ``1 − p²`` under a ``sqrt`` (``(1 - p) * (1 + p)``).
 
-Real output (``tests/analyzer/replay/cancel_models.py``, BF16)::
+Real output (``tests/analyzer/replay/cancel_models.py``, BF16; the summary, cut here)::
 
-    aten.sqrt in `norm` (forward, bfloat16) at cancel_models.py:43 produced nan: its input came out
-    negative because aten.sub in `norm` at cancel_models.py:43 cancelled in bfloat16: 4.71e+04 -
-    4.74e+04 = -256 (in the FP32 run this op's largest |value| is 8.1) ...
+    aten.sqrt in `norm` (forward, bfloat16) at tests/analyzer/replay/cancel_models.py:43 produced nan
+    from an input that came out negative because aten.sub in `norm` at
+    tests/analyzer/replay/cancel_models.py:42 cancelled in bfloat16: 4.3e+04 - 4.33e+04 = -256 (in
+    the FP32 run this op's largest |value| is 2.86). Recomputed in FP32 from those rounded inputs ...
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 of a Linear in BF16, and so do ``h * h``, both means and ``m * m``: for features near 200, ``E[h²]``
 is ~4e4, where BF16's spacing is 256, while the true variance is a few units. The subtraction
 cancels every significant digit, and the rounding of the two terms (which do not round alike:
-``m`` is rounded before it is squared) leaves a variance of -256 or -512 in several features, so
+``m`` is rounded before it is squared) leaves a negative variance (-256) in some features, so
 ``sqrt`` gives NaN. FP32 computes the same expression to ~1e-2 and stays finite. The mechanism
 is the size of BF16's spacing, not which way one kernel rounds: a feature whose rounding lands
 on 0 or +256 leaves the others negative.
