@@ -24,11 +24,11 @@ SEQ, VOCAB, HIDDEN = 8, 32, 16
 LR_BLOWUP = 1e5
 
 
-def tiny_llama():
+def tiny_llama(layers: int = 1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
                       bos_token_id=0, eos_token_id=1, pad_token_id=None)
     return LlamaForCausalLM(cfg)
@@ -47,8 +47,21 @@ class TokenData(torch.utils.data.IterableDataset):
             yield {"input_ids": ids, "labels": ids.clone()}
 
 
+class NoTargetData(TokenData):
+    """``TokenData`` whose example number `at` has every label -100: a batch of one with no target tokens."""
+
+    def __init__(self, n: int, at: int):
+        super().__init__(n)
+        self.at = at
+
+    def __iter__(self):
+        for i, ex in enumerate(super().__iter__()):
+            yield {"input_ids": ex["input_ids"], "labels": torch.full_like(ex["labels"], -100)} if i == self.at else ex
+
+
 def train_hf(root: Path, *, record: bool = True, accumulation: int = 1, lr: float = LR_BLOWUP,
-             steps: int = STEPS, trainer_cls=None, **callback_kwargs) -> dict:
+             steps: int = STEPS, trainer_cls=None, batch: int = BATCH, dataset=None, layers: int = 1,
+             **callback_kwargs) -> dict:
     """Train the tiny Llama with the Trainer (with the amp-autopsy callback unless `record` is False)."""
     from transformers import Trainer, TrainingArguments
 
@@ -57,14 +70,14 @@ def train_hf(root: Path, *, record: bool = True, accumulation: int = 1, lr: floa
     out_dir, run_dir = root / "out", root / "run"
     args = TrainingArguments(
         output_dir=str(out_dir), use_cpu=True, bf16=True, max_steps=steps, learning_rate=lr,
-        per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation, report_to=[],
+        per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, report_to=[],
         logging_steps=1, save_strategy="steps", save_steps=SAVE_EVERY, disable_tqdm=True, seed=0,
         lr_scheduler_type="constant",
     )
     callbacks = [AmpAutopsyCallback(run_dir, **callback_kwargs)] if record else []
     with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng():
         warnings.simplefilter("always")
-        trainer = (trainer_cls or Trainer)(model=tiny_llama(), args=args, train_dataset=TokenData(steps * BATCH * accumulation),
+        trainer = (trainer_cls or Trainer)(model=tiny_llama(layers), args=args, train_dataset=dataset or TokenData(steps * batch * accumulation),
                           callbacks=callbacks)
         trainer.train()
     names = {id(p): n for n, p in trainer.model.named_parameters()}

@@ -24,7 +24,9 @@ lines cut here)::
 
 How to read it: the first line is the verdict and why; ``where`` is the op, its module, source
 line, phase, precision, step and rank; ``verified fix`` lines were re-run on the failing step and
-came out finite (loss and every gradient); ``tried, fails`` lines were re-run and were not;
+came out as FP32 computes it (every gradient finite, the loss within tolerance of the FP32 run's,
+both shown); ``tried, changes the result`` lines came out finite but far from FP32 (a clamp that
+hides a negative variance), never recommended; ``tried, fails`` lines were re-run and were not finite;
 ``untested advice`` could not be tried on a snapshot; ``also`` lines are the other snapshots picked.
 """
 from __future__ import annotations
@@ -41,7 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["answer_lines"]
 
-_FIX_LABEL = {"verified": "verified fix", "fails": "tried, fails", "not_tried": "not tried"}
+_FIX_LABEL = {"verified": "verified fix", "changes_result": "tried, changes the result", "fails": "tried, fails",
+              "not_tried": "not tried"}
 
 
 def _where(result: Any, info: SnapshotInfo | None) -> str:
@@ -54,14 +57,24 @@ def _where(result: Any, info: SnapshotInfo | None) -> str:
     return "where: " + ", ".join(str(b) for b in bits) + f" ({Path(result.snapshot).name})"
 
 
+def _first_nonfinite(result: Any) -> list[str]:
+    """The forward op whose NaN/Inf a later op hid, when the culprit is in backward: the first event in time."""
+    h, c = result.hidden_nonfinite, result.culprit
+    if h is None or h["phase"] != "forward" or c["phase"] == "forward":
+        return []
+    at = f" at {h['source']}" if h["source"] else ""
+    return [f"first non-finite op: {h['op']} in {h['module'] or '(no module)'}{at}, forward, {h['precision']}, "
+            f"{h['output_kind']} (hidden by a later forward op; the culprit below is where backward broke)"]
+
+
 def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
     fixes = [f for s, f in autopsy.fixes if s == snapshot]
-    order = {"verified": 0, "fails": 1, "not_tried": 2}
+    order = {"verified": 0, "changes_result": 1, "fails": 2, "not_tried": 3}
     lines = []
     for f in sorted(fixes, key=lambda f: order.get(f.status, 3)):
         label = _FIX_LABEL.get(f.status, f.status)
         lines.append(f"{label}: {f.title}" + (f": {f.detail}" if f.detail else ""))
-    failing = {f.name for f in fixes if f.status == "fails"}
+    failing = {f.name for f in fixes if f.status in ("fails", "changes_result")}
     for s, a in autopsy.advice:
         if s != snapshot or (a.fix is not None and a.fix in failing):
             continue  # never word a failing fix as a recommendation
@@ -135,6 +148,7 @@ def _replay_lines(autopsy: AutopsyResult) -> list[str]:
         lines += _fix_lines(autopsy, primary.snapshot)
     else:
         lines = [f"root cause: {primary.verdict}: {primary.summary}",
+                 *_first_nonfinite(primary),
                  _where(primary, infos.get(primary.snapshot))]
         if primary.exception:  # an exception snapshot: what the loop raised at that step
             lines.append(f"raised: {raised_text(primary.exception)}")

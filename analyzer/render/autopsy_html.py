@@ -6,8 +6,8 @@ was shared. This page, written by ``analyzer autopsy --html FILE``, is in readin
 
 1. the verdict box: verdict, one sentence, step, rank, precision;
 2. the culprit table: op, module, source line, phase, precision, step, rank, snapshot;
-3. the fixes tried on the failing step, by status: *verified* first, then those that were tried
-   and still fail (shown as "does not help", never as a recommendation), then those not tried
+3. the fixes tried on the failing step, by status: *verified* first, then those finite but far
+   from the FP32 step (*changes the result*), then those that were tried and still fail (shown as "does not help", never as a recommendation), then those not tried
    and why; advice that could not be tried is marked *untested*;
 4. the replay figure of each replayed snapshot (culprit marked, forward/backward boundary, a
    zoom on the ops around the culprit);
@@ -54,7 +54,7 @@ _CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em a
 h1{font-size:1.4em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 .box{padding:.7em 1em;border-radius:6px;background:#fdecea;border:1px solid #e0b4b4}
 .box.healthy{background:#eaf6ea;border-color:#b4d8b4}.box .v{font-size:1.35em;font-weight:600}
-.verified{color:#1b6e1b}.fails{color:#b00020}.not_tried,.untested{color:#7a5a00}
+.verified{color:#1b6e1b}.fails,.changes_result{color:#b00020}.not_tried,.untested{color:#7a5a00}
 .error{color:#b00020}.warning{color:#a66300}.info{color:#555}table{border-collapse:collapse;width:100%}
 td,th{border-bottom:1px solid #ddd;padding:.35em .5em;text-align:left;vertical-align:top}
 tr.primary td{background:#fff6e0}code{font-size:12px;color:#333;word-break:break-all}
@@ -154,6 +154,8 @@ def _fix_line(f: dict) -> str:
         tag = "verified"
     elif status == "fails":
         tag = "fails" + (f" at {_e(f.get('failing_op'))}" if f.get("failing_op") else "")
+    elif status == "changes_result":
+        tag = "changes the result"
     else:
         tag = "not tried"
     return f"<li class='{_e(status)}'><span class='status'>{tag}</span>: {title}{detail}{extra}</li>"
@@ -161,8 +163,9 @@ def _fix_line(f: dict) -> str:
 
 def _fixes(a: dict) -> str:
     fixes = [f for f in a.get("fixes") or [] if isinstance(f, dict)]
-    failing = {f.get("name") for f in fixes if f.get("status") == "fails"}
+    failing = {f.get("name") for f in fixes if f.get("status") in ("fails", "changes_result")}
     groups = (("verified", "Verified on the failing step (recommended)"),
+              ("changes_result", "Finite, but far from the FP32 step (not recommended)"),
               ("fails", "Tried and still non-finite (not recommended)"),
               ("not_tried", "Not tried"))
     out = ["<section id='fixes'><h2>Fixes tried on the failing step</h2>"]
@@ -184,7 +187,8 @@ def _fixes(a: dict) -> str:
         out.append(f"<p>{_e(Path(str(s.get('snapshot'))).name)} has the same culprit as "
                    f"{_e(Path(str(s.get('same_culprit_as'))).name)}: the fixes above apply to both.</p>")
     out.append("<p class='how'>Fixes are tried on the snapshot's step, forward and backward only (no optimizer "
-               "step): a verified fix makes that step's loss and every gradient finite.</p></section>")
+               "step): a verified fix makes every gradient of that step finite and its loss match the FP32 "
+               "run's within tolerance.</p></section>")
     return "".join(out)
 
 

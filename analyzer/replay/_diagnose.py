@@ -13,6 +13,8 @@ import math
 import torch
 
 from ..errors import AnalyzerError
+from ._actionable import batch_fault
+from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from ._shadow import shadow
@@ -29,7 +31,9 @@ _KIND = ("finite", "inf", "nan")
 def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
     """The step's ``Diagnosis``: the verdict ``_detect`` reaches, refined by the registry (``verdicts.refine``)."""
-    return refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
+    d = refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
+    fault = batch_fault(ctx.batch, d.culprit, d.trace)
+    return dataclasses.replace(d, batch_fault=fault) if fault else d
 
 
 def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
@@ -75,7 +79,7 @@ def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, Run
     rec = low.records[o.index]
     low_dtype = getattr(torch, p) if p in LOW_PRECISION else None
     sh = shadow(rec.name, rec.overload, low.captured, low_dtype)
-    underflow_at = None
+    underflow_at = cancelled_at = None
     if p == "float32":
         verdict = "numerical_bug"
     elif rec.namespace not in ("aten", "prims") and any(_dname(d) in LOW_PRECISION for d in rec.in_dtypes):
@@ -87,6 +91,8 @@ def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, Run
         flush = find_flush(low, ref, o.index)
         verdict = "numerical_bug" if flush is None else "underflow"
         underflow_at = None if flush is None else _flush_record(low, ref, flush)
+        cancelled_at = find_cancellation(ctx, low, fp32, o.index) if flush is None else None
+        verdict = "cancellation" if cancelled_at is not None else verdict
     sdpa = None
     call = call_of(low.sdpa_calls, rec) if VERDICTS[verdict].sdpa_check else None
     if call is not None:  # an SDPA culprit: the same step under each other attention backend
@@ -94,7 +100,7 @@ def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, Run
                          (ctx.sdpa or {}).get("math_reduced_precision"))
         verdict = "kernel_specific" if sdpa.finite else verdict
     return _finish(dataclasses.replace(found, sdpa=sdpa), verdict, low, o, shadow_=sh, ref=fp32,
-                   underflow_at=underflow_at)
+                   underflow_at=underflow_at, cancelled_at=cancelled_at)
 
 
 def try_backends(ctx: ReplayContext, precision: str, scale: float, ran: str | None, *,
@@ -146,7 +152,7 @@ def _checked(ctx, origin):
 
 
 def _finish(found: Diagnosis, verdict: str, run: RunTrace, o, *, shadow_=None, ref=None,
-            underflow_at=None) -> Diagnosis:
+            underflow_at=None, cancelled_at=None) -> Diagnosis:
     extra: dict = {"shadow": None if shadow_ is None else {
         "float32": shadow_["float32"], "float64": shadow_["float64"],
         "dtype_max": float(torch.finfo(getattr(torch, run.precision)).max),
@@ -159,6 +165,8 @@ def _finish(found: Diagnosis, verdict: str, run: RunTrace, o, *, shadow_=None, r
     hidden = _op_record(run, o.hidden_index) if o.hidden_index is not None else None
     if underflow_at is not None:
         extra["underflow_at"] = underflow_at
+    if cancelled_at is not None:
+        extra["cancelled_at"] = cancelled_at
     culprit = Culprit(**_op_fields(run, o.index), literal_nonfinite=literal, hidden=hidden, **extra)
     return dataclasses.replace(found, verdict=verdict, culprit=culprit, literal=literal, hidden=hidden,
                                underflow_at=underflow_at, trace=run, context_ops=_context_ops(run, o.index))

@@ -66,6 +66,8 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
+        batch_fault: what is wrong with the batch when the culprit is the loss's 0/0 (every label
+            -100), else None.
     """
 
     verdict: str
@@ -86,6 +88,7 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
+    batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,12 +15,14 @@ the verdict (``plan``), under the same op recorder:
   the per-op maxima replay already has and verified with one run;
 - ``check_input`` (verdict ``nonfinite_input``): nothing to run; which input to look at.
 
-Each ``Fix`` is ``verified`` (loss and every gradient finite), ``fails`` (still non-finite; the
-first bad op is named) or ``not_tried`` (with the reason). ``advice_with_status`` turns the
-verdict's advice and the fixes into ``Advice`` items that never recommend a failing fix.
+Each ``Fix`` is ``verified`` (every gradient finite and the loss within ``_reference.TOLERANCE`` of
+the FP32 run's; with no finite FP32 run, finite and plausible), ``changes_result`` (finite, but
+far from that reference: never recommended), ``fails`` (still non-finite; the first bad op is
+named) or ``not_tried`` (with the reason). ``advice_with_status`` turns the verdict's advice and
+the fixes into ``Advice`` items that never recommend a fix that was not verified.
 
-NB: replays run forward and backward only. A fix verified here makes the step's loss and
-gradients finite; the optimizer step that follows is not replayed.
+NB: replays run forward and backward only. A fix verified here makes the step's loss match the
+reference and its gradients finite; the optimizer step that follows is not replayed.
 
 Example:
     >>> from analyzer.replay import Replay, advice_with_status
@@ -39,16 +41,19 @@ import torch
 
 from ..errors import AnalyzerError
 from ..findings import json_safe
+from . import _cancellation  # noqa: F401 - registers "cancellation" before the fixes that serve it
 from . import _fix_hooks
+from ._actionable import installed_line, library_of
 from ._fix_hooks import GUARDED, ModuleNotFound
 from ._origin import align, find_origin
+from ._reference import judge
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from .result import ReplayResult
 from .verdicts import VERDICTS
 
 __all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "register_fix", "plan", "run_fixes"]
 
-FIX_STATUSES = ("verified", "fails", "not_tried")
+FIX_STATUSES = ("verified", "fails", "not_tried", "changes_result")
 ADVICE_STATUSES = ("verified", "untested")
 
 _NO_MODULE = ("<loss_fn>", "<loss_scale>", "<autograd>", "<accumulate_grad>")
@@ -68,6 +73,8 @@ class Fix:
         precision: the precision the fix was run in.
         failing_op: where it is still non-finite (status ``fails``).
         max_safe_scale: ``lower_scale`` only: the largest power-of-two loss scale found finite.
+        loss / reference_loss: a finite fixed step's loss, and the loss it was judged against
+            (``_reference``: the FP32 run's, or the last finite recorded one; None: no reference).
         covers: ``module_fp32`` only: the other modules of the culprit's class it also kept in FP32
             (not in the JSON; the title names them).
     """
@@ -79,6 +86,8 @@ class Fix:
     precision: str | None = None
     failing_op: str | None = None
     max_safe_scale: float | None = None
+    loss: float | None = None
+    reference_loss: float | None = None
     covers: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
@@ -212,10 +221,14 @@ def _judge(result: ReplayResult, name: str, title: str, trace: RunTrace, *, note
            **extra) -> Fix:
     prec = trace.precision
     at = f" at loss scale {trace.scale:g}" if trace.scale != 1.0 else ""
-    if trace.finite:
-        return Fix(name=name, title=title, status="verified", precision=prec,
+    if trace.finite:  # verified only when it matches the reference (_reference.judge)
+        j = judge(result, trace)
+        if j.status != "verified":
+            extra.pop("max_safe_scale", None)
+        return Fix(name=name, title=title, status=j.status, precision=prec, loss=j.loss,
+                   reference_loss=j.reference_loss,
                    detail=f"{'the step' if result.step is None else f'step {result.step}'} runs finite in {prec}{at}: "
-                          f"loss and every gradient{note}", **extra)
+                          f"loss and every gradient{note}; {j.detail}", **extra)
     bad = _where(trace)
     why = "the loss" if not trace.forward_finite else "a gradient"
     skip = (" (GradScaler would skip the step and lower the scale)"
@@ -410,7 +423,7 @@ def guard_expr(base: str | None, kind: str) -> str:
 def _guard(kind: str):
     name = f"guard_{kind}"
 
-    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix:
+    def apply(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
         c = result.culprit
         base = _guard_base(c)
         prec, scale = _culprit_run(result)
@@ -419,6 +432,14 @@ def _guard(kind: str):
         if c.get("source") is None:
             return Fix(name=name, title=title, status="not_tried", precision=prec,
                        detail="the culprit has no user source line to guard")
+        if installed_line(c["source"]):  # nobody edits site-packages: no guard is offered there
+            if kind == "eps":
+                return None  # guard_clamp's line already says why
+            lib = library_of(c["source"])
+            return Fix(name=name, title=f"guard {base}: not offered, the call is in the installed library {lib}",
+                       status="not_tried", precision=prec,
+                       detail=f"{base} is called from {lib}'s own code, and the culprit's innermost frame outside torch "
+                              "is that library's, so no line of your code calls it: fix what feeds it instead")
         if kind == "eps" and base == "acos":
             return Fix(name=name, title=title, status="not_tried", precision=prec,
                        detail="acos has no eps form; see guard_clamp")
@@ -483,8 +504,9 @@ def _low_precision(_v: str, c) -> bool:
 
 
 # -- the registry: one entry per fix, tried in this order (those a verdict names ahead) -------------
-_GUARDED_VERDICTS = ("underflow", "numerical_bug")
-_PRECISION_VERDICTS = ("overflow", "underflow", "unregistered_op", "loss_scale_overflow", "numerical_bug")
+_GUARDED_VERDICTS = ("underflow", "numerical_bug", "cancellation")
+_PRECISION_VERDICTS = ("overflow", "underflow", "unregistered_op", "loss_scale_overflow", "numerical_bug",
+                       "cancellation")
 register_fix(FixSpec(
     "guard_clamp", "clamp the input of the culprit's log, div, sqrt, rsqrt, acos or pow away from its singular point",
     _guard("clamp"), serves=_GUARDED_VERDICTS, line=_guard_line, applies=lambda _v, c: _guard_base(c) is not None))
@@ -493,11 +515,11 @@ register_fix(FixSpec(
     _guard("eps"), serves=_GUARDED_VERDICTS, line=_guard_line, applies=lambda _v, c: _guard_base(c) is not None))
 register_fix(FixSpec(
     "module_fp32", "the culprit's module with autocast off inside it and its inputs upcast",
-    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug"), line=_module_line,
+    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation"), line=_module_line,
     applies=_low_precision))
 register_fix(FixSpec(
     "op_fp32", "the culprit op alone computed in FP32, its result cast back",
-    _op_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug"), line=_op_line,
+    _op_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation"), line=_op_line,
     applies=_low_precision))
 register_fix(FixSpec(
     "bf16", "the step in BF16 (from FP16)", _switch("bf16"), serves=_PRECISION_VERDICTS, line=_bf16_line))

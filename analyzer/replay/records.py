@@ -77,6 +77,9 @@ class Culprit(OpRecord):
         literal_nonfinite / hidden: the op that wrote a literal -inf it carried on, or the
             earlier op whose NaN/Inf was masked before it surfaced (``OpRecord`` or None).
         underflow_at: the op where values flushed to zero (verdict ``underflow``).
+        cancelled_at: the subtraction that cancelled in low precision (verdict ``cancellation``):
+            ``op``, ``module``, ``source``, ``index``, abs-maxima, one element's ``example``
+            (``a - b = result``) and the recognised ``pattern`` (``one_pass_variance``...).
     """
 
     input: Any = UNSET
@@ -85,3 +88,4 @@ class Culprit(OpRecord):
     literal_nonfinite: Any = UNSET
     hidden: Any = UNSET
     underflow_at: Any = UNSET
+    cancelled_at: Any = UNSET

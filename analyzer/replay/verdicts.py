@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._actionable import BATCH_FAULT_ADVICE, installed_line
 from .diagnosis import Diagnosis
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "register", "refine", "summary", "advice", "respect_runs",
@@ -80,6 +81,7 @@ VERDICTS: dict[str, Verdict] = {}
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
 PRECISION_FIXES = {"bf16": "bfloat16", "fp32": "float32"}
+_GUARDS = frozenset({"guard_clamp", "guard_eps"})  # an edit at the culprit's own source line
 
 
 def register(verdict: Verdict) -> Verdict:
@@ -99,8 +101,16 @@ def refine(d: Diagnosis) -> Diagnosis:
 
 
 def summary(d: Diagnosis) -> str:
-    """The one-sentence summary of `d`'s verdict."""
-    return VERDICTS[d.verdict].summary(d)
+    """The one-sentence summary of `d`'s verdict (and what is wrong with the batch, when known)."""
+    text = VERDICTS[d.verdict].summary(d)
+    h, c = d.hidden, d.culprit
+    if h is not None and c is not None and h["phase"] == "forward" and c["phase"] != "forward":
+        # the first event in time heads the sentence: the forward op, then the backward symptom
+        src = f" at {h['source']}" if h.get("source") else ""
+        text = (f"First, {h['op']} in `{h['module']}` (forward, {h['precision']}){src} made {h['output_kind']} "
+                f"from inputs up to {_fmt(h['input_absmax'])}, and a later forward op hid it (the loss stayed "
+                f"finite); then, in backward, {text}")
+    return f"{text} The cause is the batch: {d.batch_fault}." if d.batch_fault else text
 
 
 def advice(d: Diagnosis) -> list[AdviceLine]:
@@ -114,7 +124,11 @@ def advice(d: Diagnosis) -> list[AdviceLine]:
     whose gradients ``unscale_`` refuses), "switch to BF16" not for a run already in BF16.
     """
     v = VERDICTS[d.verdict]
-    lines = respect_runs([a for a in v.advice(d) if a.text], d.tried)
+    fault = [AdviceLine(BATCH_FAULT_ADVICE)] if d.batch_fault else []
+    own = [a for a in v.advice(d) if a.text]
+    if d.culprit is not None and installed_line(d.culprit.get("source")):  # no guard inside a library
+        own = [a for a in own if not a.fixes or not set(a.fixes) <= _GUARDS]
+    lines = respect_runs(fault + own, d.tried)
     return _mode_advice(d, lines) if v.precision_advice else lines
 
 
@@ -356,8 +370,10 @@ def _bug_summary(d: Diagnosis) -> str:
     if c["precision"] == "float32":
         return (f"{_where(c)} produced {c['output_kind']} from finite inputs in FP32 as well: "
                 "a numerical bug, not a precision problem.")
-    return (f"{_where(c)} produced {c['output_kind']} in {c['precision']} from finite inputs and "
-            "is non-finite in FP32 from the same inputs, though the FP32 run stayed finite.")
+    return (f"{_where(c)} produced {c['output_kind']} in {c['precision']} from finite inputs; recomputed in FP32 "
+            f"from the same rounded {c['precision']} inputs it is {c['output_kind']} too, so an earlier "
+            f"{c['precision']} op had already lost what it needed (the FP32 run of the step, from unrounded values, "
+            "is finite) and no cancelling subtraction or flush to zero was found on the way.")
 
 
 def _bug_advice(d: Diagnosis) -> list[AdviceLine]:

@@ -31,7 +31,7 @@ from recorders import schema
 from ... import browser
 from ...sample_runs import sample_run
 
-_LABEL = {"verified": "verified", "fails": "fails", "not_tried": "not tried"}
+_LABEL = {"verified": "verified", "changes_result": "changes the result", "fails": "fails", "not_tried": "not tried"}
 
 
 def _fix_line(f: dict) -> str:
@@ -80,7 +80,7 @@ def test_chromium_renders_verdict_then_culprit_then_fix_statuses_in_that_order(m
     culprit = text.index(c["op"], text.index("Culprit"))
     assert verdict < culprit and c["module"] in text[culprit:] and c["source"] in text[culprit:]
     at = {s: [text.index(_fix_line(f), culprit) for f in fixes if f["status"] == s] for s in _LABEL}
-    order = [i for s in ("verified", "fails", "not_tried") for i in sorted(at[s])]
+    order = [i for s in ("verified", "changes_result", "fails", "not_tried") for i in sorted(at[s])]
     assert order == sorted(order) and order[0] > culprit  # verified, then fails, then not tried
     recommended = text[text.index("(recommended)"):text.index("(not recommended)")]
     assert all(f["title"] not in recommended for f in fixes if f["status"] != "verified")
@@ -161,7 +161,7 @@ def small_report(tmp_path_factory):
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(s=_hostile, status=st.sampled_from(["verified", "fails", "not_tried", "<b>x</b>"]),
+@given(s=_hostile, status=st.sampled_from(["verified", "changes_result", "fails", "not_tried", "<b>x</b>"]),
        scale=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)))
 def test_strings_from_files_are_escaped_wherever_they_appear(small_report, tmp_path, s, status, scale):
     culprit = {"op": s, "overload": s, "module": s, "source": s, "phase": s, "precision": s, "index": 3}

@@ -44,10 +44,12 @@ def test_the_bce_step_gets_the_logsigmoid_and_bce_with_logits_advice_marked_unte
     assert len(found) == 1 and found[0].status == "untested" and found[0].fix is None
 
 
-def test_the_verified_clamp_comes_first_with_its_status(bce_advice):
+def test_the_clamp_that_changes_the_result_is_not_advised_and_the_bce_pattern_comes_first(bce_advice):
+    # the clamp makes the step finite, 3% off FP32's loss with the wrong sample's gradient lost
+    # (test_fixes.py): changes_result, so no line rests on it and nothing is marked verified
     _, advice = bce_advice
-    assert (advice[0].status, advice[0].fix) == ("verified", "guard_clamp")
-    assert "clamp_min" in advice[0].text
+    assert all(a.fix not in ("guard_clamp", "guard_eps") and a.status == "untested" for a in advice)
+    assert "binary_cross_entropy_with_logits" in advice[0].text
     for a in advice:
         obj = a.to_dict()
         assert json.loads(json.dumps(obj, allow_nan=False)) == obj
