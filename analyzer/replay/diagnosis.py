@@ -66,6 +66,8 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
+        magnitude_jump: for ``overflow``, the op feeding the culprit where the magnitude jumped the
+            most (``_magnitude.magnitude_jump``), None otherwise.
     """
 
     verdict: str
@@ -86,6 +88,7 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
+    magnitude_jump: dict | None = None
 
 
 @dataclass(frozen=True, eq=False)

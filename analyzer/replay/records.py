@@ -77,6 +77,8 @@ class Culprit(OpRecord):
         literal_nonfinite / hidden: the op that wrote a literal -inf it carried on, or the
             earlier op whose NaN/Inf was masked before it surfaced (``OpRecord`` or None).
         underflow_at: the op where values flushed to zero (verdict ``underflow``).
+        magnitude_jump: the op feeding it where the magnitude jumped the most (verdict ``overflow``;
+            ``_magnitude.magnitude_jump``).
     """
 
     input: Any = UNSET
@@ -85,3 +87,4 @@ class Culprit(OpRecord):
     literal_nonfinite: Any = UNSET
     hidden: Any = UNSET
     underflow_at: Any = UNSET
+    magnitude_jump: Any = UNSET
