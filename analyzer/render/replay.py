@@ -95,7 +95,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
             at1 = f"; at scale 1: {'finite' if run['finite_at_scale_1'] else 'still NaN/Inf'}"
         first = run.get("first_nonfinite")
         where = f"; first at #{first['index']} {first['op']} in `{first['module']}` ({first['phase']})" if first else ""
-        lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{at1}{where}")
+        own = f" (at loss scale {run['scale']:g})" if run["scale"] != r.scale else ""  # BF16 run for its advice
+        lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{own}{at1}{where}")
     trace = r.culprit_trace
     if c and trace is not None and ops > 0:
         lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]

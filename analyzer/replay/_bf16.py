@@ -3,8 +3,10 @@
 A replay runs FP32 and the run's low precision (plus ``--dtypes``). Advice to switch FP16 to BF16
 (``AdviceLine.fixes`` holding ``bf16``) is kept only when BF16's own replay of the step is finite
 (``verdicts.respect_runs``), so when no BF16 run was asked for and the advice names it, the replay
-makes that one run instead of printing the line as untested. It costs one forward and backward
-in BF16, only for the verdicts whose advice names BF16 (``overflow``, ``underflow``...).
+makes that one run instead of printing the line as untested: at loss scale 1, as BF16 trains
+without a GradScaler (the ``bf16`` fix judges the switch the same way, and reuses this run). It
+costs one forward and backward in BF16, only for the verdicts whose advice names BF16
+(``overflow``, ``underflow``, ``loss_scale_overflow``...).
 """
 from __future__ import annotations
 

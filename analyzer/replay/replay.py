@@ -159,7 +159,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         runs: dict[str, RunTrace] = {}
         at_one: dict[str, RunTrace] = {}
 
-        def run_precision(p: str) -> None:
+        def run_precision(p: str, scale: float = scale) -> None:
             runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
             if runs[p].forward_finite and not runs[p].grads_finite and scale != 1.0:
                 bar.extra(f"{p} at loss scale 1")
@@ -180,7 +180,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         diag = with_jump(diag, ctx.model_state)  # overflow: where its inputs grew large
         if needs_bf16(diag, runs):  # advice to switch to BF16 is given only with BF16's own run behind it
             bar.extra("bfloat16 forward+backward (the advice names it)")
-            run_precision("bfloat16")
+            run_precision("bfloat16", 1.0)  # as the advice has it: BF16 trains without loss scaling
             diag = with_bf16(diag, runs, at_one)
         with_roots([*runs.values(), diag.trace])  # what the plot marks, worked out here, not by render
         bar.done()
