@@ -9,6 +9,7 @@ parameter, with the note that the weight was written outside the optimizer step.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from analyzer.load import load_snapshot
+from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
 from analyzer.replay.update import OUTSIDE_NOTE, _classify, update_applies, update_forensics
 from recorders import Recorder
@@ -97,3 +99,41 @@ def test_weight_overflow_needs_an_inf_weight_and_an_update_of_half_the_gap_below
     assert masks["weight_overflow"].tolist() == [True, False, False, False]
     assert masks["unexplained"].tolist() == [False, True, True, False]
     assert torch.isinf(top + upd[0]) and torch.isfinite(top + upd[1])  # the rule is the dtype's own rounding
+
+
+# -- an update snapshot: a NaN written into an embedding row the batch never looks up -----------------
+def build_emb() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(16, 4), nn.Linear(4, 1))
+
+
+def emb_mse(model: nn.Module, batch: dict) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch["tok"]).squeeze(-1), batch["y"])
+
+
+def test_an_update_snapshot_whose_nan_the_update_cannot_explain_is_a_nonfinite_input_without_optimizer_culprit(tmp_path):
+    model = build_emb()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    with Recorder(tmp_path / "run", model, factory=f"{REF}:build_emb", loss_fn=f"{REF}:emb_mse", optimizer=opt,
+                  check_update=True) as rec:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight[12, 0] = float("nan")  # row 12: never looked up, so its loss and grads stay finite
+            batch = {"tok": torch.randint(0, 8, (8, 3), generator=g), "y": torch.randn(8, 3, generator=g)}
+            rec.begin_step(step, batch)
+            opt.zero_grad(set_to_none=True)
+            loss = emb_mse(model, batch)
+            loss.backward()
+            rec.end_step(loss)
+            opt.step()
+        snaps = list(rec.snapshots)
+    update = [s for s in snaps if s.name.endswith("-update.pt")]
+    assert update, snaps
+    r = replay_snapshot(update[0])
+    assert r.verdict == "nonfinite_input" and r.culprit is None and r.nonfinite_inputs == ["param:0.weight"]
+    assert r.update["params"][0]["factors"] == {"unexplained": 1}
+    assert OUTSIDE_NOTE in r.summary and "`0.weight`" in r.summary
+    assert "optimizer update of step" not in r.summary
+    assert "update forensics" in render_replay_text(r) and json.dumps(r.to_dict(), allow_nan=False)
