@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
 from analyzer.replay._magnitude import MIN_GROWTH
 from recorders import Recorder
@@ -81,25 +82,30 @@ def test_the_demo_is_not_told_to_divide_by_sqrt_d_because_its_number_stays_past_
 def test_the_demo_replay_runs_bf16_for_its_bf16_advice_and_prints_nothing_untested(demo_replay):
     r = demo_replay
     assert r.runs["bfloat16"]["finite"]  # the run the "Switch to BF16" line rests on
+    assert r.runs["bfloat16"]["scale"] == 1.0 and "bfloat16  loss" in render_replay_text(r)
+    assert "finite (at loss scale 1)" in render_replay_text(r)  # BF16 trains without a GradScaler
     assert any(a.startswith("Switch to BF16") for a in r.advice)
     assert not [a for a in r.advice if "untested" in a]
 
 
 # -- a Gram matrix, no softmax: no attention advice ---------------------------------------------------
 class Gram(nn.Module):
-    def __init__(self):
+    def __init__(self, boost: float):
         super().__init__()
         self.proj = nn.Linear(8, 8)
+        self.boost = boost
 
     def forward(self, x):
         h = self.proj(x)
+        if self.boost:
+            h = h * self.boost  # a Python number: no op computes the factor
         return (h @ h.transpose(-2, -1)).mean(-1, keepdim=True)  # a bmm no softmax reads
 
 
 class GramNet(nn.Module):
-    def __init__(self):
+    def __init__(self, boost: float = 0.0):
         super().__init__()
-        self.attn = Gram()  # named like attention on purpose: the advice must read the ops, not the name
+        self.attn = Gram(boost)  # named like attention on purpose: the advice must read the ops, not the name
         with torch.no_grad():
             self.attn.proj.weight.copy_(torch.eye(8) * 4)
             self.attn.proj.bias.zero_()
@@ -108,20 +114,20 @@ class GramNet(nn.Module):
         return self.attn(x)
 
 
-def build_gram() -> nn.Module:
-    return GramNet()
+def build_gram(boost: float = 0.0) -> nn.Module:
+    return GramNet(boost)
 
 
 def gram_loss(model, batch):
     return (model(batch["x"]) / 1e5).float().pow(2).mean()
 
 
-def _gram_step(run_dir: Path) -> Path:
-    model = build_gram()
+def _gram_step(run_dir: Path, x: float = 30.0, boost: float = 0.0) -> Path:
+    model = build_gram(boost)
     # |h| = 4 * 30 = 120 per entry over 8 entries: h.h ~ 8 * 120^2 = 1.2e5 > 65504 on the diagonal
-    batch = {"x": torch.full((2, 4, 8), 30.0)}
-    with Recorder(run_dir, model, factory=f"{REF}:build_gram", loss_fn=f"{REF}:gram_loss",
-                  amp_dtype=torch.float16) as rec:
+    batch = {"x": torch.full((2, 4, 8), x)}
+    with Recorder(run_dir, model, factory=f"{REF}:build_gram", factory_kwargs={"boost": boost},
+                  loss_fn=f"{REF}:gram_loss", amp_dtype=torch.float16) as rec:
         rec.begin_step(0, batch)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = gram_loss(model, batch)
@@ -136,3 +142,17 @@ def test_a_bmm_overflow_that_no_softmax_reads_gets_no_attention_advice_and_no_ju
     assert not [a for a in r.advice if "attention" in a or "sqrt" in a]
     # its inputs come from a Linear of the batch: parameters and the batch are read, not grown
     assert "magnitude_jump" not in r.culprit and "Why so large" not in r.summary
+
+
+def test_a_value_multiplied_by_a_python_number_names_the_mul_and_its_growth_without_a_factor(tmp_path):
+    # h = 4 * 1 = 4 per entry, times 100: 400, and 8 * 400^2 = 1.28e6 > 65504; without the boost 8 * 16 = 128
+    r = replay_snapshot(_gram_step(tmp_path / "run", x=1.0, boost=100.0))
+    assert r.verdict == "overflow" and r.culprit["op"] == "aten.bmm"
+    j = r.culprit["magnitude_jump"]
+    t = r.culprit_trace
+    rec = t.records[j["index"]]
+    assert (j["op"], j["module"], j["factor"]) == ("aten.mul", "attn", None) and rec.name == "aten.mul"
+    assert j["input_absmax"] == t.absmax[rec.inputs[0][0]] == 4.0 and j["output_absmax"] == 400.0
+    assert j["growth"] == pytest.approx(100.0)  # the boost itself
+    assert (f"Why so large: aten.mul in `attn` ({j['source']}, op #{j['index']}) took a value of abs-max 4 to "
+            f"400: the largest jump in magnitude (x100) among the {j['ops_fed']} ops that fed the culprit.") in r.summary

@@ -133,7 +133,11 @@ def test_an_update_snapshot_whose_nan_the_update_cannot_explain_is_a_nonfinite_i
     assert update, snaps
     r = replay_snapshot(update[0])
     assert r.verdict == "nonfinite_input" and r.culprit is None and r.nonfinite_inputs == ["param:0.weight"]
-    assert r.update["params"][0]["factors"] == {"unexplained": 1}
+    p = r.update["params"][0]
+    assert p["factors"] == {"unexplained": 1}
+    # the evidence of the note: Adam's state at the NaN element is finite (and 0: the row never had a gradient)
+    assert [(ex["exp_avg"], ex["exp_avg_sq"], ex["update"]) for ex in p["examples"]] == [(0.0, 0.0, 0.0)]
+    assert len(r.advice) == 1 and r.advice[0].startswith("find what wrote this weight between optimizer steps")
     assert OUTSIDE_NOTE in r.summary and "`0.weight`" in r.summary
     assert "optimizer update of step" not in r.summary
     assert "update forensics" in render_replay_text(r) and json.dumps(r.to_dict(), allow_nan=False)
