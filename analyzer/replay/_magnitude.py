@@ -184,7 +184,9 @@ def magnitude_jump(run: RunTrace, culprit: int, state: Mapping[str, torch.Tensor
 
 def _ops(indices: list[int]) -> str:
     nums = [f"#{i}" for i in indices]
-    return ("op " if len(nums) == 1 else "ops ") + (nums[0] if len(nums) == 1 else ", ".join(nums[:-1]) + " and " + nums[-1])
+    if len(nums) == 1:
+        return f"op {nums[0]}"
+    return "ops " + ", ".join(nums[:-1]) + " and " + nums[-1]
 
 
 def jump_sentence(j: dict | None) -> str:

@@ -155,4 +155,5 @@ def test_a_value_multiplied_by_a_python_number_names_the_mul_and_its_growth_with
     assert j["input_absmax"] == t.absmax[rec.inputs[0][0]] == 4.0 and j["output_absmax"] == 400.0
     assert j["growth"] == pytest.approx(100.0)  # the boost itself
     assert (f"Why so large: aten.mul in `attn` ({j['source']}, op #{j['index']}) took a value of abs-max 4 to "
-            f"400: the largest jump in magnitude (x100) among the {j['ops_fed']} ops that fed the culprit.") in r.summary
+            f"400: the largest jump in magnitude (x100) among the {j['ops_fed']} ops that fed the culprit.") \
+        in r.summary

@@ -111,7 +111,7 @@ def emb_mse(model: nn.Module, batch: dict) -> torch.Tensor:
     return nn.functional.mse_loss(model(batch["tok"]).squeeze(-1), batch["y"])
 
 
-def test_an_update_snapshot_whose_nan_the_update_cannot_explain_is_a_nonfinite_input_without_optimizer_culprit(tmp_path):
+def test_an_update_snapshot_whose_nan_no_update_explains_is_a_nonfinite_input_without_optimizer_culprit(tmp_path):
     model = build_emb()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(3)
