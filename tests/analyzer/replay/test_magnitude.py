@@ -21,7 +21,7 @@ from analyzer.replay import replay_snapshot
 from analyzer.replay._magnitude import MIN_GROWTH
 from recorders import Recorder
 from samples import fp16_attention_overflow as demo
-from tests.sample_runs import sample_run
+from tests.sample_runs import demo_run, sample_run
 
 REF = "tests.analyzer.replay.test_magnitude"
 
@@ -86,6 +86,18 @@ def test_the_demo_replay_runs_bf16_for_its_bf16_advice_and_prints_nothing_untest
     assert "finite (at loss scale 1)" in render_replay_text(r)  # BF16 trains without a GradScaler
     assert any(a.startswith("Switch to BF16") for a in r.advice)
     assert not [a for a in r.advice if "untested" in a]
+
+
+def test_the_demos_autopsy_answer_leads_with_the_rsqrt_of_tau_and_verifies_bf16_without_untested_marks(
+        tmp_path_factory, demo_replay):
+    demo = demo_run(tmp_path_factory)  # `analyzer demo`: the autopsy of the same run
+    answer = demo.output.split("answer:", 1)[1].split("evidence 1/", 1)[0].splitlines()
+    root = next(line for line in answer if line.strip().startswith("root cause: overflow:"))
+    assert "the aten.rsqrt of `blocks.0.attn.temperature` = 1e-05" in root
+    assert demo_replay.summary.split("Why so large: ", 1)[1] in root  # the same sentence as the replay's
+    assert not [line for line in answer if "Divide the attention logits" in line]
+    assert [line for line in answer if "verified fix: switch from FP16 to BF16" in line]
+    assert not [line for line in answer if "BF16" in line and "untested advice" in line]
 
 
 # -- a Gram matrix, no softmax: no attention advice ---------------------------------------------------
