@@ -2,7 +2,8 @@
 
 Attention advice rests on what the replay saw, never on a module's name: the culprit is the
 logits matmul of an attention only when, in the recorded forward, its output reaches a softmax
-(through views, casts, masks and scalings) whose output feeds another matmul (``softmax(q k^T) v``).
+(through views, casts, masks and scalings) whose output feeds another matmul (``softmax(q k^T) v``;
+a dropout between them, its mask multiplied in, is looked through).
 ``head_dim`` is the contraction dimension of the culprit's own captured inputs, and the largest
 logit is the culprit recomputed in FP32 from them (the shadow check), so "divide by sqrt(d)" is
 offered only when that value divided by sqrt(head_dim) is under the dtype's max, with the numbers.
@@ -29,19 +30,24 @@ _BETWEEN = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.view",
                       "aten.reshape", "aten.unsqueeze", "aten.squeeze", "aten.mul", "aten.div", "aten.add",
                       "aten.sub", "aten.masked_fill", "aten.masked_fill_", "aten.where", "aten.add_", "aten.mul_",
                       "aten.div_"})
-_HOPS = 8
+# Ops between the softmax and the matmul with the values: views, casts, dropout and its rescaling.
+_AFTER = frozenset(_BETWEEN - {"aten.add", "aten.sub", "aten.add_", "aten.masked_fill", "aten.masked_fill_",
+                               "aten.where"} | {"aten.native_dropout", "aten.dropout"})
+_WINDOW = 48  # ops looked at after the matmul, and after the softmax
 
 
-def _readers(run: RunTrace, i: int, names: frozenset[str] | None) -> int | None:
-    """The first forward op after `i` reading its value through `names` ops (None: any op), within `_HOPS`."""
+def _reaches(run: RunTrace, i: int, through: frozenset[str], targets: frozenset[str]) -> int | None:
+    """The first forward op of `targets` within `_WINDOW` ops after `i` that reads op `i`'s value
+    through `through` ops only (other readers, a detach for logging, a dropout mask, are passed by)."""
     carry = {i}
-    for rec in run.records[i + 1:]:
-        if rec.phase != "forward" or len(carry) > _HOPS + 1:
+    for rec in run.records[i + 1:i + 1 + _WINDOW]:
+        if rec.phase != "forward":
             return None
         if any(p in carry for _, p in rec.inputs):
-            if names is None or rec.name not in names:
+            if rec.name in targets:
                 return rec.index
-            carry.add(rec.index)
+            if rec.name in through:
+                carry.add(rec.index)
     return None
 
 
@@ -50,11 +56,8 @@ def is_attention_logits(run: RunTrace, i: int) -> bool:
     rec = run.records[i]
     if rec.phase != "forward" or rec.name not in _MATMUL:
         return False
-    sm = _readers(run, i, _BETWEEN)
-    if sm is None or run.records[sm].name not in _SOFTMAX:
-        return False
-    nxt = _readers(run, sm, _BETWEEN - {"aten.mul", "aten.div", "aten.add", "aten.sub"})
-    return nxt is not None and run.records[nxt].name in _MATMUL
+    sm = _reaches(run, i, _BETWEEN, _SOFTMAX)
+    return sm is not None and _reaches(run, sm, _AFTER, _MATMUL) is not None
 
 
 def _head_dim(name: str, captured) -> int | None:

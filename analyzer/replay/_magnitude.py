@@ -127,6 +127,8 @@ def _read_tensor(run: RunTrace, f: int, state: Mapping[str, torch.Tensor] | None
         op = getattr(getattr(getattr(torch.ops, rec.name.split(".", 1)[0]), rec.name.split(".", 1)[1]), rec.overload)
     except (AttributeError, RuntimeError):
         return None
+    if op._schema.is_mutable:  # an in-place op would write the model state: never re-run one
+        return None
     want = run.absmax[rec.outputs[0]]
     leaf_in = [run.absmax[s] for s, p in rec.inputs if _through(run, p) is None]
     hits = []
@@ -139,7 +141,7 @@ def _read_tensor(run: RunTrace, f: int, state: Mapping[str, torch.Tensor] | None
             continue
         try:
             with torch.no_grad():
-                got = op(t.to(torch.float32))
+                got = op(t.detach().to(torch.float32, copy=True))
         except Exception:  # noqa: BLE001 - an op that needs other arguments: not this tensor
             continue
         if isinstance(got, torch.Tensor) and got.is_floating_point() and _close(float(got.abs().max()), want):

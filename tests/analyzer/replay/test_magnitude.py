@@ -169,3 +169,41 @@ def test_a_value_multiplied_by_a_python_number_names_the_mul_and_its_growth_with
     assert (f"Why so large: aten.mul in `attn` ({j['source']}, op #{j['index']}) took a value of abs-max 4 to "
             f"400: the largest jump in magnitude (x100) among the {j['ops_fed']} ops that fed the culprit.") \
         in r.summary
+
+
+# -- attention with dropout on its probabilities: still attention -----------------------------------------
+class DropAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8, bias=False)  # one projection for q, k and v
+        self.drop = nn.Dropout(0.1)
+        with torch.no_grad():
+            self.attn.weight.copy_(torch.eye(8) * 4)
+
+    def forward(self, x):
+        q = self.attn(x)
+        att = self.drop((q @ q.transpose(-2, -1)).softmax(-1))  # nanoGPT's attn_dropout
+        return att @ q
+
+
+def build_drop_attn() -> nn.Module:
+    return DropAttn()
+
+
+def test_attention_with_dropout_on_its_probabilities_gets_the_sqrt_d_line_with_its_numbers(tmp_path):
+    # q = 4 * 30 = 120 per entry, logits 8 * 120^2 = 115200 > 65504; / sqrt(8) = 40729 < 65504
+    model = build_drop_attn()
+    batch = {"x": torch.full((2, 4, 8), 30.0)}
+    with Recorder(tmp_path / "run", model, factory=f"{REF}:build_drop_attn", loss_fn=f"{REF}:gram_loss",
+                  amp_dtype=torch.float16) as rec:
+        rec.begin_step(0, batch)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = gram_loss(model, batch)
+        loss.backward()
+        assert rec.end_step(loss) is not None
+    r = replay_snapshot(rec.snapshots[-1])
+    assert r.verdict == "overflow" and r.culprit["op"] == "aten.bmm"
+    logit = r.culprit["shadow"]["float32"]
+    assert logit == pytest.approx(8 * 120.0**2, rel=1e-3)
+    line, = [a for a in r.advice if a.startswith("Divide the attention logits")]
+    assert f"the largest logit, {logit:.3g} in FP32, becomes {logit / math.sqrt(8):.3g}, under float16's max" in line
