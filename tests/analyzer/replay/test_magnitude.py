@@ -9,6 +9,7 @@ Real recorded steps, replayed for real:
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def test_the_demo_overflow_names_the_rsqrt_of_tau_that_multiplied_the_logits_inp
         assert f["index"] in [p for _, p in t.records[a["index"]].inputs]
     assert j["growth"] == pytest.approx(j["output_absmax"] / j["input_absmax"])
     assert j["growth"] >= max(_edges(t, r.culprit["index"])) * (1 - 1e-9) and j["growth"] >= MIN_GROWTH
+    d = json.loads(json.dumps(r.to_dict(), allow_nan=False))  # strict JSON, the same key in --json
+    assert d["culprit"]["magnitude_jump"]["factor"]["reads"] == "blocks.0.attn.temperature"
     ops = " and ".join(f"#{a['index']}" for a in j["applied_by"])
     assert (f"Why so large: the culprit's inputs were multiplied by {f['absmax']:.3g} (aten.mul at "
             f"{j['source']}, ops {ops}), the aten.rsqrt of `blocks.0.attn.temperature` = 1e-05") in r.summary
