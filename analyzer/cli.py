@@ -221,7 +221,8 @@ def _replay_options(*, culprit: str, snapshot: str):
 @_json_option
 @_device_option
 @click.option("--dtypes", default=None, metavar="LIST",
-              help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype.")
+              help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype, and bf16 "
+                   "(at loss scale 1) when the advice would be to switch to it.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write a PNG of per-op abs-max along execution order (for an update snapshot: the update "
                    "forensics, per parameter).")

@@ -28,10 +28,13 @@ What the analyzer should conclude, and why that is right:
       matmul (``aten.bmm``) in forward inside ``blocks.0.attn``. The same weights and batch
       give a finite loss in FP32 and in BF16 (whose range is FP32's), so precision range is the
       cause, not the maths; the first op that turns finite inputs into ``inf`` is that matmul.
-    - The fix: divide the logits by sqrt(d) (``scale_attn_logits=True``) and keep the
-      temperature sane, or train in BF16 (``--amp bf16`` runs this script in BF16 and stays
-      finite; its report warns ``exploding_gradients`` from step 24, rightly: the 1/tau
-      multiplies the gradients of q and k as well).
+      The answer says why the logits are that large: ``q`` and ``k`` were multiplied by 316, the
+      ``rsqrt`` of the ``temperature`` buffer (1e-5), the largest jump in magnitude before the matmul.
+    - The fix: keep the temperature sane, or train in BF16 (``--amp bf16`` runs this script in
+      BF16 and stays finite; its report warns ``exploding_gradients`` from step 24, rightly: the
+      1/tau multiplies the gradients of q and k as well). Dividing the logits by sqrt(d)
+      (``scale_attn_logits=True``) alone is not enough: with head_dim 16 the largest logit (about
+      340,000 in FP32) would still be about 85,000, past 65504, and the replay says so.
 """
 from __future__ import annotations
 

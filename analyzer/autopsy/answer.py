@@ -11,14 +11,17 @@ lines cut here)::
 
     root cause: overflow: aten.bmm in `blocks.0.attn` (forward, float16) at samples/models.py:98
       produced inf from finite inputs: recomputed in FP32 from the same inputs its largest value is ...
+      Why so large: the culprit's inputs were multiplied by 316 (aten.mul at samples/models.py:97, ops
+      #32 and #33), the aten.rsqrt of `blocks.0.attn.temperature` = 1e-05 (samples/models.py:96, op #31) ...
     where: aten.bmm in blocks.0.attn at samples/models.py:98, forward, float16, step 24, rank 0
       (step00000024-r00000-nonfinite_loss.pt)
-    verified fix: keep blocks.0.attn and the other 1 module(s) of its class (blocks.1.attn) in FP32 ...
+    verified fix: keep blocks.0.attn and the 1 other module of its class (blocks.1.attn) in FP32 ...
     verified fix: switch from FP16 to BF16: step 24 runs finite in bfloat16: loss and every gradient; ...
     tried, fails: run aten.bmm in blocks.0.attn (forward) alone in FP32, its result cast back to
       float16: still non-finite at loss scale 4096: the loss, first at aten.bmm in blocks.0.attn (forward)
     do (verified above): Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler.
-    untested advice: Divide the attention logits by sqrt(d): q @ k.transpose(-2, -1) / math.sqrt(head_dim) ...
+    untested advice: Dividing the attention logits by sqrt(head_dim) = 4 is not enough here: the largest
+      logit, 3.39e+05 in FP32, would still be 8.49e+04, past float16's max 65504.
     also step 31, rank 0 (overflow_streak): overflow at aten.bmm in blocks.0.attn (forward); same culprit
       as step00000024-r00000-nonfinite_loss.pt, whose fixes apply
 

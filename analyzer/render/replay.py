@@ -59,6 +59,16 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
                          f"({c['precision']} max {_num(sh['dtype_max'])})")
         if c.get("fp32_output_absmax") is not None:
             lines.append(f"  FP32 run  same op abs-max {_num(c['fp32_output_absmax'])}")
+        jump = c.get("magnitude_jump")
+        if jump:  # overflow: the op feeding the culprit where the magnitude jumped the most
+            f = jump.get("factor")
+            by = ""
+            if f:
+                of = f" of `{f['reads']}` = {_num(f['reads_absmax'])}" if f.get("reads") else ""
+                by = f", times {f['op']}{of} op #{f['index']}"
+            lines.append(f"  grew at   {jump['op']} in `{jump['module']}` op #{jump['index']} ({jump['phase']}) at "
+                         f"{jump.get('source') or '-'} abs-max {_num(jump['input_absmax'])} -> "
+                         f"{_num(jump['output_absmax'])} (x{_num(jump['growth'])}{by})")
         for key, label in (("underflow_at", "zeros from"), ("literal_nonfinite", "mask value"),
                            ("hidden", "hidden")):
             o = c.get(key)
@@ -85,7 +95,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
             at1 = f"; at scale 1: {'finite' if run['finite_at_scale_1'] else 'still NaN/Inf'}"
         first = run.get("first_nonfinite")
         where = f"; first at #{first['index']} {first['op']} in `{first['module']}` ({first['phase']})" if first else ""
-        lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{at1}{where}")
+        own = f" (at loss scale {run['scale']:g})" if run["scale"] != r.scale else ""  # BF16 run for its advice
+        lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{own}{at1}{where}")
     trace = r.culprit_trace
     if c and trace is not None and ops > 0:
         lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]

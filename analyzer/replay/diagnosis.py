@@ -68,6 +68,8 @@ class Diagnosis:
             hidden, the op where values flushed to zero (None where they do not apply).
         batch_fault: what is wrong with the batch when the culprit is the loss's 0/0 (every label
             -100), else None.
+        magnitude_jump: for ``overflow``, the op feeding the culprit where the magnitude jumped the
+            most (``_magnitude.magnitude_jump``), None otherwise.
     """
 
     verdict: str
@@ -89,6 +91,7 @@ class Diagnosis:
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
     batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
+    magnitude_jump: dict | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -80,6 +80,8 @@ class Culprit(OpRecord):
         cancelled_at: the subtraction that cancelled in low precision (verdict ``cancellation``):
             ``op``, ``module``, ``source``, ``index``, abs-maxima, one element's ``example``
             (``a - b = result``) and the recognised ``pattern`` (``one_pass_variance``...).
+        magnitude_jump: the op feeding it where the magnitude jumped the most (verdict ``overflow``;
+            ``_magnitude.magnitude_jump``).
     """
 
     input: Any = UNSET
@@ -89,3 +91,4 @@ class Culprit(OpRecord):
     hidden: Any = UNSET
     underflow_at: Any = UNSET
     cancelled_at: Any = UNSET
+    magnitude_jump: Any = UNSET

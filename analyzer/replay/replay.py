@@ -33,13 +33,15 @@ from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_
 from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
 from ._diagnose import diagnose, precision_run, with_roots
+from ._bf16 import needs_bf16, with_bf16
+from ._magnitude import with_jump
 from ._precision import PrecisionMode, precision_mode
 from ._runs import ReplayContext, RunTrace, run_once
 from .backends import backend_of
 from .diagnosis import Diagnosis
 from .fixes import Fix, run_fixes
 from .result import ReplayResult
-from .update import explained_by_update, replay_update, update_applies
+from .update import OUTSIDE_NOTE, explained_by_update, replay_update, update_applies, written_outside
 
 __all__ = ["Replay", "replay_snapshot", "try_fixes"]
 
@@ -109,7 +111,11 @@ class Replay:
         if self.is_update:  # checkpoint: what a checkpoint replay read (load.adhoc), else None
             return dataclasses.replace(replay_update(self.path, self.snapshot),
                                        checkpoint=getattr(self.snapshot, "source", None))
-        return _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        result = _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        outside = written_outside(self.path, self.snapshot)  # NaN weights the optimizer state does not explain
+        if outside and result.verdict == "nonfinite_input":
+            result.summary += f" NB: {outside[0]}: {OUTSIDE_NOTE}."
+        return result
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
         """Try each fix that serves `result`'s verdict on this replay's rebuilt model, one run each at most.
@@ -152,12 +158,16 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         watch = [n.split(":", 1)[1] for n in nonfinite_inputs if n.startswith("buffer:")]
         runs: dict[str, RunTrace] = {}
         at_one: dict[str, RunTrace] = {}
-        for p in precisions:
-            bar.step(f"{p} forward+backward")
+
+        def run_precision(p: str, scale: float = scale) -> None:
             runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
             if runs[p].forward_finite and not runs[p].grads_finite and scale != 1.0:
                 bar.extra(f"{p} at loss scale 1")
                 at_one[p] = run_once(ctx, p, 1.0, on_ops=bar.ops)
+
+        for p in precisions:
+            bar.step(f"{p} forward+backward")
+            run_precision(p)
         read = runs["float32"].buffers_read or set()
         written_only = [f"buffer:{n}" for n in watch if n not in read]
         nonfinite_inputs = [n for n in nonfinite_inputs if n not in written_only]
@@ -167,6 +177,11 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
                           mode=mode.kind, low=mode.dtype)
         bar.extra("diagnosis")
         diag = diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops)
+        diag = with_jump(diag, ctx.model_state)  # overflow: where its inputs grew large
+        if needs_bf16(diag, runs):  # advice to switch to BF16 is given only with BF16's own run behind it
+            bar.extra("bfloat16 forward+backward (the advice names it)")
+            run_precision("bfloat16", 1.0)  # as the advice has it: BF16 trains without loss scaling
+            diag = with_bf16(diag, runs, at_one)
         with_roots([*runs.values(), diag.trace])  # what the plot marks, worked out here, not by render
         bar.done()
     recorded = snap.device_type

@@ -57,7 +57,8 @@ from ..load import Snapshot
 from .records import Culprit
 from .result import ReplayResult
 
-__all__ = ["explained_by_update", "update_applies", "update_forensics", "replay_update"]
+__all__ = ["explained_by_update", "update_applies", "update_forensics", "replay_update", "written_outside",
+           "OUTSIDE_NOTE"]
 
 _EXAMPLES = 5
 _ADAM = ("Adam", "AdamW")
@@ -180,10 +181,18 @@ def _classify(post: torch.Tensor, grad, upd, factors: dict, eps_d: float | None)
         if eps_d == 0.0 and "exp_avg_sq" in factors:
             take("eps_flush", factors["exp_avg_sq"] == 0)
         take("update_overflow", ~torch.isfinite(upd))
-        take("weight_overflow", torch.isfinite(upd))
+        # A finite weight plus a finite update rounds past the max only as inf, and only when the
+        # update is at least half an ulp of the max: a smaller one cannot have made the weight NaN/Inf.
+        take("weight_overflow", torch.isinf(post) & torch.isfinite(upd) & (upd.abs() >= _half_ulp_at_max(post.dtype)))
     if bool(left.any()):
         out["unexplained"] = left
     return out
+
+
+def _half_ulp_at_max(dtype: torch.dtype) -> float:
+    """Half the gap below the dtype's max: the least |update| that can carry a finite weight past it."""
+    fi = torch.finfo(dtype)
+    return fi.eps * 2.0 ** (math.frexp(fi.max)[1] - 2)  # the ulp at the max is eps * 2^(exponent of max)
 
 
 def _examples(mask: torch.Tensor, post, grad, factors: dict, upd) -> list[dict]:
@@ -279,6 +288,9 @@ def _verdict(f: dict) -> tuple[str, str, dict | None]:
         if verdict == "numerical_bug" and factor == "grad" and not f["clip_signature"]:
             continue
         p = top(factor)
+        if p is not None and factor == "unexplained" and p["formula"] is not None:
+            # the recomputed update is finite there and cannot reach the max: not the optimizer's doing
+            return "nonfinite_input", factor, p
         if p is not None:
             return verdict, factor, p
     return "healthy", "", None
@@ -323,6 +335,9 @@ _ADVICE = {
                     "to 0 in the state's dtype, or an update past the dtype's range, are the usual causes; keeping "
                     "FP32 master weights avoids both"],
     "overflow": ["lower the learning rate, or keep FP32 master weights so the update and the weight fit the dtype"],
+    "outside": ["find what wrote this weight between optimizer steps: the checkpoint it was loaded from (check "
+                "it with `analyzer inspect CKPT`), or an in-place write to the parameter (param.data, copy_, "
+                "fill_ under torch.no_grad())"],
     "nonfinite_input": ["the NaN/Inf came into the update: replay the snapshot of the step whose backward made it "
                         "(nonfinite_grads), or restore the optimizer state from a checkpoint before it"],
 }
@@ -339,6 +354,19 @@ def _advice_for(key: str, snap: Snapshot) -> list[str]:
     return lines
 
 
+OUTSIDE_NOTE = ("the optimizer state is finite: this weight was written outside the optimizer step (a checkpoint "
+                "load, an in-place write)")
+
+
+def written_outside(path: str, snap: Snapshot) -> list[str]:
+    """The parameters NaN/Inf in `snap` that the recomputed optimizer update does not explain
+    (its state finite, the update finite and too small to reach the dtype's max)."""
+    if not update_applies(snap):
+        return []
+    return [p["name"] for p in update_forensics(path, snap)["params"]
+            if p["formula"] is not None and set(p["factors"]) == {"unexplained"}]
+
+
 def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     """A ``ReplayResult`` for an update snapshot: the forensics, no forward/backward replay."""
     f = update_forensics(path, snap)
@@ -350,7 +378,13 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     head = (f"{when} made {n_el} element(s) of {len(f['params'])} parameter(s) NaN/Inf (forward and backward not "
             "replayed: the failure is in the update)")
     culprit = None
-    if p is not None:
+    if verdict == "nonfinite_input" and factor == "unexplained":
+        summary = (f"`{p['name']}` is NaN/Inf at {p['nonfinite']} element(s) that the optimizer update does not "
+                   f"explain: recomputed from the saved state, the update there is finite, and a finite weight plus a "
+                   f"finite update is never NaN, and inf only for an update of at least "
+                   f"{_half_ulp_at_max(getattr(torch, p['dtype'])):.3g} (half an ulp of {p['dtype']}'s max). "
+                   f"NB: {OUTSIDE_NOTE}.")
+    elif p is not None:
         summary = f"{head}: {_because(verdict, factor, p, cls)}."
         op = f"{cls.lower()}.update"
         culprit = Culprit(
@@ -363,12 +397,13 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
                else {}))
     else:
         summary = "no parameter is NaN/Inf after the update: nothing to explain."
-    inputs = [] if f["update_snapshot"] else [f"param:{q['name']}" for q in f["params"]]
+    inputs = [] if f["update_snapshot"] and factor != "unexplained" else [f"param:{q['name']}" for q in f["params"]]
     loss = snap.loss
     low = p["dtype"] if p is not None and p["dtype"] in ("float16", "bfloat16") else None
     return ReplayResult(
         verdict=verdict, summary=summary, culprit=culprit, runs={},
-        advice=_advice_for(factor if verdict == "numerical_bug" else verdict, snap),
+        advice=_advice_for("outside" if factor == "unexplained" and verdict == "nonfinite_input" else
+                           factor if verdict == "numerical_bug" else verdict, snap),
         snapshot=path, step=snap.step, reason=snap.reason, device="cpu", recorded_device=str(snap.device_type),
         device_note=None, amp_dtype=snap.amp_dtype, scale=float(snap.scale) if snap.scale else 1.0,
         recorded_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,

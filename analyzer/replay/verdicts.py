@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ._actionable import BATCH_FAULT_ADVICE, installed_line
+from ._attention import sqrt_d_check
+from ._magnitude import jump_sentence
 from .diagnosis import Diagnosis
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "register", "refine", "summary", "advice", "respect_runs",
@@ -273,25 +275,29 @@ def _overflow_summary(d: Diagnosis) -> str:
     shadow32 = (c.get("shadow") or {}).get("float32")
     limit = float(_finfo(c["precision"]).max)
     return (f"{_where(c)} produced {c['output_kind']} from finite inputs: recomputed in FP32 from the "
-            f"same inputs its largest value is {_fmt(shadow32)}, beyond {c['precision']}'s max {limit:g}.")
+            f"same inputs its largest value is {_fmt(shadow32)}, beyond {c['precision']}'s max {limit:g}."
+            + jump_sentence(d.magnitude_jump))
 
 
-def _looks_like_attention(c) -> bool:
-    module = c["module"].lower()
-    op = c["op"].split(".")[-1]
-    in_attention = ("attn" in module or "attention" in module) and op in (
-        "bmm", "mm", "matmul", "baddbmm", "addmm", "einsum")
-    batched_forward = op in ("bmm", "baddbmm") and c["phase"] == "forward"
-    return in_attention or batched_forward
+def sqrt_d_advice(check: dict | None, prec: str) -> list[AdviceLine]:
+    """The sqrt(head_dim) line for an attention's logits (``_attention.sqrt_d_check``), with its numbers."""
+    if check is None:
+        return []
+    hd, logit, scaled, top = check["head_dim"], check["logit_absmax"], check["scaled_absmax"], check["dtype_max"]
+    if check["fits"]:
+        return [AdviceLine(f"Divide the attention logits by sqrt(head_dim) = {math.sqrt(hd):.3g} before the matmul: "
+                           "(q / math.sqrt(head_dim)) @ k.transpose(-2, -1), or use F.scaled_dot_product_attention, "
+                           f"which scales for you; the largest logit, {logit:.3g} in FP32, becomes {scaled:.3g}, "
+                           f"under {prec}'s max {top:g}.")]
+    return [AdviceLine(f"Dividing the attention logits by sqrt(head_dim) = {math.sqrt(hd):.3g} is not enough here: the "
+                       f"largest logit, {logit:.3g} in FP32, would still be {scaled:.3g}, past {prec}'s max {top:g}.")]
 
 
 def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
     c = d.culprit
     module = c["module"]
     out = []
-    if _looks_like_attention(c):
-        out.append(AdviceLine("Divide the attention logits by sqrt(d): q @ k.transpose(-2, -1) / math.sqrt(head_dim), "
-                              "or use F.scaled_dot_product_attention, which scales for you."))
+    out += sqrt_d_advice(sqrt_d_check(d), c["precision"])
     if c["precision"] != "bfloat16":  # else "switch to BF16" names what already failed
         out.append(AdviceLine("Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, "
                               "so this value fits.", ("bf16",)))

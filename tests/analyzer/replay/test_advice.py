@@ -55,11 +55,13 @@ def test_the_clamp_that_changes_the_result_is_not_advised_and_the_bce_pattern_co
         assert json.loads(json.dumps(obj, allow_nan=False)) == obj
 
 
-def test_replay_marks_switch_to_bf16_untested_when_bf16_was_not_replayed(bce_advice):
-    r, _ = bce_advice
-    assert "bfloat16" not in r.runs
-    assert [a for a in r.advice if a.startswith("Switch to BF16")] == [
-        "Switch to BF16: its smallest normal value is ~1e-38, the same as FP32. (untested)"]
+def test_replay_runs_bf16_itself_when_its_advice_names_it_so_the_line_is_never_untested(bce_advice):
+    r, advice = bce_advice
+    assert "bfloat16" in r.runs  # no --dtypes asked for it: the underflow advice names BF16
+    assert not [a for a in r.advice if "untested" in a]
+    assert not [a.text for a in advice if _recommends_bf16(a.text) and a.status == "untested"]
+    # this step's BF16 replay is non-finite as well, so switching to BF16 is not advised at all
+    assert not r.runs["bfloat16"]["finite"] and not [a for a in r.advice if _recommends_bf16(a)]
 
 
 def test_replay_drops_switch_to_bf16_when_the_bf16_replay_is_non_finite(bce_snapshot):

@@ -64,7 +64,12 @@ def test_the_overflowing_attention_step_is_finite_in_bf16_and_fp32(attention_ove
 
 def test_overflow_advice_says_to_scale_logits_switch_to_bf16_and_keep_the_module_in_fp32(attention_overflow):
     text = " ".join(attention_overflow.advice)
-    assert "sqrt(d)" in text and "BF16" in text and "Keep `attn` in FP32" in text
+    assert "sqrt(head_dim)" in text and "BF16" in text and "Keep `attn` in FP32" in text
+    # head_dim 8 (build_attention(d=8)): the FP32 logit over sqrt(8) is under FP16's max, so the line offers it
+    logit = attention_overflow.culprit["shadow"]["float32"]
+    line = next(a for a in attention_overflow.advice if a.startswith("Divide the attention logits"))
+    assert f"sqrt(head_dim) = {math.sqrt(8):.3g}" in line and logit / math.sqrt(8) < 65504
+    assert f"{logit:.3g} in FP32, becomes {logit / math.sqrt(8):.3g}, under float16's max 65504" in line
 
 
 def test_log_of_a_zero_probability_is_a_numerical_bug_at_aten_log(log_zero_step):
