@@ -77,6 +77,7 @@ class Culprit(OpRecord):
         literal_nonfinite / hidden: the op that wrote a literal -inf it carried on, or the
             earlier op whose NaN/Inf was masked before it surfaced (``OpRecord`` or None).
         underflow_at: the op where values flushed to zero (verdict ``underflow``).
+        micro_batch: in a step that accumulated gradients, the micro-batch (0-based) the op ran for.
     """
 
     input: Any = UNSET
@@ -85,3 +86,4 @@ class Culprit(OpRecord):
     literal_nonfinite: Any = UNSET
     hidden: Any = UNSET
     underflow_at: Any = UNSET
+    micro_batch: Any = UNSET
