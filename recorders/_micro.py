@@ -45,11 +45,11 @@ def is_micro_batch_list(batch: Any, declared: int | None) -> bool:
 
     A ``list`` (not a tuple) of at least two containers (dicts, tuples or lists) of the same
     structure, each holding a tensor: ``[{"x": x0, "y": y0}, {"x": x1, "y": y1}]``. A list of bare
-    tensors (``[x, y]``) is one batch. ``Recorder(micro_batches=N)`` must agree with the length
-    when declared, so ``micro_batches=1`` keeps a list of containers one batch (a loss function
-    that takes the whole list).
+    tensors (``[x, y]``) is one batch. With ``Recorder(micro_batches=N)`` declared, the list holds
+    at most N (fewer at an epoch's end), so ``micro_batches=1`` keeps a list of containers one batch
+    (a loss function that takes the whole list).
     """
-    if type(batch) is not list or len(batch) < 2 or (declared is not None and declared != len(batch)):
+    if type(batch) is not list or len(batch) < 2 or (declared is not None and len(batch) > declared):
         return False
     if not all(isinstance(b, (dict, tuple, list)) and _has_tensor(b) for b in batch):
         return False

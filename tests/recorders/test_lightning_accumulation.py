@@ -135,3 +135,40 @@ def test_lightnings_own_metrics_csv_gets_no_precision_range_claim(accum_run):
         assert claim not in f.message
     assert "does not say which precision ran" in f.message
     assert csv.exists()
+
+
+def test_a_healthy_accumulated_step_replays_to_the_gradients_lightning_summed(tmp_path):
+    from analyzer.replay import Replay
+    from analyzer.replay._runs import run_once
+    from recorders.integrations.lightning import AmpAutopsyCallback
+
+    class Grab(L.Callback):
+        """Before optimizer step 1 (after the recorder's end_step): a manual snapshot and Lightning's gradients."""
+
+        def __init__(self, cb):
+            self.cb, self.grads = cb, None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 1:
+                self.cb.recorder.snapshot()
+                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+    data = [d for d in _data() if torch.isfinite(d["x"]).all()]
+    cb = AmpAutopsyCallback(tmp_path / "run")
+    grab = Grab(cb)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, precision="32-true",
+                            accumulate_grad_batches=MICRO, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, grab])
+        trainer.fit(TinyRegressor(), loader)
+    assert grab.grads, "the step was not grabbed"
+    [path] = (tmp_path / "run" / schema.SNAPSHOT_DIR).glob("*-manual.pt")
+    replay = Replay(path, device="cpu")
+    assert replay.run().verdict == "healthy"
+    ctx = replay.context()
+    run_once(ctx, "float32", 1.0)
+    got = dict(ctx._model.named_parameters())  # run_once leaves the accumulated gradients there
+    for name, want in grab.grads.items():
+        torch.testing.assert_close(got[name].grad, want, rtol=1e-5, atol=1e-7)

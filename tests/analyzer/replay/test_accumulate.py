@@ -161,6 +161,8 @@ def test_an_fp16_overflow_in_one_micro_batch_names_that_micro_batch(tmp_path):
     ([{"x": torch.ones(2)}, {"z": torch.ones(2)}], None, False),  # different structures
     ([{"x": torch.ones(2)}, {"x": torch.ones(3)}], None, True),  # sizes may differ (the last micro-batch)
     ([(torch.ones(2), torch.ones(1))] * 3, 3, True),
+    ([(torch.ones(2), torch.ones(1))] * 3, 4, True),  # an epoch's last, shorter step
+    ([(torch.ones(2), torch.ones(1))] * 3, 2, False),  # more than declared: not this run's micro-batches
 ])
 def test_a_list_is_taken_for_micro_batches_only_when_its_items_share_one_structure(batch, declared, kept):
     from recorders._micro import is_micro_batch_list
