@@ -48,9 +48,10 @@ def with_micro_batch(diag: Diagnosis, micro: dict | None) -> Diagnosis:
     """`diag` with its culprit's ``micro_batch`` (0-based) set, for a step that accumulated micro-batches."""
     if micro is None or diag.culprit is None or not dataclasses.is_dataclass(diag.culprit):
         return diag
-    index = micro_of(diag.trace, diag.culprit["index"])
-    if diag.verdict == "nonfinite_input" and diag.nonfinite_inputs:
-        index = _input_micro(diag.nonfinite_inputs[0], micro["count"]) if index is None else index
+    if diag.verdict == "nonfinite_input":  # a broken weight belongs to no micro-batch; a batch entry does
+        index = _input_micro(diag.nonfinite_inputs[0], micro["count"]) if diag.nonfinite_inputs else None
+    else:
+        index = micro_of(diag.trace, diag.culprit["index"])
     if index is None:
         return diag
     return dataclasses.replace(diag, culprit=dataclasses.replace(diag.culprit, micro_batch=index))

@@ -168,3 +168,14 @@ def test_a_list_is_taken_for_micro_batches_only_when_its_items_share_one_structu
     from recorders._micro import is_micro_batch_list
 
     assert is_micro_batch_list(batch, declared) is kept
+
+
+@pytest.mark.parametrize("name, index", [
+    ("batch:2.x", 2), ("batch:0.inputs_embeds", 0), ("batch:3.1", 3),
+    ("param:0.weight", None),  # a module named 0 (nn.Sequential): a weight belongs to no micro-batch
+    ("buffer:1.running_mean", None), ("batch:9.x", None),  # past the micro-batches the step had
+])
+def test_a_nonfinite_input_names_a_micro_batch_only_for_an_entry_of_the_batch_list(name, index):
+    from analyzer.replay._accumulate import _input_micro
+
+    assert _input_micro(name, MICRO) == index
