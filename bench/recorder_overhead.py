@@ -18,6 +18,12 @@ before and just after ``end_step``: the mean of the two is the floor, one read o
     python bench/recorder_overhead.py --quick      # tiny model, 4 rounds (a smoke run)
     python bench/recorder_overhead.py --model cnn --dtype fp32   # BatchNorm CNN: buffer-copy cost
     python bench/recorder_overhead.py --device cuda --dtype fp16 --size 100m   # ~100M params, CUDA AMP
+    python bench/recorder_overhead.py --accum 4    # gradient accumulation: 4 micro-batches per step
+
+``--accum N`` makes every variant's step accumulate N micro-batches (each loss divided by N before
+its backward, as ``gradient_accumulation_steps=N`` does) and hands the recorders the list of the N
+micro-batches, which a snapshot would keep by reference: the ratios are then against an accumulating
+plain step.
 
 On CUDA every step is bracketed by ``torch.cuda.synchronize()`` so step times are GPU times, FP16
 runs with a GradScaler (as CUDA AMP training does), and a separate, untimed check counts the host
@@ -187,10 +193,15 @@ def train_step(model, batch, opt, scaler, amp, device: torch.device, *, anomaly:
     ``after_backward(loss)`` between the backward and the optimizer step (end_step)."""
     if before is not None:
         before()
+    parts = batch if isinstance(batch, list) else [batch]  # a list: micro-batches accumulated (--accum)
+    loss = None
     with torch.autograd.detect_anomaly() if anomaly else contextlib.nullcontext():
-        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-            loss = loss_fn(model, batch)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        for part in parts:
+            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+                part_loss = loss_fn(model, part)
+                part_loss = part_loss / len(parts) if len(parts) > 1 else part_loss
+            (scaler.scale(part_loss) if scaler is not None else part_loss).backward()
+            loss = part_loss if loss is None else loss + part_loss.detach()
     if after_backward is not None:
         after_backward(loss)
     if scaler is not None:
@@ -243,10 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", choices=list(SIZES), default="small",
                     help="gpt size: small (~17M params, default) or 100m (~98M params, seq 256)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation; each loss / N; default 1)")
     ap.add_argument("--sync-steps", type=int, default=8, help="healthy steps whose host syncs are counted (cuda)")
     ap.add_argument("--rows", metavar="FILE", default=None,
                     help="append the results as Markdown rows (check | measured | target | result) to FILE")
     args = ap.parse_args(argv)
+    if args.accum < 1:
+        ap.error("--accum must be at least 1")
     if args.model == "cnn" and args.size != "small":
         ap.error("--size applies to --model gpt only")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -283,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def step(variant: str) -> float:
         nonlocal step_no
-        batch = batches[step_no % len(batches)]
+        batch = batches[step_no % len(batches)] if args.accum == 1 else \
+            [batches[(step_no * args.accum + j) % len(batches)] for j in range(args.accum)]
         r = recorders.get(variant)
         marks: dict[str, float] = {}
 
@@ -362,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     where = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"model: {args.model}, {n_params / 1e6:.1f}M params, {n_buffers} buffer elements of which a "
           f"forward writes {watched}, batch {shape}, "
-          f"{args.dtype}, {where}, {rounds} interleaved rounds, torch {torch.__version__}")
+          f"{args.dtype}, {where}, {rounds} interleaved rounds, torch {torch.__version__}"
+          + (f", {args.accum} micro-batches per step" if args.accum > 1 else ""))
     print()
     print("| variant | median step (ms) | median ratio vs plain | ratio IQR |")
     print("|---|---:|---:|---|")

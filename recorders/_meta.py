@@ -142,6 +142,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "steps_begun": 0,  # rewritten at close (and when a step began and never ended)
         "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
         "compile": compile,  # recorders/_compile.compile_info of the model the loop passed
+        "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/_micro.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -26,6 +26,7 @@ from ._exception import record_exception
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
+from ._micro import MicroBatches
 from ._mistakes import MistakeWatch
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
@@ -70,8 +71,10 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             meta.json (``schema.STEP_NUMBERINGS``): ``"loop"`` (yours), or ``"hf_trainer"`` /
             ``"lightning"`` as the framework callbacks set it.
         micro_batches: with gradient accumulation, the number of forwards (micro-batches) whose
-            gradients one step sums, written to meta.json; ``begin_step``'s batch is then the
-            first of them only, which the report takes into account. None: not declared.
+            gradients one step sums, written to meta.json. Pass the list of the step's
+            micro-batches to ``begin_step`` and replay re-runs them all (each loss divided by their
+            number, as ``loss / N`` before each backward); a single batch is the first of them
+            only, which the report takes into account. None: not declared.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -159,6 +162,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         self._writer: TraceWriter | None = None
         self._step: int | None = None
         self._batch: Any = None
+        self._micro = MicroBatches(self.config.micro_batches)  # a list of micro-batches, recognised when written
         self._rng: dict | None = None
         self._last: dict | None = None  # the current step's row, once end_step ran
         self._failing = False
@@ -193,6 +197,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             self._watch.begin(int(step), self._step if self._step is not None and self._last is None else None)
             self._step = int(step)
             self._batch = batch
+            self._micro.begin()
             self._last = None
             # NB: no device sync: a CUDA generator's state is its seed and offset, kept on the host
             cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -402,6 +407,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         if self._fsdp is not None:
             fsdp = self._fsdp_snapshot(reason, pre)  # before write(): collective, so never skipped by an error
 
+        micro = self._micro.entry(self._batch)  # NB: before write(): a list that is not micro-batches raises nothing
+
         def write():
             snap = build_snapshot(
                 step=self._step, reason=reason, model=self.model, batch=self._batch, rng=self._rng,
@@ -410,7 +417,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                 scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
-                optimizer=optim, update=update, exception=exception, compile=self.compile,
+                optimizer=optim, update=update, exception=exception, compile=self.compile, micro_batches=micro,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace
@@ -420,4 +427,6 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         written = self._guard(f"write snapshot {path.name}", write)
         if written is not None and written not in self.snapshots:
             self.snapshots.append(written)
+        if written is not None and micro is not None and not getattr(self, "_meta", {}).get("micro_batches_kept"):
+            self._update_meta(micro_batches_kept=True)  # once: the report stops saying "the first only"
         return written

@@ -44,6 +44,9 @@ and how many forwards of accumulated micro-batches one recorded step sums (older
 inside the Recorder's ``with`` block (``EXCEPTION_KEYS``); a step that raised between ``begin_step``
 5 adds ``compile`` to meta.json and snapshots: how a ``torch.compile``'d model was compiled (backend,
 mode, dynamic, fullgraph, which submodules); names never carry ``_orig_mod.`` (older snapshots may).
+6 adds ``micro_batches`` to snapshots: a step that accumulated gradients keeps every micro-batch (``batch``
+is their list) and how their losses were combined (``MICRO_BATCH_KEYS``); and ``micro_batches_kept`` to
+meta.json: True once the run's snapshots hold every micro-batch of their step (older runs: None).
 """
 from __future__ import annotations
 
@@ -82,10 +85,12 @@ __all__ = [
     "dtype_from_name",
     "REASON_EXCEPTION",
     "EXCEPTION_KEYS",
+    "MICRO_BATCH_KEYS",
+    "MICRO_BATCH_COMBINES",
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
 ]
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -153,6 +158,8 @@ META_KEYS = (
                  #   "step": int}: what the first recorded step's
                  #   training forward saw (amp_dtype FP16/BF16 runs only; recorders/_mistakes.py)
     "compile",  # since version 5: None (nothing compiled) | how the model was torch.compile'd (see "compile" after KEYS_ADDED)
+    "micro_batches_kept",  # since version 6: True when snapshots hold every micro-batch of their step (the
+                           #   callbacks from the start; a loop once a snapshot held a list of them); else None
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -171,6 +178,7 @@ META_KEYS_ADDED["exception"] = 4  # the exception the loop raised (recorders/_ex
 META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with steps begun means end_step was never called
 META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
 META_KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older runs: None
+META_KEYS_ADDED["micro_batches_kept"] = 6  # snapshots hold every micro-batch (recorders/_micro.py); older runs: None
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -220,6 +228,8 @@ SNAPSHOT_KEYS = (
     "exception",         # since version 4: None | on reason "exception" only: the exception the step raised
                          #   before end_step, EXCEPTION_KEYS (strings, and the step as an int)
     "compile",           # since version 5: None | how the model was compiled, as in meta.json (see below)
+    "micro_batches",     # since version 6: None (batch is one batch) | the step accumulated gradients over the
+                         #   micro-batches listed in batch: MICRO_BATCH_KEYS (recorders/_micro.py)
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -230,6 +240,17 @@ KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter n
 KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
 KEYS_ADDED["exception"] = 4  # the exception a step raised before end_step (recorders/_exception.py)
 KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older files: None
+KEYS_ADDED["micro_batches"] = 6  # every micro-batch of an accumulating step (recorders/_micro.py); older: None
+
+# A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of
+# MICRO_BATCH_COMBINES), divisor (float > 0: what each micro-batch's loss was divided by before its
+# backward), source ("list": a list given to begin_step, "hf_trainer", "lightning"), num_items_in_batch
+# (int | None: HF Trainer's item count of the whole step, when the model took it).
+MICRO_BATCH_KEYS = ("count", "combine", "divisor", "source", "num_items_in_batch")
+MICRO_BATCH_COMBINES: dict[str, str] = {
+    "mean": "each micro-batch's loss divided by the number of micro-batches",
+    "num_items_in_batch": "each micro-batch's summed loss divided inside the model by the whole step's item count",
+}
 
 # meta.json's and every snapshot's "compile" (version 5), None when no part of the model was compiled:
 #   {"modules": [{"path": "" (the whole model) | "layers.0" (a module path, without _orig_mod),

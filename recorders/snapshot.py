@@ -81,6 +81,7 @@ def build_snapshot(
     update: dict[str, Any] | None = None,
     exception: dict[str, Any] | None = None,
     compile: dict[str, Any] | None = None,
+    micro_batches: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -95,6 +96,8 @@ def build_snapshot(
     ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
     `exception`: ``recorders._exception.exception_entry`` on an ``exception`` snapshot (strings and ints).
     `compile`: ``recorders._compile.compile_info`` of the model as the loop passed it, or None.
+    `micro_batches`: ``recorders._micro.MicroBatches.entry``: `batch` is then the list of the step's
+    micro-batches, each copied to the CPU here (never before), or None.
     """
     from . import __version__
 
@@ -137,6 +140,7 @@ def build_snapshot(
         "update": update,
         "exception": None if exception is None else dict(exception),
         "compile": compile,  # recorders/_compile.compile_info: how training compiled the model
+        "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/_micro.py
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

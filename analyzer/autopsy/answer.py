@@ -107,9 +107,10 @@ def _report_only(autopsy: AutopsyResult) -> list[str]:
 
 def _micro_batch_note(autopsy: AutopsyResult) -> list[str]:
     """A replay that found nothing, in a run that accumulates micro-batches the snapshot lacks."""
-    mb = (autopsy.report.frames.meta or {}).get("micro_batches") if autopsy.report is not None else None
-    if not (isinstance(mb, int) and not isinstance(mb, bool) and mb > 1):
-        return []
+    meta = (autopsy.report.frames.meta or {}) if autopsy.report is not None else {}
+    mb = meta.get("micro_batches")
+    if not (isinstance(mb, int) and not isinstance(mb, bool) and mb > 1) or meta.get("micro_batches_kept") is True:
+        return []  # no accumulation, or the snapshots hold every micro-batch (format 6)
     return [f"NB: each step of this run accumulates {mb} micro-batches and a snapshot holds the first only "
             "(meta.json micro_batches): the failure may be in a micro-batch the replay did not see"]
 # Report findings that are a cause, not a symptom: when one comes no later than the replayed step,

@@ -115,6 +115,8 @@ def validate_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     mb = meta.get("micro_batches")  # since version 4
     if mb is not None and not _whole(mb, 1, 2**31):
         raise _bad_meta(path, f"micro_batches {mb!r} is not an integer in [1, 2**31)")
+    if meta.get("micro_batches_kept") not in (None, True, False):  # since version 6
+        raise _bad_meta(path, f"micro_batches_kept {str(meta.get('micro_batches_kept'))[:40]!r} is not a bool")
     try:
         read_compile(meta.get("compile"))  # since version 5
     except ValueError as e:

@@ -14,6 +14,7 @@ from typing import Any
 from recorders import schema
 
 from ..errors import BadInputError
+from ._micro import validate_micro_batches
 from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
 from .compiled import clean_old_names
@@ -71,6 +72,7 @@ class Snapshot(Mapping):
     _raw: Mapping = field(repr=False)
     exception: dict | None = None  # since version 4, reason "exception": type, message, frames, step (load/exceptions.py)
     compile: dict | None = None  # since version 5: how training torch.compile'd the model (load/compiled.py)
+    micro_batches: dict | None = None  # since version 6: batch lists the step's micro-batches (load/_micro.py)
 
     @property
     def has_scaler(self) -> bool:
@@ -105,6 +107,7 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
     validate_snapshot(snap, path)
+    validate_micro_batches(snap, path)
     snap = clean_old_names(snap)  # a compiled model's snapshot older than version 5: no _orig_mod. names
     return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
                     _raw=MappingProxyType(snap))

@@ -24,6 +24,19 @@ def _num(v) -> str:
     return str(v)
 
 
+def _micro_text(micro: dict) -> str:
+    """How the replay combined an accumulating step's micro-batches (``schema.MICRO_BATCH_COMBINES``)."""
+    from recorders import schema
+
+    how = schema.MICRO_BATCH_COMBINES.get(micro["combine"], micro["combine"])
+    if micro["combine"] == "num_items_in_batch":
+        n = micro.get("num_items_in_batch")
+        how += f" (num_items_in_batch={n})" if n is not None else " (num_items_in_batch)"
+    else:
+        how += f" ({micro['divisor']:g})"
+    return f"accumulated {micro['count']} micro-batches as training did: {how}"
+
+
 def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     """A short diagnosis: verdict, what/where/why, runs per precision, op table, advice."""
     r = result
@@ -38,6 +51,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         lines.append(f"  {r.precision_note}")
     if r.device_note:
         lines.append(f"  NB: {r.device_note}")
+    if r.micro_batches:  # a step that accumulated gradients: how its micro-batches were re-run
+        lines.append(f"  {_micro_text(r.micro_batches)}")
     for note in (r.checkpoint or {}).get("notes", ()):  # a checkpoint and a batch: what stood in for the snapshot
         lines.append(f"  NB: {note}")
     c = r.culprit
@@ -53,6 +68,8 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
                   f"  output    {c.get('output_dtype') or '-'}  abs-max {_num(c['output_absmax'])}"]
         if c.get("input"):
             lines.append(f"  bad input {c['input']}")
+        if c.get("micro_batch") is not None and r.micro_batches:
+            lines.append(f"  micro-batch {c['micro_batch']} of {r.micro_batches['count']} (0-based)")
         sh = c.get("shadow")
         if sh:
             lines.append(f"  shadow    FP32 abs-max {_num(sh['float32'])}, FP64 {_num(sh['float64'])} "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
+from ._accumulate import micro_parts
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._compiled import fit_state, original_module
 from ._mode import _OpRecord, _OpStatsMode
@@ -50,6 +51,7 @@ class RunTrace:
     # origin analysis, for every trace a ``ReplayResult`` carries; the plot reads it.
     roots: list | None = field(default=None, repr=False, compare=False)
     sdpa_calls: list = field(default_factory=list, repr=False)  # backends.SdpaCall per SDPA call
+    micro_starts: list[int] | None = None  # accumulation: the first op index of each micro-batch (_accumulate)
 
     @property
     def forward_finite(self) -> bool:
@@ -89,6 +91,7 @@ class ReplayContext:
     emulate_cuda: bool
     sdpa: dict | None = None  # the snapshot's SDPA switches (recorders/_sdpa.py); None: the process's
     mode: PrecisionMode = field(default_factory=PrecisionMode)  # how low precision is replayed
+    micro: dict | None = None  # the snapshot's micro_batches (format 6): batch is then their list
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
@@ -204,32 +207,29 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     # run costs more than the run's own bookkeeping, so collection waits until the run is over.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    losses, producers, starts = [], [], []
     try:
         with sdpa_ctx, sdpa_calls, tag_mode, mode, (prepare(model) if prepare is not None else nullcontext()):
-            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=autocast):
-                try:
-                    loss = ctx.loss_fn(model, batch)
-                except AnalyzerError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - user code failing is reported
-                    raise FactoryError(
-                        f"loss_fn {ctx.loss_ref!r} raised {type(e).__name__}: {_first_line(e)}",
-                        path=ctx.path, fix="check the model code, or pass --loss-fn pkg.module:function",
-                    ) from e
-            _check_loss(ctx, loss)
-            if reads is not None:
-                reads.finish(loss)
-            loss_producer = mode.producer_of(loss)
-            backward_ran = loss.requires_grad
-            if backward_ran:
-                mode.module_stack.append("<loss_scale>")
-                try:
-                    (loss.float() * scale).backward()
-                except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
-                    raise AnalyzerError(f"backward of the replayed step raised RuntimeError: {_first_line(e)}",
-                                        path=ctx.path, fix="check the model's backward code") from e
-                finally:
-                    mode.module_stack.pop()
+            for part, divisor in micro_parts(ctx.micro, batch):  # one part unless the step accumulated
+                starts.append(len(mode.records))
+                with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=autocast):
+                    try:
+                        loss = ctx.loss_fn(model, part)
+                    except AnalyzerError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - user code failing is reported
+                        raise FactoryError(
+                            f"loss_fn {ctx.loss_ref!r} raised {type(e).__name__}: {_first_line(e)}",
+                            path=ctx.path, fix="check the model code, or pass --loss-fn pkg.module:function",
+                        ) from e
+                _check_loss(ctx, loss)
+                if reads is not None:
+                    reads.finish(loss)
+                losses.append(loss)
+                producers.append(mode.producer_of(loss))
+                backward_ran = loss.requires_grad
+                if backward_ran:
+                    _backward(ctx, mode, loss, scale, divisor)
     finally:
         for h in handles:
             h.remove()
@@ -239,16 +239,34 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     grad_stats = [mode.add_stat(g) for g in grads]
     absmax, nonzero = mode.finalize()  # NB: the run's one host sync
     grad_vals = [absmax[i] for i in grad_stats]
+    values = [float(x.detach().float().item()) for x in losses]  # NB: sync (after finalize, no extra wait)
+    loss_value = values[0] if ctx.micro is None else sum(v / float(ctx.micro["divisor"]) for v in values)
+    # the loss the step's failure shows in: the first non-finite micro-batch loss, else the last
+    loss_producer = next((p for v, p in zip(values, producers) if not math.isfinite(v)), producers[-1])
     return RunTrace(
         precision=precision, scale=scale, records=mode.records, absmax=absmax, nonzero=nonzero,
-        loss=float(loss.detach().float().item()),  # NB: sync (after finalize, no extra wait)
+        loss=loss_value,
         loss_dtype=str(loss.dtype).removeprefix("torch."),
         loss_producer=None if loss_producer is None else loss_producer[0],
         grads_finite=all(math.isfinite(v) for v in grad_vals),
         grad_absmax=_nan_max(grad_vals) / scale if grad_vals else None, backward_ran=backward_ran,
         emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
         buffers_read=None if reads is None else set(reads.read), sdpa_calls=sdpa_calls.calls,
+        micro_starts=None if ctx.micro is None else starts,
     )
+
+
+def _backward(ctx: ReplayContext, mode: _OpStatsMode, loss: torch.Tensor, scale: float,
+              divisor: float | None) -> None:
+    """``(loss * scale).backward()``; a micro-batch's loss is first divided by `divisor`, as training did."""
+    mode.module_stack.append("<loss_scale>")
+    try:
+        (loss.float() * scale if divisor is None else loss.float() / divisor * scale).backward()
+    except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
+        raise AnalyzerError(f"backward of the replayed step raised RuntimeError: {_first_line(e)}",
+                            path=ctx.path, fix="check the model's backward code") from e
+    finally:
+        mode.module_stack.pop()
 
 
 def _nan_max(vals: list[float]) -> float:

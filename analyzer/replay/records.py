@@ -82,6 +82,7 @@ class Culprit(OpRecord):
             (``a - b = result``) and the recognised ``pattern`` (``one_pass_variance``...).
         magnitude_jump: the op feeding it where the magnitude jumped the most (verdict ``overflow``;
             ``_magnitude.magnitude_jump``).
+        micro_batch: in a step that accumulated gradients, the micro-batch (0-based) the op ran for.
     """
 
     input: Any = UNSET
@@ -92,3 +93,4 @@ class Culprit(OpRecord):
     underflow_at: Any = UNSET
     cancelled_at: Any = UNSET
     magnitude_jump: Any = UNSET
+    micro_batch: Any = UNSET

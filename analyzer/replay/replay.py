@@ -32,6 +32,7 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
+from ._accumulate import micro_summary, with_micro_batch
 from ._diagnose import diagnose, precision_run, with_roots
 from ._bf16 import needs_bf16, with_bf16
 from ._magnitude import with_jump
@@ -176,7 +177,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
                           tried={p: r.finite for p, r in runs.items()}, scaler=snap.has_scaler,
                           mode=mode.kind, low=mode.dtype)
         bar.extra("diagnosis")
-        diag = diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops)
+        diag = with_micro_batch(diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops), ctx.micro)
         diag = with_jump(diag, ctx.model_state)  # overflow: where its inputs grew large
         if needs_bf16(diag, runs):  # advice to switch to BF16 is given only with BF16's own run behind it
             bar.extra("bfloat16 forward+backward (the advice names it)")
@@ -187,7 +188,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
     recorded = snap.device_type
     lines = tuple(verdicts.advice(diag))
     return ReplayResult(
-        verdict=diag.verdict, summary=verdicts.summary(diag), culprit=diag.culprit,
+        verdict=diag.verdict, summary=micro_summary(verdicts.summary(diag), diag, ctx.micro), culprit=diag.culprit,
         runs={p: precision_run(r, at_one.get(p), diag.origins.get(p)) for p, r in runs.items()},
         advice=[a.text for a in lines], advice_lines=lines,
         snapshot=path, step=snap.step, reason=snap.reason,
@@ -201,7 +202,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         traces=runs, culprit_trace=diag.trace,
         precision_mode=mode.kind, precision_dtype=mode.dtype, precision_note=mode.describe(),
         exception=snap.exception, scaler_state=snap.scaler_state,
-        checkpoint=getattr(snap, "source", None),
+        checkpoint=getattr(snap, "source", None), micro_batches=ctx.micro,
     )
 
 
@@ -246,6 +247,7 @@ def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_f
         batch=snap.batch,
         rng=snap.rng, train_mode=snap.train_mode, device=dev, sdpa=snap.sdpa,
         emulate_cuda=(recorded == "cuda" and dev.type == "cpu"), mode=PrecisionMode(),
+        micro=getattr(snap, "micro_batches", None),
     )
 
 

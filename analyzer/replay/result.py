@@ -96,6 +96,9 @@ class ReplayResult:
     # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
     checkpoint: dict | None = None
     advice_lines: tuple[AdviceLine, ...] = field(default=(), repr=False)
+    # A step that accumulated gradients (snapshot format 6): the snapshot's micro_batches entry (count,
+    # combine, divisor, source, num_items_in_batch), every micro-batch replayed; None otherwise.
+    micro_batches: dict | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -140,4 +143,5 @@ class ReplayResult:
             "update": self.update,
             "exception": self.exception,
             "checkpoint": self.checkpoint,
+            "micro_batches": None if self.micro_batches is None else dict(self.micro_batches),
         })

@@ -55,10 +55,11 @@ NB: AMP on CPU. ``TrainingArguments(use_cpu=True, bf16=True)`` runs CPU autocast
 then trains in plain FP32: accelerate creates neither autocast nor a GradScaler for FP16 on CPU.
 The callback records such a run as FP32 (``amp_dtype=None``) and warns once.
 
-NB: gradient accumulation. ``begin_step`` sees the first micro-batch of each optimizer step, so
-with ``gradient_accumulation_steps > 1`` the snapshot holds that micro-batch only and a replay
-re-runs it alone (meta.json's ``micro_batches`` tells the report). Use
-``gradient_accumulation_steps=1`` (the default) for exact replays.
+Gradient accumulation. With ``gradient_accumulation_steps=N`` the callback keeps the inputs of all
+N forwards of the step, by reference (no copy until a snapshot is written), and the snapshot holds
+them as a list with how the Trainer combined their losses (``schema.MICRO_BATCH_KEYS``): divided by
+the whole step's ``num_items_in_batch`` inside the model when it takes that argument, otherwise by
+N. A replay re-runs every micro-batch and accumulates their gradients as the Trainer did.
 
 Example:
     >>> from transformers import Trainer, TrainingArguments
@@ -167,6 +168,7 @@ class AmpAutopsyCallback(TrainerCallback):
         self.recorder: Recorder | None = None
         self._handles: list = []
         self._step: int | None = None  # set by on_step_begin, consumed by the first forward
+        self._batches: list[dict] = []  # this step's micro-batches (the model's kwargs), by reference
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, on the device
         self._normalized = False  # the model divided its loss by the step's num_items_in_batch
         self._in_step = False
@@ -198,16 +200,14 @@ class AmpAutopsyCallback(TrainerCallback):
         world = int(getattr(args, "world_size", 1) or 1)
         # Trainer.compute_loss multiplies a num_items_in_batch-normalised loss by the process count
         self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
-        if self._accum > 1:
-            warnings.warn(
-                "amp-autopsy: gradient_accumulation_steps > 1: snapshots hold the first micro-batch "
-                "of each step only, so a replay re-runs that micro-batch alone", RecorderWarning, stacklevel=2)
         factory, factory_kwargs, loss_fn = self._refs(model)
         self.recorder = Recorder(
             self.run_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
             scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
             **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
         )
+        if self._accum > 1:
+            self.recorder._update_meta(micro_batches_kept=True)  # every snapshot holds all N micro-batches
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -217,6 +217,7 @@ class AmpAutopsyCallback(TrainerCallback):
         # HF's numbering: the global_step this optimizer step ends with (log_history, checkpoint-N)
         self._step = state.global_step + 1
         self._losses = []
+        self._batches = []
         self._queued = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -281,13 +282,21 @@ class AmpAutopsyCallback(TrainerCallback):
     # ---------------------------------------------------------------- model hooks
 
     def _before_forward(self, module, args, kwargs):
+        if self._step is None and self._in_step and module.training and self._accum > 1:
+            self._batches.append(dict(kwargs))  # a later micro-batch of the step: a reference, no copy
+            return None
         if self._step is None or not module.training or self.recorder is None:
-            return None  # eval / predict forwards, and later micro-batches of the step
+            return None  # eval / predict forwards
         if args and not self._warned_args:
             self._warned_args = True
             warnings.warn("amp-autopsy: the model was called with positional inputs; only keyword "
                           "inputs are recorded as the batch", stacklevel=2)
-        self.recorder.begin_step(self._step, dict(kwargs))
+        if self._accum > 1:
+            self._batches = [dict(kwargs)]  # grows with the step's forwards; the Recorder holds this list
+            self.recorder.begin_step(self._step, self._batches)
+            self._declare("num_items_in_batch" in kwargs)
+        else:
+            self.recorder.begin_step(self._step, dict(kwargs))
         self._step_number = self._step
         self._step = None
         self._in_step = True
@@ -304,6 +313,18 @@ class AmpAutopsyCallback(TrainerCallback):
         if loss.requires_grad and not self._queued and self._last_micro_batch():
             loss.register_hook(self._on_loss_grad)
         return None
+
+    def _declare(self, normalized: bool) -> None:
+        """How the Trainer combines the micro-batch losses (``Trainer.training_step``): a model given
+        ``num_items_in_batch`` divides each summed loss by the step's item count (times the process
+        count under ``average_tokens_across_devices``); otherwise each loss is divided by N."""
+        micro = getattr(self.recorder, "_micro", None)  # None: a disabled Recorder
+        if micro is None:
+            return
+        if normalized:
+            micro.declare("num_items_in_batch", 1.0 / self._token_scale, "hf_trainer")
+        else:  # NB: the epoch's last step may have fewer forwards: divided by their count, as the Trainer does
+            micro.declare("mean", None, "hf_trainer")
 
     def _last_micro_batch(self) -> bool:
         """Whether this forward's backward is the last before the optimizer step (accelerate's

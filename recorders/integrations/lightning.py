@@ -10,7 +10,8 @@ Lightning hook                 what the callback does
                                the precision plugin's GradScaler and AMP dtype
 ``on_train_batch_start``       ``begin_step(trainer.global_step, batch)`` at the first
                                micro-batch of each optimizer step (the batch is already on the
-                               device; the RNG state is the one ``training_step`` uses)
+                               device; the RNG state is the one ``training_step`` uses); with
+                               ``accumulate_grad_batches=N``, the list of the step's N batches
 ``on_before_backward``         adds up the step's loss, unscaled (the plugin hands over
                                ``scale * loss / accumulate_grad_batches``)
 ``on_before_optimizer_step``   ``end_step(loss)``: after the last backward, before gradient
@@ -47,9 +48,10 @@ NB: AMP on CPU. ``Trainer(accelerator="cpu", precision="16-mixed")`` is silently
 a GradScaler on CPU works with an explicit plugin:
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``.
 
-NB: gradient accumulation. With ``accumulate_grad_batches=N > 1`` the snapshot holds the first
-micro-batch of the step only (the callback warns once; meta.json's ``micro_batches`` tells the
-report), so a replay re-runs that micro-batch alone.
+Gradient accumulation. With ``accumulate_grad_batches=N > 1`` the callback keeps the step's N
+batches by reference (copied to the CPU only when a snapshot is written); the snapshot holds their
+list and says that each loss was divided by N, as Lightning does, so a replay re-runs them all and
+accumulates their gradients.
 
 Example:
     >>> import lightning as L
@@ -68,7 +70,7 @@ import torch
 
 from .. import imports, schema
 from .._exception import record_exception
-from ..recorder import Recorder, RecorderWarning
+from ..recorder import Recorder
 from ..refs import import_class
 
 __all__ = ["AmpAutopsyCallback", "build_module", "training_step_loss", "module_factory_kwargs"]
@@ -134,6 +136,7 @@ class AmpAutopsyCallback(pl.Callback):
         self._scaler: torch.amp.GradScaler | None = None
         self._loss: torch.Tensor | None = None
         self._in_step = False
+        self._batches: list | None = None  # with accumulation: this step's micro-batches, by reference
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.recorder is not None and not self.recorder.closed:
@@ -145,11 +148,6 @@ class AmpAutopsyCallback(pl.Callback):
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
         amp_dtype = _AMP_DTYPES.get(getattr(plugin, "precision", None))
         accum = max(1, int(trainer.accumulate_grad_batches or 1))
-        if accum > 1:
-            warnings.warn(
-                f"amp-autopsy: accumulate_grad_batches={accum}: snapshots hold the first micro-batch of each "
-                "step only, so a replay re-runs that micro-batch alone (the recorded loss and gradients are "
-                "the whole step's)", RecorderWarning, stacklevel=2)
         factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn
         if factory is None:
             factory = build_module
@@ -160,11 +158,22 @@ class AmpAutopsyCallback(pl.Callback):
             scaler=self._scaler, amp_dtype=amp_dtype, optimizer=trainer.optimizers[0],
             **{"step_numbering": "lightning", "micro_batches": accum, **self.recorder_kwargs},
         )
+        if accum > 1:
+            self.recorder._update_meta(micro_batches_kept=True)  # every snapshot holds the step's N batches
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.recorder is None or batch_idx % trainer.accumulate_grad_batches != 0:
+        if self.recorder is None:
             return
-        self.recorder.begin_step(trainer.global_step, batch)
+        accum = trainer.accumulate_grad_batches
+        if batch_idx % accum != 0:
+            if self._in_step and self._batches is not None:
+                self._batches.append(batch)  # a later micro-batch of the step: a reference, no copy
+            return
+        self._batches = [batch] if accum > 1 else None
+        self.recorder.begin_step(trainer.global_step, batch if self._batches is None else self._batches)
+        micro = getattr(self.recorder, "_micro", None)  # None: a disabled Recorder
+        if self._batches is not None and micro is not None:
+            micro.declare("mean", float(accum), "lightning")  # Lightning divides each loss by N
         self._in_step = True
         self._loss = None
 
@@ -185,6 +194,7 @@ class AmpAutopsyCallback(pl.Callback):
             self._in_step = False
             self.recorder.end_step(self._loss)
             self._loss = None
+            self._batches = None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.close()

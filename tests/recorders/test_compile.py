@@ -32,7 +32,7 @@ def test_a_torch_compiled_model_is_recorded_under_the_original_names_with_its_ba
     model = torch.compile(build_mlp(), backend="aot_eager")  # aot_eager: this test is about names, not numerics
     assert next(iter(model.state_dict())) == "_orig_mod.0.weight"  # what the recorder must not write
     run, meta, snap = record(tmp_path, model)
-    assert meta["format_version"] == schema.FORMAT_VERSION == 5
+    assert meta["format_version"] == schema.FORMAT_VERSION >= 5
     assert [p["name"] for p in meta["params"]] == NAMES
     assert list(snap.model_state) == list(build_mlp().state_dict())
     assert snap.optimizer["param_names"] == NAMES

@@ -63,13 +63,12 @@ def test_meta_json_names_hf_numbering_and_the_micro_batch_count(hf_blowup_run, h
         assert meta["step_numbering"] == "hf_trainer" and meta["micro_batches"] == micro
 
 
-def test_accumulation_warns_once_as_a_recorder_warning(hf_blowup_run, hf_blowup_accum_run):
-    def ours(run):
-        return [w for w in run["warnings"] if "gradient_accumulation_steps" in str(w.message)]
-
-    assert ours(hf_blowup_run) == []
-    [w] = ours(hf_blowup_accum_run)
-    assert w.category is RecorderWarning
+def test_accumulation_keeps_every_micro_batch_without_a_warning(hf_blowup_run, hf_blowup_accum_run):
+    for run in (hf_blowup_run, hf_blowup_accum_run):
+        assert not [w for w in run["warnings"] if "gradient_accumulation_steps" in str(w.message)]
+    kept = [json.loads((run["run_dir"] / schema.META_FILE).read_text())["micro_batches_kept"]
+            for run in (hf_blowup_run, hf_blowup_accum_run)]
+    assert kept == [None, True]  # no accumulation: nothing to keep; with it, every snapshot holds all
 
 
 def test_no_post_clip_warning_when_the_backward_runs_through_the_models_loss(hf_blowup_run):

@@ -1,6 +1,6 @@
 """Lightning with ``accumulate_grad_batches=2`` (BF16, CPU): a NaN in the *second* micro-batch of
-step 2, which the snapshot (the first micro-batch) does not hold. The callback warns, records the
-step's real loss, and neither the report nor the autopsy blames backward or the loss for it."""
+step 2. The callback keeps both micro-batches of the step and records its real loss; the report
+blames neither backward nor the loss, and the replay names the NaN input in micro-batch 1 (0-based)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from recorders import schema
-from recorders.recorder import RecorderWarning
 
 L = pytest.importorskip("lightning")
 
@@ -57,11 +56,25 @@ def _steps(run_dir) -> pl.DataFrame:
     return pl.read_parquet(run_dir / schema.TRACE_DIR / schema.STEPS_GLOB).sort("step")
 
 
-def test_accumulation_warns_once_with_a_recorder_warning(accum_run):
-    ours = [w for w in accum_run["warnings"] if "accumulate_grad_batches" in str(w.message)]
-    assert len(ours) == 1 and ours[0].category is RecorderWarning
+def test_accumulation_keeps_both_micro_batches_without_a_warning(accum_run):
+    assert not [w for w in accum_run["warnings"] if "accumulate_grad_batches" in str(w.message)]
     meta = json.loads((accum_run["run_dir"] / schema.META_FILE).read_text())
     assert meta["micro_batches"] == MICRO and meta["step_numbering"] == "lightning"
+    assert meta["micro_batches_kept"] is True
+    snap = torch.load(accum_run["run_dir"] / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss"),
+                      weights_only=True)
+    assert [bool(torch.isnan(mb["x"]).any()) for mb in snap["batch"]] == [False, True]
+    assert snap["micro_batches"] == {"count": MICRO, "combine": "mean", "divisor": float(MICRO),
+                                     "source": "lightning", "num_items_in_batch": None}
+
+
+def test_replay_names_the_nan_input_in_micro_batch_1(accum_run):
+    from analyzer.replay import replay_snapshot
+
+    snap = accum_run["run_dir"] / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, 0, "nonfinite_loss")
+    r = replay_snapshot(snap, device="cpu")
+    assert r.verdict == "nonfinite_input" and r.nonfinite_inputs == ["batch:1.x"]
+    assert r.culprit["micro_batch"] == 1 and "micro-batch 1 (0-based) of the 2" in r.summary
 
 
 def test_the_recorded_loss_is_the_mean_over_the_steps_micro_batches(accum_run):
@@ -83,20 +96,21 @@ def test_the_report_makes_no_backward_or_loss_claim_about_the_unrecorded_micro_b
     assert errors and errors[0].step == NAN_STEP
     text = " ".join(f.message for f in rep.findings)
     assert "backward or in the loss" not in text
-    assert "snapshot holds the first only" in text
+    assert "snapshot holds them all" in text and "holds the first only" not in text
 
 
 @pytest.mark.slow
-def test_the_autopsy_says_the_replayed_micro_batch_is_not_the_whole_step(accum_run):
+def test_the_autopsy_heads_its_answer_with_the_nan_input_of_micro_batch_1(accum_run):
     from analyzer.autopsy import run_autopsy
     from analyzer.autopsy.answer import answer_lines
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = run_autopsy(accum_run["run_dir"], device="cpu")
-    lines = "\n".join(answer_lines(result))
-    assert "backward or in the loss" not in lines
-    assert f"accumulates {MICRO} micro-batches" in lines
+    lines = answer_lines(result)
+    assert "backward or in the loss" not in "\n".join(lines)
+    assert lines[0].startswith("root cause: nonfinite_input: batch:1.x")
+    assert "micro-batch 1 (0-based)" in lines[0]
 
 
 @pytest.mark.slow
@@ -121,3 +135,40 @@ def test_lightnings_own_metrics_csv_gets_no_precision_range_claim(accum_run):
         assert claim not in f.message
     assert "does not say which precision ran" in f.message
     assert csv.exists()
+
+
+def test_a_healthy_accumulated_step_replays_to_the_gradients_lightning_summed(tmp_path):
+    from analyzer.replay import Replay
+    from analyzer.replay._runs import run_once
+    from recorders.integrations.lightning import AmpAutopsyCallback
+
+    class Grab(L.Callback):
+        """Before optimizer step 1 (after the recorder's end_step): a manual snapshot and Lightning's gradients."""
+
+        def __init__(self, cb):
+            self.cb, self.grads = cb, None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 1:
+                self.cb.recorder.snapshot()
+                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+    data = [d for d in _data() if torch.isfinite(d["x"]).all()]
+    cb = AmpAutopsyCallback(tmp_path / "run")
+    grab = Grab(cb)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, precision="32-true",
+                            accumulate_grad_batches=MICRO, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, grab])
+        trainer.fit(TinyRegressor(), loader)
+    assert grab.grads, "the step was not grabbed"
+    [path] = (tmp_path / "run" / schema.SNAPSHOT_DIR).glob("*-manual.pt")
+    replay = Replay(path, device="cpu")
+    assert replay.run().verdict == "healthy"
+    ctx = replay.context()
+    run_once(ctx, "float32", 1.0)
+    got = dict(ctx._model.named_parameters())  # run_once leaves the accumulated gradients there
+    for name, want in grab.grads.items():
+        torch.testing.assert_close(got[name].grad, want, rtol=1e-5, atol=1e-7)

@@ -20,7 +20,8 @@ from ...findings import Finding
 from .frames import Frames
 from .scaler import calibration_end
 
-__all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss", "micro_batches", "precision_unknown"]
+__all__ = ["nonfinite_loss", "loss_spike", "low_precision_loss", "micro_batches", "micro_batches_kept",
+           "precision_unknown"]
 
 STABLE_WINDOW = 50   # steps looked at before the first non-finite loss
 RECENT = 5           # a skip this close before the failure means the scaler was backing off
@@ -51,6 +52,11 @@ def micro_batches(frames: Frames) -> int:
     """meta.json's micro_batches (format 4): forwards accumulated into one recorded step; 1 if unknown."""
     mb = (frames.meta or {}).get("micro_batches")
     return mb if isinstance(mb, int) and not isinstance(mb, bool) and mb > 1 else 1
+
+
+def micro_batches_kept(frames: Frames) -> bool:
+    """meta.json's micro_batches_kept (format 6): snapshots hold every micro-batch of their step."""
+    return (frames.meta or {}).get("micro_batches_kept") is True
 
 
 def nonfinite_loss(frames: Frames) -> list[Finding]:
@@ -112,8 +118,12 @@ def nonfinite_loss(frames: Frames) -> list[Finding]:
     micro = micro_batches(frames)
     if micro > 1:
         ev["micro_batches"] = micro
-        body += (f"; NB: the step accumulates {micro} micro-batches and its snapshot holds the first only, "
-                 "so a replay re-runs that one alone and may not reproduce the failure")
+        if micro_batches_kept(frames):
+            body += (f"; the step accumulates {micro} micro-batches and its snapshot holds them all: a replay "
+                     "re-runs each and names the one that failed")
+        else:
+            body += (f"; NB: the step accumulates {micro} micro-batches and its snapshot holds the first only, "
+                     "so a replay re-runs that one alone and may not reproduce the failure")
     return [Finding("nonfinite_loss", "error", step, f"{head}: {body}", ev, rank=rank)]
 
 

@@ -32,7 +32,7 @@ import polars as pl
 
 from ...findings import Finding
 from .frames import Frames
-from .loss import micro_batches, precision_unknown, snapshot_for
+from .loss import micro_batches, micro_batches_kept, precision_unknown, snapshot_for
 
 __all__ = ["nonfinite_grads"]
 
@@ -121,6 +121,10 @@ def nonfinite_grads(frames: Frames) -> list[Finding]:
     elif scaler:
         why = ("a GradScaler was active but did not skip this step, so the optimizer stepped on them: "
                "call scaler.step(optimizer) (not optimizer.step()) and scaler.update() every step")
+    elif micro > 1 and micro_batches_kept(frames):
+        why = (f"the step's gradients sum {micro} accumulated micro-batches, any of which may hold the NaN/Inf "
+               "(in a batch, in the forward, in backward or the loss); its snapshot holds them all, and a replay "
+               "re-runs each and names the micro-batch and the op")
     elif micro > 1:
         why = (f"the step's gradients sum {micro} accumulated micro-batches and the recorder saw the first one's "
                "batch only, so the NaN/Inf may come from any of them, in the forward (a NaN in a batch, an "

@@ -1,0 +1,75 @@
+"""Gradient accumulation in a replay: every micro-batch of the step, each loss normalised as training did.
+
+A snapshot whose ``micro_batches`` entry is set (format 6, ``recorders/_micro.py``) holds the
+step's micro-batches as a list. ``run_once`` then runs one forward and one backward per
+micro-batch, in order, from the RNG state of the first (training drew from it in the same order),
+with ``(loss / divisor * scale).backward()``: the gradients add up in ``.grad`` as they did in
+training. The ops of all micro-batches form one trace; ``RunTrace.micro_starts`` says where each
+micro-batch's ops begin, so the culprit's op index names its micro-batch (0-based).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._runs import RunTrace
+    from .diagnosis import Diagnosis
+
+__all__ = ["micro_parts", "micro_of", "with_micro_batch", "micro_summary"]
+
+
+def micro_parts(micro: dict | None, batch: Any) -> list[tuple[Any, float | None]]:
+    """``[(micro_batch, divisor)]`` in training's order; one ``(batch, None)`` without accumulation."""
+    if micro is None:
+        return [(batch, None)]
+    return [(part, float(micro["divisor"])) for part in batch]
+
+
+def micro_of(trace: RunTrace | None, index: int | None) -> int | None:
+    """The micro-batch (0-based) whose forward or backward ran op `index` of `trace`."""
+    starts = getattr(trace, "micro_starts", None)
+    if not starts or index is None:
+        return None
+    return max(0, bisect.bisect_right(starts, index) - 1)
+
+
+def _input_micro(name: str, count: int) -> int | None:
+    """``batch:2.x`` -> 2: the micro-batch a non-finite batch leaf belongs to (the batch is their list)."""
+    kind, _, where = name.partition(":")
+    head = where.split(".", 1)[0]
+    if kind != "batch" or not head.isdigit() or int(head) >= count:
+        return None
+    return int(head)
+
+
+def with_micro_batch(diag: Diagnosis, micro: dict | None) -> Diagnosis:
+    """`diag` with its culprit's ``micro_batch`` (0-based) set, for a step that accumulated micro-batches."""
+    if micro is None or diag.culprit is None or not dataclasses.is_dataclass(diag.culprit):
+        return diag
+    if diag.verdict == "nonfinite_input":  # a broken weight belongs to no micro-batch; a batch entry does
+        index = _input_micro(diag.nonfinite_inputs[0], micro["count"]) if diag.nonfinite_inputs else None
+    else:
+        index = micro_of(diag.trace, diag.culprit["index"])
+    if index is None:
+        return diag
+    return dataclasses.replace(diag, culprit=dataclasses.replace(diag.culprit, micro_batch=index))
+
+
+def _micro_index(diag: Diagnosis, micro: dict) -> int | None:
+    if diag.culprit is not None and "micro_batch" in diag.culprit:
+        return diag.culprit["micro_batch"]
+    if diag.verdict == "nonfinite_input" and diag.nonfinite_inputs:
+        return _input_micro(diag.nonfinite_inputs[0], micro["count"])
+    return None
+
+
+def micro_summary(summary: str, diag: Diagnosis, micro: dict | None) -> str:
+    """The verdict's sentence, then which micro-batch of the accumulated step it happened in."""
+    if micro is None or diag.verdict == "healthy":
+        return summary
+    index = _micro_index(diag, micro)
+    if index is None:
+        return summary
+    return f"{summary} It is in micro-batch {index} (0-based) of the {micro['count']} this step accumulated."
