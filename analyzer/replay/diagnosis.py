@@ -66,6 +66,7 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
+        compiled: the step re-run compiled as training compiled it (None for an eager run).
     """
 
     verdict: str
@@ -86,6 +87,7 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
+    compiled: Mapping[str, Any] | None = None  # the compiled run (``_compiled_replay``): ``ReplayResult.compiled``
 
 
 @dataclass(frozen=True, eq=False)

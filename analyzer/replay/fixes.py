@@ -170,7 +170,7 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
         The fixes in the order tried; empty for a healthy step.
     """
     if result.culprit is None:
-        return [] if result.verdict == "healthy" else [_check_input(result)]
+        return [] if result.verdict in ("healthy", "compile_specific") else [_check_input(result)]
     specs = plan(result)
     if not any(s.needs_model for s in specs):
         return [fix for s in specs if (fix := s.apply(None, result)) is not None]
@@ -510,3 +510,5 @@ register_fix(FixSpec(
 register_fix(FixSpec(
     "check_input", "nothing to run: which NaN/Inf input to look at", lambda _ctx, r: _check_input(r),
     serves=("nonfinite_input",), needs_model=False))
+
+from . import _compile_fix  # noqa: E402,F401 - registers compile_disable (the compiled run's fix)

@@ -34,6 +34,7 @@ from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
 from ._diagnose import diagnose, precision_run, with_roots
 from ._precision import PrecisionMode, precision_mode
+from ._compiled_replay import with_compiled
 from ._runs import ReplayContext, RunTrace, run_once
 from .backends import backend_of
 from .diagnosis import Diagnosis
@@ -109,7 +110,9 @@ class Replay:
         if self.is_update:  # checkpoint: what a checkpoint replay read (load.adhoc), else None
             return dataclasses.replace(replay_update(self.path, self.snapshot),
                                        checkpoint=getattr(self.snapshot, "source", None))
-        return _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        result = _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        compiled = getattr(self.snapshot, "compile", None)  # how training torch.compile'd the model (format 5)
+        return with_compiled(result, compiled, self.context) if compiled else result
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
         """Try each fix that serves `result`'s verdict on this replay's rebuilt model, one run each at most.

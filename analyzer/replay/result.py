@@ -96,6 +96,10 @@ class ReplayResult:
     # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
     checkpoint: dict | None = None
     advice_lines: tuple[AdviceLine, ...] = field(default=(), repr=False)
+    # A snapshot of a torch.compile'd model: the step re-run compiled as training compiled it
+    # (analyzer.replay._compiled_replay; "reproduced": False with a one-line "note" when it could not be);
+    # None for an eager model.
+    compiled: dict | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -140,4 +144,5 @@ class ReplayResult:
             "update": self.update,
             "exception": self.exception,
             "checkpoint": self.checkpoint,
+            "compiled": self.compiled,
         })
