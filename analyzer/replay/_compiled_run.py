@@ -122,7 +122,7 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
             if backward_ran:
                 (loss.float() * scale).backward()
     except Exception as e:  # noqa: BLE001 - Inductor's build errors are many types; each is one line
-        return CompiledOnce(None, f"the compiled step raised {type(e).__name__}: {_line(e)}")
+        return CompiledOnce(None, _why_failed(e))
     finally:
         for h in handles:
             h.remove()
@@ -136,6 +136,14 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
         grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
         backward_ran=backward_ran)
     return CompiledOnce(trace)
+
+
+def _why_failed(e: BaseException) -> str:
+    """One line: the compiler could not build the step (its own error inside), or the step raised."""
+    if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+        return f"torch.compile could not build the step here ({type(inner).__name__}: {_line(inner)})"
+    return f"the compiled step raised {type(e).__name__}: {_line(e)}"
 
 
 def _line(e: BaseException) -> str:
