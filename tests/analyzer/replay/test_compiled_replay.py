@@ -104,7 +104,7 @@ def test_a_compiled_only_nan_names_the_smallest_module_and_excluding_it_from_com
 
 def test_the_eager_only_overflow_replays_as_training_ran_and_is_never_the_headline(chain):
     path, built, finite, result, fixes = chain
-    assert finite  # training's step: finite loss
+    assert finite is built  # training's compiled step: a finite loss (stepped eager, the overflow's NaN)
     assert not result.runs["float16"]["forward_finite"]  # the eager FP16 forward overflows
     if not built:
         _not_reproduced(result)
