@@ -53,6 +53,8 @@ def _summary(d: Diagnosis) -> str:
         return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite; no "
                 "compiled module alone makes it non-finite, only the compiled modules together.")
     kids = " (it has no child modules)" if c.get("leaf") else ", while none of its child modules does alone"
+    if c.get("stopped"):
+        kids = f" (the search stopped after {len(c['tried'])} compiled runs: a smaller module may fail too)"
     return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite: compiling "
             f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.")
 

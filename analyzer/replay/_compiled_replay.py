@@ -21,6 +21,8 @@ import math
 import time
 from collections.abc import Callable
 
+import torch
+
 from . import verdicts
 from ._compile_localize import localize
 from ._compile_verdict import COMPILE_SPECIFIC
@@ -36,8 +38,17 @@ NOT_REPRODUCED = "compiled step not reproduced"
 
 
 def with_compiled(result: ReplayResult, entry: dict, context: Callable[[], ReplayContext]) -> ReplayResult:
-    """`result` (the eager replay) with the compiled run of its failing precision (see the module doc)."""
+    """`result` (the eager replay) with the compiled run of its failing precision (see the module doc).
+
+    NB: each compiled run resets TorchDynamo's caches (``torch._dynamo.reset``) before and after it.
+    """
     ctx = context()
+    fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
+        return _with_compiled(result, entry, ctx)
+
+
+def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> ReplayResult:
     modules = list(entry["modules"])
     prec = ctx.mode.dtype or "float32"  # the precision training ran (its low precision, else FP32)
     scale = result.scale
