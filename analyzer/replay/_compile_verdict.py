@@ -40,6 +40,22 @@ def _why(c: dict) -> str:
     return f"the {c.get('backend')} backend computes it differently from eager"
 
 
+_LAYOUT = frozenset({"aten._to_copy", "aten.t", "aten.view", "aten._unsafe_view", "aten.expand", "aten.transpose",
+                     "aten.permute", "aten.reshape", "aten.detach", "aten.clone", "aten.alias", "aten.unsqueeze",
+                     "aten.squeeze", "aten.slice", "aten.select", "aten.copy_", "aten.empty_like"})
+
+
+def _ops_by_line(ops: list[dict], lines: int = 4) -> str:
+    """``file:28 (aten.mm, aten.mul); file:29 (aten.mul, aten.rsub, aten.pow)``: casts and views left out."""
+    by: dict[str, list[str]] = {}
+    for o in ops:
+        if o["op"] not in _LAYOUT and o["op"] not in by.setdefault(o.get("source") or "?", []):
+            by[o.get("source") or "?"].append(o["op"])
+    parts = [f"{src} ({', '.join(names)})" for src, names in by.items() if names]
+    more = f" and {len(parts) - lines} more lines" if len(parts) > lines else ""
+    return "; ".join(parts[:lines]) + more
+
+
 def _summary(d: Diagnosis) -> str:
     c = d.compiled
     prec = c["precision"]
@@ -55,8 +71,10 @@ def _summary(d: Diagnosis) -> str:
     kids = " (it has no child modules)" if c.get("leaf") else ", while none of its child modules does alone"
     if c.get("stopped"):
         kids = f" (the search stopped after {len(c['tried'])} compiled runs: a smaller module may fail too)"
+    runs = _ops_by_line(c.get("ops") or [])
+    runs = f" Its {c['phase']} arithmetic, as the eager trace records it: {runs}." if runs else ""
     return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite: compiling "
-            f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.")
+            f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.{runs}")
 
 
 def _advice(d: Diagnosis) -> list[AdviceLine]:

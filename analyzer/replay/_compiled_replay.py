@@ -82,8 +82,25 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
                 "(nan_asserts), not each kernel: the module is the finest place named",
                 note="the compiled step is non-finite; the eager step is finite",
                 seconds=round(time.perf_counter() - t0, 2))
+    if module is not None:
+        info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
     culprit = None if module is None else _culprit(module, info["phase"], prec, run)
     return _verdict(result, info, culprit)
+
+
+def _module_ops(trace: RunTrace | None, module: str, phase: str, limit: int = 16) -> list[dict]:
+    """The distinct ops `module` (and its children) ran in `phase` of the eager trace: what its compiled
+    version computes, in eager's terms (Inductor's kernels themselves are not observed)."""
+    out: list[dict] = []
+    seen: set = set()
+    for rec in trace.records if trace is not None else []:
+        m = rec.module or ""
+        if rec.phase != phase or (module and m != module and not m.startswith(module + ".")):
+            continue
+        if (rec.name, m, rec.source) not in seen and len(out) < limit:
+            seen.add((rec.name, m, rec.source))
+            out.append({"op": rec.name, "module": m, "source": rec.source})
+    return out
 
 
 def _side(run: RunTrace) -> int:

@@ -99,6 +99,8 @@ def test_a_compiled_only_nan_names_the_smallest_module_and_excluding_it_from_com
     assert {t["module"]: t["finite"] for t in cmp["tried"]} == {"gate": False, "gate.proj": True}
     assert result.culprit["module"] == "gate" and result.culprit["op"] == "<compiled>"
     assert "compiling `gate` alone" in result.summary
+    assert {o["op"] for o in cmp["ops"]} >= {"aten.mm", "aten.rsub", "aten.pow"}  # gate's arithmetic, eager's names
+    assert {o["module"] for o in cmp["ops"]} <= {"gate", "gate.proj"}
     assert [(f.name, f.status) for f in fixes] == [("compile_disable", "verified")]
 
 
