@@ -157,3 +157,27 @@ def test_without_a_cpp_compiler_the_compiled_step_is_not_reproduced_and_the_eage
     assert out["compiled"]["reproduced"] is False
     assert out["compiled"]["note"] == ("compiled step not reproduced: no C++ compiler found (CPU Inductor needs one: "
                                        "install g++ or set CXX); the eager verdict stands")
+
+
+def test_blocks_compiled_in_place_are_searched_one_entry_at_a_time(tmp_path):
+    """torchtitan's way: ``block.compile()`` per block. Each recorded entry is compiled alone first."""
+    model = build_gate_net()
+    model.head.compile()
+    model.gate.compile()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler, batch = torch.amp.GradScaler("cpu"), gate_batch()
+    with Recorder(tmp_path / "run", model, factory=f"{MODELS}:build_gate_net", loss_fn=f"{MODELS}:mse_loss",
+                  scaler=scaler, amp_dtype=torch.float16, optimizer=opt) as rec:
+        rec.begin_step(0, batch)
+        path = Path(rec.snapshot())  # before the step: this test is about the replay's search, not training
+    result = Replay(path).run()
+    entries = [(m["path"], m["how"]) for m in result.compiled["modules"]]
+    assert sorted(entries) == [("gate", "module.compile"), ("head", "module.compile")]
+    if not result.compiled["reproduced"]:  # Inductor cannot build kernels here
+        _not_reproduced(result)
+        assert result.verdict == "healthy"
+        return
+    assert result.verdict == "compile_specific" and result.compiled["module"] == "gate"
+    tried = [(t["module"], t["finite"]) for t in result.compiled["tried"]]
+    assert ("gate", False) in tried and ("gate.proj", True) in tried
+    assert tried.index(("gate", False)) < tried.index(("gate.proj", True))  # the entry first, then its children
