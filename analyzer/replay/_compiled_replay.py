@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (and, through it, compile_specific)
 from . import verdicts
 from ._compile_localize import localize
 from ._compile_verdict import COMPILE_SPECIFIC

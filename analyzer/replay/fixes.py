@@ -510,5 +510,3 @@ register_fix(FixSpec(
 register_fix(FixSpec(
     "check_input", "nothing to run: which NaN/Inf input to look at", lambda _ctx, r: _check_input(r),
     serves=("nonfinite_input",), needs_model=False))
-
-from . import _compile_fix  # noqa: E402,F401 - registers compile_disable (the compiled run's fix)

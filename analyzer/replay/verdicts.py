@@ -496,5 +496,3 @@ register(Verdict(
     "kernel_specific", "The NaN/Inf happens inside one scaled-dot-product-attention backend; another backend "
     "runs the same step finite.",
     summary=_kernel_summary, advice=_kernel_advice))
-
-from . import _compile_verdict  # noqa: E402,F401 - registers compile_specific (a compiled run's own verdict)
