@@ -13,10 +13,17 @@ times, interleaved round by round so that load from other processes hits them al
 The table gives the median of each, and the median per-round ratio to the replay: what the
 autopsy costs in units of the command a user ran by hand before it existed.
 
+``--compiled`` times the extra cost of a compiled snapshot instead: a ``torch.compile``'d
+(Inductor) FP16 model whose compiled step alone is NaN (``tests/analyzer/replay/compile_models.py``),
+replayed with its compiled run, the module search and the ``compile_disable`` fix, against the
+same snapshot's eager replay. Round 1 compiles with an empty Inductor cache (a first replay on a
+machine), later rounds reuse it.
+
 Usage::
 
     python bench/autopsy_time.py            # 3 rounds
     python bench/autopsy_time.py --quick    # 1 round: a smoke run
+    python bench/autopsy_time.py --compiled # the compiled snapshot's extra replay time
 """
 from __future__ import annotations
 
@@ -57,8 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="one round")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick: 1)")
     ap.add_argument("--scenario", default=SCENARIO, help=f"sample scenario to record (default {SCENARIO})")
+    ap.add_argument("--compiled", action="store_true", help="time a compiled snapshot's extra replay cost")
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
+    if args.compiled:
+        return _compiled(rounds)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, train_s = _record(Path(tmp), args.scenario)
         snaps = sorted(p for p in (run_dir / schema.SNAPSHOT_DIR).iterdir() if schema.SNAPSHOT_RE.match(p.name))
@@ -92,6 +102,57 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {statistics.median(times[name]):.2f} s | {ratio:.2f}x |")
     med = statistics.median(times["autopsy"])
     print(f"| target: autopsy of the demo run | < {TARGET_S:.0f} s | {'PASS' if med < TARGET_S else 'FAIL'} |")
+
+
+def _compiled(rounds: int) -> None:
+    """The compiled-only NaN's snapshot: eager replay vs replay with the compiled run, and its fix."""
+    import dataclasses
+    import os
+
+    from analyzer.replay import Replay
+    from recorders import Recorder
+    from tests.analyzer.replay.compile_models import build_gate_net, gate_batch, mse_loss
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # round 1 compiles from nothing
+        model, batch = torch.compile(build_gate_net()), gate_batch()
+        ref = "tests.analyzer.replay.compile_models"
+        scaler = torch.amp.GradScaler("cpu")
+        t0 = time.perf_counter()
+        with Recorder(Path(tmp) / "run", model, factory=f"{ref}:build_gate_net", loss_fn=f"{ref}:mse_loss",
+                      scaler=scaler, amp_dtype=torch.float16) as rec:
+            rec.begin_step(0, batch)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = mse_loss(model, batch)
+            scaler.scale(loss).backward()
+            rec.end_step(loss)
+        train_s = time.perf_counter() - t0
+        snap = next((Path(tmp) / "run" / schema.SNAPSHOT_DIR).glob("*.pt"))
+        times: dict[str, list[float]] = {"eager replay": [], "replay with the compiled run": [], "fixes": []}
+        for _ in range(rounds):
+            eager = Replay(snap)
+            eager.snapshot = dataclasses.replace(eager.snapshot, compile=None)  # the same snapshot, replayed eager
+            t0 = time.perf_counter()
+            eager.run()
+            times["eager replay"].append(time.perf_counter() - t0)
+            replay = Replay(snap)
+            t0 = time.perf_counter()
+            result = replay.run()
+            times["replay with the compiled run"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fixes = replay.try_fixes(result)
+            times["fixes"].append(time.perf_counter() - t0)
+    cmp = result.compiled
+    print(f"compiled snapshot: training step {train_s:.1f} s (first compile), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}, {rounds} round(s)")
+    print(f"verdict {result.verdict}, module {cmp.get('module')!r}, {1 + len(cmp.get('tried', []))} compiled run(s); "
+          f"fixes {[(f.name, f.status) for f in fixes]}")
+    print()
+    print("| stage | round 1 (empty Inductor cache) | median of later rounds |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        later = f"{statistics.median(ts[1:]):.2f} s" if len(ts) > 1 else "-"
+        print(f"| {name} | {ts[0]:.2f} s | {later} |")
 
 
 if __name__ == "__main__":

@@ -114,12 +114,26 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         where = f"; first at #{first['index']} {first['op']} in `{first['module']}` ({first['phase']})" if first else ""
         own = f" (at loss scale {run['scale']:g})" if run["scale"] != r.scale else ""  # BF16 run for its advice
         lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{own}{at1}{where}")
+    if r.compiled is not None:  # a compiled model: the step compiled as training compiled it
+        lines.append(_compiled_line(r.compiled))
     trace = r.culprit_trace
     if c and trace is not None and ops > 0:
         lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]
     if r.advice:
         lines += ["", "what to try:"] + [f"  - {a}" for a in r.advice]
     return "\n".join(lines)
+
+
+def _compiled_line(cmp: dict) -> str:
+    """One line: the compiled run of the failing precision, or why it could not be reproduced."""
+    if not cmp.get("reproduced"):
+        return f"  compiled  {cmp['note']}"
+    state = "finite" if cmp["finite"] else ("forward NaN/Inf" if not cmp["forward_finite"] else "backward NaN/Inf")
+    where = ", ".join(f"`{m['path']}`" if m["path"] else "the whole model" for m in cmp["modules"][:3])
+    more = f" and {len(cmp['modules']) - 3} more" if len(cmp["modules"]) > 3 else ""
+    smallest = f"; smallest non-finite compiled module `{cmp['module']}`" if cmp.get("module") else ""
+    return (f"  compiled  {cmp['precision']} loss {_num(cmp['loss']):>10}  {state} ({cmp['backend']}: {where}{more})"
+            f"{smallest}")
 
 
 def _update_lines(u: dict, shown: int = 3) -> list[str]:

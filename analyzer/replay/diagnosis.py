@@ -70,6 +70,7 @@ class Diagnosis:
             -100), else None.
         magnitude_jump: for ``overflow``, the op feeding the culprit where the magnitude jumped the
             most (``_magnitude.magnitude_jump``), None otherwise.
+        compiled: the step re-run compiled as training compiled it (None for an eager run).
     """
 
     verdict: str
@@ -92,6 +93,7 @@ class Diagnosis:
     underflow_at: OpRecord | None = None
     batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
     magnitude_jump: dict | None = None
+    compiled: Mapping[str, Any] | None = None  # the compiled run (``_compiled_replay``): ``ReplayResult.compiled``
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,6 +37,7 @@ from ._diagnose import diagnose, precision_run, with_roots
 from ._bf16 import needs_bf16, with_bf16
 from ._magnitude import with_jump
 from ._precision import PrecisionMode, precision_mode
+from ._compiled_replay import with_compiled
 from ._runs import ReplayContext, RunTrace, run_once
 from .backends import backend_of
 from .diagnosis import Diagnosis
@@ -116,7 +117,8 @@ class Replay:
         outside = written_outside(self.path, self.snapshot)  # NaN weights the optimizer state does not explain
         if outside and result.verdict == "nonfinite_input":
             result.summary += f" NB: {outside[0]}: {OUTSIDE_NOTE}."
-        return result
+        compiled = getattr(self.snapshot, "compile", None)  # how training torch.compile'd the model (format 5)
+        return with_compiled(result, compiled, self.context) if compiled else result
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
         """Try each fix that serves `result`'s verdict on this replay's rebuilt model, one run each at most.

@@ -99,6 +99,10 @@ class ReplayResult:
     # A step that accumulated gradients (snapshot format 6): the snapshot's micro_batches entry (count,
     # combine, divisor, source, num_items_in_batch), every micro-batch replayed; None otherwise.
     micro_batches: dict | None = None
+    # A snapshot of a torch.compile'd model: the step re-run compiled as training compiled it
+    # (analyzer.replay._compiled_replay; "reproduced": False with a one-line "note" when it could not be);
+    # None for an eager model.
+    compiled: dict | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -144,4 +148,5 @@ class ReplayResult:
             "exception": self.exception,
             "checkpoint": self.checkpoint,
             "micro_batches": None if self.micro_batches is None else dict(self.micro_batches),
+            "compiled": self.compiled,
         })

@@ -86,6 +86,7 @@ from .. import imports, schema
 from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
+from ._hf_compile import trainer_compile_info
 
 __all__ = ["AmpAutopsyCallback", "build_pretrained", "pretrained_loss", "pretrained_factory_kwargs",
            "save_batch_on_nan"]
@@ -134,6 +135,19 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         loss = output[0] if output[0].ndim == 0 else None
     return loss
+
+
+class _TrainerRecorder(Recorder):
+    """A Recorder that records the Trainer's own compilation (``torch_compile=True``) of a model it sees uncompiled."""
+
+    def __init__(self, *args, trainer_compile: dict | None = None, **kwargs):
+        self._trainer_compile = trainer_compile
+        super().__init__(*args, **kwargs)
+
+    def _start(self) -> None:
+        if self.compile is None:  # the Trainer compiles inside accelerate.prepare, after the callback saw the model
+            self.compile = self._trainer_compile
+        super()._start()
 
 
 class AmpAutopsyCallback(TrainerCallback):
@@ -201,8 +215,9 @@ class AmpAutopsyCallback(TrainerCallback):
         # Trainer.compute_loss multiplies a num_items_in_batch-normalised loss by the process count
         self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
         factory, factory_kwargs, loss_fn = self._refs(model)
-        self.recorder = Recorder(
-            self.run_dir, model, factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
+        self.recorder = _TrainerRecorder(
+            self.run_dir, model, trainer_compile=trainer_compile_info(args),
+            factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
             scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
             **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
         )

@@ -23,6 +23,7 @@ TOP_KEYS |= {"update"}  # the update forensics (analyzer.replay.update); None fo
 TOP_KEYS |= {"exception"}  # an exception snapshot's exception (type, message, frames, step); None otherwise
 TOP_KEYS |= {"checkpoint"}  # a replay of a checkpoint and a batch: the files read and the defaults; None otherwise
 TOP_KEYS |= {"micro_batches"}  # a step that accumulated gradients: how its micro-batches were combined; None otherwise
+TOP_KEYS |= {"compiled"}  # a compiled model's snapshot: the step compiled as training compiled it; None otherwise
 CULPRIT_KEYS = {"op", "overload", "module", "phase", "precision", "index", "source", "node", "input_dtypes",
                 "output_dtype", "input_absmax", "output_absmax", "output_kind", "custom", "shadow"}
 RUN_KEYS = {"finite", "loss", "loss_dtype", "forward_finite", "backward_finite", "grad_absmax", "scale", "ops",

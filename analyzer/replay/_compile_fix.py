@@ -1,0 +1,45 @@
+"""The fix ``compile_disable``: the step compiled as in training, with the culprit module excluded (``torch.compiler.disable``).
+
+It serves ``compile_specific`` when a module was found (``ReplayResult.compiled["module"]``); the
+run is judged by the fix registry's shared ``_judge``, as every other fix is.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ._compile_verdict import COMPILE_SPECIFIC
+from ._compiled_run import compiled_once
+from .fixes import Fix, FixSpec, _judge, register_fix
+from ._runs import ReplayContext
+from .result import ReplayResult
+
+__all__: list[str] = []
+
+
+def _title(module: str) -> str:
+    return ("run the model eager (no torch.compile)" if module == "" else
+            f"exclude `{module}` from compilation (torch.compiler.disable on its forward), the rest compiled as trained")
+
+
+def _compile_disable(ctx: ReplayContext, result: ReplayResult) -> Fix:
+    c = result.compiled
+    module = c["module"]
+    title = _title(module)
+    out = compiled_once(ctx, c["modules"], c["precision"], c["scale"], disable=module)
+    if out.trace is None:
+        return Fix(name="compile_disable", title=title, status="not_tried", precision=c["precision"],
+                   detail=f"the compiled step could not run: {out.error}")
+    return _judge(result, "compile_disable", title, out.trace, note=" (compiled as training compiled it)")
+
+
+def _line(fix: Fix, _c: Mapping, _mode: str) -> str:
+    return f"{fix.title[0].upper()}{fix.title[1:]}: the step is finite that way."
+
+
+def _applies(verdict: str, _c: Mapping) -> bool:
+    return verdict == COMPILE_SPECIFIC
+
+
+register_fix(FixSpec(
+    "compile_disable", "the culprit module excluded from compilation (torch.compiler.disable)",
+    _compile_disable, serves=(COMPILE_SPECIFIC,), line=_line, applies=_applies))

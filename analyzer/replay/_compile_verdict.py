@@ -1,0 +1,101 @@
+"""The ``compile_specific`` verdict: the compiled step and the eager replay disagree about finiteness.
+
+Two ways (``Diagnosis.compiled``, built by ``_compiled_replay``):
+
+- compiled non-finite, eager finite: the culprit is the smallest module whose compiled version
+  alone makes the step non-finite (``_compile_localize``); the fix tried is that module excluded
+  from compilation (``compile_disable``).
+- eager non-finite, compiled finite: training's compiled step is finite; the eager replay's
+  NaN/Inf is eager-only (Inductor keeps a fused chain's intermediates in FP32 and rounds once),
+  named as such and never as the run's failure.
+
+Example of a summary:
+    Training's compiled step is finite in float16 (loss 0.4121, every gradient finite). The eager
+    replay's overflow at aten.mul in `scale` (forward) is eager-only: Inductor computes this fused
+    chain in FP32 and rounds its result once.
+"""
+from __future__ import annotations
+
+from .diagnosis import Diagnosis
+from .verdicts import AdviceLine, Verdict, register
+
+__all__ = ["COMPILE_SPECIFIC"]
+
+COMPILE_SPECIFIC = "compile_specific"
+
+
+def _where(module: str | None) -> str:
+    return "the whole model" if module == "" else f"`{module}`"
+
+
+def _eager_only(c: dict) -> str:
+    e = c["eager_only"]
+    src = f" at {e['source']}" if e.get("source") else ""
+    return f"{e['verdict']} at {e['op']} in `{e['module']}` ({e['phase']}){src}"
+
+
+def _why(c: dict) -> str:
+    if c.get("backend") == "inductor":
+        return "Inductor computes this fused chain in FP32 and rounds its result once"
+    return f"the {c.get('backend')} backend computes it differently from eager"
+
+
+_LAYOUT = frozenset({"aten._to_copy", "aten.t", "aten.view", "aten._unsafe_view", "aten.expand", "aten.transpose",
+                     "aten.permute", "aten.reshape", "aten.detach", "aten.clone", "aten.alias", "aten.unsqueeze",
+                     "aten.squeeze", "aten.slice", "aten.select", "aten.copy_", "aten.empty_like"})
+
+
+def _ops_by_line(ops: list[dict], lines: int = 4) -> str:
+    """``file:28 (aten.mm, aten.mul); file:29 (aten.mul, aten.rsub, aten.pow)``: casts and views left out."""
+    by: dict[str, list[str]] = {}
+    for o in ops:
+        if o["op"] not in _LAYOUT and o["op"] not in by.setdefault(o.get("source") or "?", []):
+            by[o.get("source") or "?"].append(o["op"])
+    parts = [f"{src} ({', '.join(names)})" for src, names in by.items() if names]
+    more = f" and {len(parts) - lines} more lines" if len(parts) > lines else ""
+    return "; ".join(parts[:lines]) + more
+
+
+def _summary(d: Diagnosis) -> str:
+    c = d.compiled
+    prec = c["precision"]
+    if c.get("eager_only") is not None:
+        ran = ("every gradient finite" if c["finite"] else
+               f"a gradient non-finite at loss scale {c['scale']:g}, a step GradScaler skips")
+        return (f"Training's compiled step has a finite loss in {prec} ({c['loss']:.4g}; {ran}). "
+                f"The eager replay's {_eager_only(c)} is eager-only: {_why(c)}.")
+    what = "the loss" if c.get("phase") == "forward" else "a gradient"
+    if c.get("module") is None:
+        return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite; no "
+                "compiled module alone makes it non-finite, only the compiled modules together.")
+    kids = " (it has no child modules)" if c.get("leaf") else ", while none of its child modules does alone"
+    if c.get("stopped"):
+        kids = f" (the search stopped after {len(c['tried'])} compiled runs: a smaller module may fail too)"
+    runs = _ops_by_line(c.get("ops") or [])
+    runs = f" Its {c['phase']} arithmetic, as the eager trace records it: {runs}." if runs else ""
+    return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite: compiling "
+            f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.{runs}")
+
+
+def _advice(d: Diagnosis) -> list[AdviceLine]:
+    c = d.compiled
+    if c.get("eager_only") is not None:
+        e = c["eager_only"]
+        return [AdviceLine("Nothing to fix in the compiled training step. Where this model runs eager "
+                           f"(evaluation, export, a debug run), {e['op']} in `{e['module']}` is non-finite there: "
+                           "keep that module in FP32 for those runs.")]
+    if c.get("module") is None:
+        return [AdviceLine("Compile fewer modules: the NaN/Inf needs several compiled modules together.")]
+    m = c["module"]
+    how = ("run the model eager (drop torch.compile)" if m == "" else
+           f"decorate the forward of `{m}`'s class with @torch.compiler.disable, or compile its children only")
+    return [AdviceLine(f"Exclude {_where(m)} from compilation: {how}.", fixes=("compile_disable",)),
+            AdviceLine(f"Or keep {_where(m)}'s fused arithmetic in range: compiled, its intermediates are FP32 where "
+                       f"eager rounds each op to {c['precision']}, so a value eager kept inside a domain "
+                       "(sqrt, log, pow, acos) can leave it.")]
+
+
+register(Verdict(
+    COMPILE_SPECIFIC, "The step compiled as training compiled it and the eager replay disagree about "
+    "finiteness: one of them is non-finite, the other finite.",
+    summary=_summary, advice=_advice, fixes=("compile_disable",)))

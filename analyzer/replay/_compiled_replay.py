@@ -1,0 +1,139 @@
+"""A compiled model's replay: the eager result, then the failing precision compiled as training compiled it.
+
+``with_compiled`` runs the step once more with the snapshot's ``compile`` entry applied
+(``_compiled_run``) and compares it with the eager run of the same precision:
+
+- both non-finite, or both finite: the eager verdict stands (``compiled`` says the compiled run agreed);
+- they disagree: verdict ``compile_specific`` (``_compile_verdict``). A compiled-only failure is
+  localized to the smallest module (``_compile_localize``), which becomes the culprit (op
+  ``<compiled>``, index -1: no eager op is blamed); an eager-only failure keeps no culprit, and
+  its eager origin is kept as ``compiled["eager_only"]``;
+- the compiled step cannot be built or run here (no C++ compiler, Inductor failing to build a
+  kernel, an unknown backend): the eager verdict stands, and ``compiled`` says "compiled step not
+  reproduced" and why, in one line.
+
+The per-op view (``runs``, the culprit's ops, the plot) stays the eager one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (and, through it, compile_specific)
+from . import verdicts
+from ._compile_localize import localize
+from ._compile_verdict import COMPILE_SPECIFIC
+from ._compiled_run import compiled_once
+from ._runs import ReplayContext, RunTrace
+from .diagnosis import Diagnosis
+from .records import Culprit
+from .result import ReplayResult
+
+__all__ = ["with_compiled", "NOT_REPRODUCED"]
+
+NOT_REPRODUCED = "compiled step not reproduced"
+
+
+def with_compiled(result: ReplayResult, entry: dict, context: Callable[[], ReplayContext]) -> ReplayResult:
+    """`result` (the eager replay) with the compiled run of its failing precision (see the module doc).
+
+    NB: each compiled run resets TorchDynamo's caches (``torch._dynamo.reset``) before and after it.
+    """
+    ctx = context()
+    fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
+        return _with_compiled(result, entry, ctx)
+
+
+def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> ReplayResult:
+    modules = list(entry["modules"])
+    prec = ctx.mode.dtype or "float32"  # the precision training ran (its low precision, else FP32)
+    scale = result.scale
+    info: dict = {"modules": modules, "precision": prec, "scale": scale,
+                  "backend": modules[0].get("backend") or "inductor"}
+    t0 = time.perf_counter()
+    full = compiled_once(ctx, modules, prec, scale)
+    if full.trace is None:
+        info.update(reproduced=False, note=f"{NOT_REPRODUCED}: {full.error}; the eager verdict stands",
+                    seconds=round(time.perf_counter() - t0, 2))
+        return dataclasses.replace(result, compiled=info)
+    run = full.trace
+    eager = result.traces.get(prec)
+    c, e = _side(run), (_side(eager) if eager is not None else (0 if result.verdict == "healthy" else 2))
+    info.update(reproduced=True, **_run_fields(run), eager_finite=e == 0)
+    if c < e and (c == 0 or e == 2):  # eager-only: training's compiled step (or its forward) is finite
+        info.update(eager_only=_eager_origin(result), note="the compiled step is finite; the eager NaN/Inf is "
+                    "eager-only", seconds=round(time.perf_counter() - t0, 2))
+        return _verdict(result, info, None)
+    if not (c == 2 and e < 2 or c == 1 and e == 0):  # both fail (or neither) the same way: the verdict stands
+        agree = "finite" if c == 0 else "non-finite"
+        info.update(note=f"the compiled step is {agree} too: the eager verdict stands",
+                    seconds=round(time.perf_counter() - t0, 2))
+        return dataclasses.replace(result, compiled=info)
+    phase = "forward" if not run.forward_finite else "backward"
+    found = localize(ctx, modules, prec, scale, phase)
+    module = found.module
+    leaf = module is not None and not any(True for _ in ctx.build_model(prec).get_submodule(module).children())
+    info.update(module=module, phase=found.phase or phase, leaf=leaf, tried=found.tried, stopped=found.stopped,
+                kernel=None, kernel_note="CPU Inductor checks only a compiled graph's inputs and outputs "
+                "(nan_asserts), not each kernel: the module is the finest place named",
+                note="the compiled step is non-finite; the eager step is finite",
+                seconds=round(time.perf_counter() - t0, 2))
+    if module is not None:
+        info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
+    culprit = None if module is None else _culprit(module, info["phase"], prec, run)
+    return _verdict(result, info, culprit)
+
+
+def _module_ops(trace: RunTrace | None, module: str, phase: str, limit: int = 16) -> list[dict]:
+    """The distinct ops `module` (and its children) ran in `phase` of the eager trace: what its compiled
+    version computes, in eager's terms (Inductor's kernels themselves are not observed)."""
+    out: list[dict] = []
+    seen: set = set()
+    for rec in trace.records if trace is not None else []:
+        m = rec.module or ""
+        if rec.phase != phase or (module and m != module and not m.startswith(module + ".")):
+            continue
+        if (rec.name, m, rec.source) not in seen and len(out) < limit:
+            seen.add((rec.name, m, rec.source))
+            out.append({"op": rec.name, "module": m, "source": rec.source})
+    return out
+
+
+def _side(run: RunTrace) -> int:
+    """0 finite, 1 only a gradient non-finite (at the run's loss scale), 2 the loss non-finite."""
+    return 0 if run.finite else (1 if run.forward_finite else 2)
+
+
+def _run_fields(run: RunTrace) -> dict:
+    return {"finite": run.finite, "loss": run.loss, "forward_finite": run.forward_finite,
+            "backward_finite": run.grads_finite, "grad_absmax": run.grad_absmax}
+
+
+def _eager_origin(result: ReplayResult) -> dict:
+    c = result.culprit
+    if c is None:
+        return {"verdict": result.verdict, "op": "an input", "module": "-", "phase": "-", "source": None}
+    return {"verdict": result.verdict, "op": c["op"], "module": c["module"], "phase": c["phase"],
+            "precision": c["precision"], "index": c["index"], "source": c.get("source")}
+
+
+def _culprit(module: str, phase: str, prec: str, run: RunTrace) -> Culprit:
+    """The compiled module blamed, as a culprit: no eager op, so op ``<compiled>`` and index -1."""
+    kind = "inf" if phase == "forward" and math.isinf(run.loss) else "nan"
+    return Culprit(op="<compiled>", overload="", module=module, phase=phase, precision=prec, index=-1,
+                   source=None, node=None, input_dtypes=[], output_dtype=prec, input_absmax=None,
+                   output_absmax=None, output_kind=kind, custom=False)
+
+
+def _verdict(result: ReplayResult, info: dict, culprit: Culprit | None) -> ReplayResult:
+    d = Diagnosis(COMPILE_SPECIFIC, culprit=culprit, compiled=info, scale=result.scale,
+                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype)
+    lines = tuple(verdicts.advice(d))
+    return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=verdicts.summary(d), culprit=culprit,
+                               advice=[a.text for a in lines], advice_lines=lines, culprit_trace=None,
+                               compiled=info)

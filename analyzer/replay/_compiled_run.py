@@ -1,0 +1,154 @@
+"""One run of the replayed step with the model compiled as training compiled it (a snapshot's ``compile`` entry).
+
+The per-op recorder cannot watch a compiled step: TorchDynamo does not compile under an active
+``TorchDispatchMode`` (the step would silently run eager), and Inductor's kernels do not dispatch
+per op. So a compiled run records only what decides the verdict: the loss and whether every
+gradient is finite (a ``RunTrace`` with no op records). Each module of the entry is compiled in
+place (``module.compile(...)``, names unchanged) for the run and restored to eager afterwards.
+
+Example:
+    >>> run = compiled_once(ctx, [{"path": "", "backend": "inductor", ...}], "float16", 65536.0)  # doctest: +SKIP
+    >>> run.trace.finite, run.error                                                                 # doctest: +SKIP
+    (False, None)
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._precision import cast_batch, io_hooks
+from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _to_device
+from .backends import sdpa_switches
+
+__all__ = ["CompiledOnce", "compiled_once", "cannot_compile"]
+
+
+@dataclass(frozen=True)
+class CompiledOnce:
+    """A compiled run: its trace, or the one line saying why the compiled step could not be built or run."""
+
+    trace: RunTrace | None
+    error: str | None = None
+
+
+def cannot_compile(entries: Sequence[dict], device: torch.device) -> str | None:
+    """Why these entries cannot be compiled here (an unknown backend, no C++ compiler for CPU Inductor), or None."""
+    try:
+        from torch._dynamo import list_backends
+
+        known = set(list_backends(exclude_tags=())) | {"inductor"}
+    except Exception as e:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return f"torch.compile is not available here ({type(e).__name__})"
+    for e in entries:
+        backend = e.get("backend") or "inductor"
+        if backend not in known:
+            return f"backend {backend!r} of `{e['path'] or '<model>'}` is not a torch.compile backend here"
+    if device.type == "cpu" and any((e.get("backend") or "inductor") == "inductor" for e in entries):
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception:  # noqa: BLE001 - torch raises RuntimeError with its own advice
+            return "no C++ compiler found (CPU Inductor needs one: install g++ or set CXX)"
+    return None
+
+
+def _compile_kwargs(entry: dict) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for one recorded entry (values torch did not expose stay default)."""
+    kw: dict[str, Any] = {"backend": entry.get("backend") or "inductor"}
+    if entry.get("mode") not in (None, "default"):
+        kw["mode"] = entry["mode"]
+    elif entry.get("options"):
+        kw["options"] = dict(entry["options"])
+    for key in ("dynamic", "fullgraph"):
+        if entry.get(key) is not None:
+            kw[key] = entry[key]
+    return kw
+
+
+@contextlib.contextmanager
+def compiled_in_place(model: torch.nn.Module, entries: Sequence[dict],
+                      disable: str | None = None) -> Iterator[None]:
+    """Within: each entry's module compiled in place; `disable` (a module path) runs eager under
+    ``torch.compiler.disable``. The model is eager again afterwards, with dynamo's caches reset."""
+    torch._dynamo.reset()  # NB: dynamo caches per code object; every run compiles exactly its own set
+    compiled: list[torch.nn.Module] = []
+    off: torch.nn.Module | None = None
+    try:
+        for e in entries:
+            module = model.get_submodule(e["path"])
+            module.compile(**_compile_kwargs(e))
+            compiled.append(module)
+        if disable is not None:
+            off = model.get_submodule(disable)
+            off.forward = torch.compiler.disable(off.forward)  # an instance attribute over the class's forward
+        yield
+    finally:
+        for module in compiled:
+            module._compiled_call_impl = None  # what nn.Module.compile set: eager calls again
+        if off is not None:
+            del off.forward
+        torch._dynamo.reset()
+
+
+def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float, *,
+                  disable: str | None = None) -> CompiledOnce:
+    """The step with `entries` compiled (the rest eager), in `precision`, backward from ``loss * scale``.
+
+    A compile or kernel-build failure (Inductor cannot build the kernels, no C++ compiler) and an
+    error of the user's code under compilation both come back as ``error``, one line.
+    """
+    why = cannot_compile(entries, ctx.device)
+    if why is not None:
+        return CompiledOnce(None, why)
+    model = ctx.build_model(precision)
+    batch = cast_batch(_to_device(ctx.batch, ctx.device), ctx.mode, precision)
+    ctx.restore_rng()
+    low = precision in LOW_PRECISION
+    handles = io_hooks(model, ctx.mode, precision)
+    try:
+        with compiled_in_place(model, entries, disable), sdpa_switches(ctx.sdpa, device=ctx.device.type):
+            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
+                loss = ctx.loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor")
+            backward_ran = loss.requires_grad
+            if backward_ran:
+                (loss.float() * scale).backward()
+    except Exception as e:  # noqa: BLE001 - Inductor's build errors are many types; each is one line
+        return CompiledOnce(None, _why_failed(e))
+    finally:
+        for h in handles:
+            h.remove()
+        gc.collect()
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
+    vals = [float(g.detach().abs().amax().float()) if g.is_floating_point() else 0.0 for g in grads]  # NB: syncs
+    trace = RunTrace(
+        precision=precision, scale=scale, records=[], absmax=[], nonzero=[],
+        loss=float(loss.detach().float().item()), loss_dtype=str(loss.dtype).removeprefix("torch."),
+        loss_producer=None, grads_finite=all(math.isfinite(v) for v in vals),
+        grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
+        backward_ran=backward_ran)
+    return CompiledOnce(trace)
+
+
+def _why_failed(e: BaseException) -> str:
+    """One line: the compiler could not build the step (its own error inside), or the step raised."""
+    if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+        return f"torch.compile could not build the step here ({type(inner).__name__}: {_line(inner)})"
+    return f"the compiled step raised {type(e).__name__}: {_line(e)}"
+
+
+def _line(e: BaseException) -> str:
+    """The first non-empty line of `e`, short (Inductor's messages run to pages of generated code)."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:200]
+    return type(e).__name__
