@@ -7,6 +7,8 @@ and the fix registry ``FIXES`` (``fixes.py``); ``analyzer.render`` draws the res
 """
 from __future__ import annotations
 
+from . import _builtin_verdicts  # noqa: F401  (fills VERDICTS with the built-in verdicts, first)
+from . import _builtin_fixes  # noqa: F401  (fills FIXES with the built-in fixes, in the order they are tried)
 from . import _scaler_skip  # noqa: F401  (registers the fix scaler_skip in FIXES)
 from ._advice import advice_with_status
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
