@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from .outputs import atomic_write_text
-from .report import FIGURE_CAPTIONS, _figures, _png_b64, relative_href
+from .png import figure_png_b64
+from .report import FIGURE_CAPTIONS, _figures, relative_href
 
 __all__ = ["write_autopsy_html"]
 
-_MAX_FIGURES = 4     # replay figures drawn (one per replayed snapshot, earliest first)
+_MAX_FIGURES = 4     # replay figures drawn (one per distinct culprit, the answer's first)
+_DPI = 90            # 10-inch figures at 900 px, inside the page's 1100 px column: never upscaled
 _MAX_LISTED = 32     # snapshots listed
 _MAX_EVIDENCE = 4000  # characters of one finding's raw evidence
 
@@ -188,24 +190,65 @@ def _fixes(a: dict) -> str:
     return "".join(out)
 
 
-def _replay_figures(replays: list) -> str:
+def _same_culprit(autopsy: dict) -> dict[str, str]:
+    """Each replayed snapshot whose culprit an earlier one already has -> that earlier snapshot.
+
+    ``shared_fixes`` pairs a snapshot with the first one of its culprit; a snapshot can name one
+    that itself names another, so the chain is followed to its first.
+    """
+    pairs = {str(s.get("snapshot")): str(s.get("same_culprit_as")) for s in autopsy.get("shared_fixes") or []
+             if isinstance(s, dict)}
+    out = {}
+    for snap in pairs:
+        first, seen = snap, set()
+        while first in pairs and first not in seen:
+            seen.add(first)
+            first = pairs[first]
+        out[snap] = first
+    return out
+
+
+def _figure_groups(replays: list, autopsy: dict) -> list[tuple[Any, list]]:
+    """(replay drawn, later replays with its culprit), one per distinct culprit, in replay order."""
+    same = _same_culprit(autopsy)
+    groups: list[tuple[Any, list]] = []
+    index: dict[str, int] = {}
+    for r in replays:
+        # keyed by the first snapshot of the culprit: the primary can head the answer before it
+        key = same.get(str(r.snapshot), str(r.snapshot))
+        if key in index:
+            groups[index[key]][1].append(r)
+        else:
+            index[key] = len(groups)
+            groups.append((r, []))
+    return groups
+
+
+def _replay_figures(replays: list, autopsy: dict) -> str:
     from .plots import plt
     from .replay import replay_figure
 
     out = ["<section id='replay'><h2>Replay</h2>"]
     if not replays:
         out.append("<p>No snapshot was replayed.</p>")
-    for r in replays[:_MAX_FIGURES]:
+    groups = _figure_groups(replays, autopsy)
+    for r, later in groups[:_MAX_FIGURES]:
         fig = replay_figure(r)  # an update replay draws its forensics: it has no per-op runs
         try:
-            img = _png_b64(fig)
+            img = figure_png_b64(fig, dpi=_DPI)
         finally:
             plt.close(fig)
-        out.append(f"<h3>{_e(Path(str(r.snapshot)).name)}: {_e(r.verdict)}</h3>"
-                   f"<img alt='replay figure of {_e(Path(str(r.snapshot)).name)}' src='data:image/png;base64,{img}'>"
+        name = _e(Path(str(r.snapshot)).name)
+        out.append(f"<h3>step {_e(r.step)} ({name}): {_e(r.verdict)}</h3>"
+                   f"<img class='replay' alt='replay figure of {name}' src='data:image/png;base64,{img}'>"
                    f"<p class='how'>{_e(_UPDATE_CAPTION if r.update is not None else _REPLAY_CAPTION)}</p>")
-    if len(replays) > _MAX_FIGURES:
-        out.append(f"<p>{len(replays) - _MAX_FIGURES} more replay(s) not drawn (--json lists them).</p>")
+        if later:  # the same op blamed again: its figure would repeat the one above
+            items = "".join(f"<li class='same-culprit'>step {_e(x.step)} ({_e(Path(str(x.snapshot)).name)}, "
+                            f"{_e(x.reason)}): {_e(x.verdict)}, same culprit as step {_e(r.step)}: "
+                            "the figure above</li>" for x in later)
+            out.append(f"<ul>{items}</ul>")
+    if len(groups) > _MAX_FIGURES:
+        out.append(f"<p>{len(groups) - _MAX_FIGURES} more replayed culprit(s) not drawn (--json lists them).</p>")
     out.append("</section>")
     return "".join(out)
 
@@ -239,7 +282,7 @@ def _plots(report) -> str:
     for stem, make in _figures(report):
         fig = make()
         try:
-            img = _png_b64(fig)
+            img = figure_png_b64(fig, dpi=_DPI)
         finally:
             plt.close(fig)
         out.append(f"<h3>{_e(stem.replace('_', ' '))}</h3><p class='how'>{_e(FIGURE_CAPTIONS[stem])}</p>"
@@ -277,7 +320,7 @@ def write_autopsy_html(path, autopsy: dict, *, report, replays: list, run_dir) -
         _verdict_box(autopsy, primary),
         _culprit_table(autopsy, run_dir, page),
         _fixes(autopsy),
-        _replay_figures(list(replays)),
+        _replay_figures(list(replays), autopsy),
         _findings(report) if report is not None else "",  # a checkpoint without a training log: no report
         _plots(report) if report is not None else "",
         _snapshots(autopsy, run_dir, page),

@@ -100,12 +100,14 @@ FIGURE_CAPTIONS = {
     "loss_scale": "Loss per step (top; the line breaks where the loss is NaN/Inf, red crosses mark those steps, "
                   "orange ticks skipped steps) and the loss scale (bottom, log2): a scale sliding towards 1 "
                   "means the scaler keeps finding overflows.",
-    "grad_heatmap": "log10 gradient norm per parameter (rows, input at top) over steps: white cells are "
-                    "non-finite (overflow), black ones exactly zero; a dark band is a layer whose gradient vanished.",
+    "grad_heatmap": "log10 gradient norm per parameter (rows, input at top) over steps: red cells are NaN/Inf "
+                    "(overflow), black ones exactly zero (the colour bar's two ends), white ones have no gradient "
+                    "recorded; a dark band is a layer whose gradient vanished.",
     "stalled_fraction": "Share of the parameters (by element count) whose gradient is stalled, per step: a curve "
                         "that rises and stays up means parts of the model stopped learning.",
     "grad_vs_depth": "Gradient norm against depth at a few steps: a slope falling towards the input is vanishing "
-                     "gradients; a gap is a non-finite or missing norm, triangles exact zeros.",
+                     "gradients; a gap is a non-finite or missing norm, triangles at the bottom exact zeros (the legend "
+                     "names each one's step).",
 }
 
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..errors import AnalyzerError
+from ._attribution import source_path
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
 from ._shadow import shadow
@@ -195,6 +196,7 @@ def _op_fields(run: RunTrace, i: int) -> dict:
         "output_absmax": _out_absmax(run, i),
         "output_kind": _KIND[op_kind(run, rec)],
         "custom": rec.namespace not in ("aten", "prims"),
+        "source_path": source_path(rec.source),
     }
 
 

@@ -32,6 +32,7 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
+from ._attribution import sources_relative_to
 from ._diagnose import diagnose, precision_run, with_roots
 from ._precision import PrecisionMode, precision_mode
 from ._runs import ReplayContext, RunTrace, run_once
@@ -109,7 +110,9 @@ class Replay:
         if self.is_update:  # checkpoint: what a checkpoint replay read (load.adhoc), else None
             return dataclasses.replace(replay_update(self.path, self.snapshot),
                                        checkpoint=getattr(self.snapshot, "source", None))
-        return _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        ctx = self.context()
+        with sources_relative_to(recorded_cwd(self.snapshot)):  # source lines read the same from any directory
+            return _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress)
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
         """Try each fix that serves `result`'s verdict on this replay's rebuilt model, one run each at most.
@@ -117,7 +120,8 @@ class Replay:
         Returns:
             The fixes in the order tried; empty for a healthy step.
         """
-        return run_fixes(result, self.context)
+        with sources_relative_to(recorded_cwd(self.snapshot)):  # as run() showed them: a guard matches its line
+            return run_fixes(result, self.context)
 
 
 def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: list[str] | None = None,
