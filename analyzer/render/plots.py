@@ -27,7 +27,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 from ..report import LOG_FLOOR, Frames  # noqa: E402
 
 __all__ = ["plot_loss_scale", "plot_grad_heatmap", "plot_stalled_fraction", "plot_grad_vs_depth",
-           "plot_replay_ops", "MAX_POINTS", "NONFINITE_COLOR"]
+           "plot_replay_ops", "MAX_POINTS"]
 
 MAX_POINTS = 4000
 _ZERO_LG = math.log10(LOG_FLOOR) + 1  # at or below: the norm was exactly zero
@@ -116,6 +116,9 @@ def plot_loss_scale(frames: Frames, run: str = "") -> Figure:
     if skipped.any():
         ax.scatter(x[skipped], np.full(skipped.sum(), 0.03), transform=top, marker="|", color="C1", s=40,
                    label=f"skipped step ({int(skipped.sum())})", gid="skipped")
+    if x.size:  # every step, even the NaN ones at the end that autoscaling skips (their crosses)
+        pad = max(0.5, 0.01 * float(x[-1] - x[0]))
+        ax.set_xlim(float(x[0]) - pad, float(x[-1]) + pad)
     ax.set_ylabel("loss")
     ax.set_title(_title(frames, "Loss and loss scale", run))
     _legend(ax, fontsize=8)
@@ -157,60 +160,11 @@ def _layer_ticks(ax, frames: Frames, n: int, axis: str = "y") -> None:
         ax.set_xticks(ticks, labels, fontsize=7, rotation=60, ha="right")
 
 
-# A NaN/Inf cell: red sits outside viridis (purple to yellow) and reads as an alarm, where the
-# white it replaced read as "no data". White is left to cells with no gradient recorded.
-NONFINITE_COLOR = "#e41a1c"
-ZERO_COLOR = "black"
-MISSING_COLOR = "white"
-
-
-def _bad_cells(frames: Frames, shape: tuple[int, int]) -> np.ndarray:
-    """Per (layer, bin): some step of the bin recorded a NaN/Inf gradient norm for the layer."""
-    lb = frames.layer_bins
-    bad = np.zeros(shape, dtype=bool)
-    if "n_bad" not in lb.columns:
-        return bad
-    bins = lb["bin"].unique().sort().to_numpy()
-    hit = lb.filter(pl.col("n_bad") > 0)
-    bad[hit["layer"].to_numpy(), np.searchsorted(bins, hit["bin"].to_numpy())] = True
-    return bad
-
-
 def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
-    """log10 unscaled gradient norm per parameter (rows, model order) over steps (columns).
+    """log10 unscaled gradient norm per parameter over steps (``heatmap.grad_heatmap``)."""
+    from .heatmap import grad_heatmap
 
-    Three cells lie outside the colour scale, each with its own colour: red, a NaN/Inf norm in
-    the cell's steps (the colour bar's top end); black, an exactly-zero one (its bottom end);
-    white, no gradient recorded.
-    """
-    m, layers, step_lo = _matrix(frames)
-    bad = _bad_cells(frames, m.shape)
-    fig, ax = plt.subplots(figsize=(10, max(3.5, min(12, 0.25 * layers.size + 1.5))))
-    x1 = step_lo[-1] + frames.bin_width if step_lo.size else 1
-    zero = m <= _ZERO_LG  # clipped log of an exactly-zero norm: its own colour, not the scale's end
-    finite = m[np.isfinite(m) & ~zero]
-    vmin, vmax = (np.percentile(finite, 1), np.percentile(finite, 99.5)) if finite.size else (-10, 0)
-    if vmax <= vmin:
-        vmax = vmin + 1.0
-    cmap = plt.get_cmap("viridis").with_extremes(under=ZERO_COLOR, over=NONFINITE_COLOR, bad=MISSING_COLOR)
-    # finite norms above the 99.5th percentile take the scale's top colour, so "over" is NaN/Inf only
-    shown = np.where(zero, vmin - 1, np.minimum(m, vmax))
-    shown = np.where(bad, vmax + 1, shown)
-    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax,
-                   extent=(step_lo[0] if step_lo.size else 0, x1, layers.size - 0.5, -0.5))
-    cb = fig.colorbar(im, ax=ax, label="log10 grad norm (unscaled)", extend="both", extendfrac=0.08)
-    # the two ends of the bar are the swatches of the two colours outside the scale
-    cb.ax.text(0.5, 1.1, "NaN/Inf", transform=cb.ax.transAxes, ha="center", va="bottom", fontsize=8,
-               color=NONFINITE_COLOR, fontweight="bold", gid="swatch_nonfinite")
-    cb.ax.text(0.5, -0.1, "exactly 0", transform=cb.ax.transAxes, ha="center", va="top", fontsize=8,
-               gid="swatch_zero")
-    _layer_ticks(ax, frames, layers.size)
-    ax.set_xlabel(f"step ({frames.bin_width} step(s) per column)" if frames.bin_width > 1 else "step")
-    ax.set_ylabel("parameter (input at top, output at bottom)")
-    ax.set_title(_title(frames, "Per-layer gradient norm", run)
-                 + "\nred: NaN/Inf (overflow), black: exactly zero, white: no gradient recorded", fontsize=11)
-    fig.tight_layout()
-    return fig
+    return grad_heatmap(frames, run)
 
 
 def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:
@@ -401,6 +355,7 @@ def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
             ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")
     _mark_common(ax, result, ct if ct is not None else next(iter(result.traces.values()), None))
     twin = _draw_zeros(ax, ct) if underflow else None
+    _cover_every_op(ax, result)
     ax.set_yscale("log")
     ax.set_xlabel("op index (execution order: forward, then backward)")
     ax.set_ylabel("output abs-max")
@@ -412,6 +367,15 @@ def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
         _zoom_panel(axes[1, 0], result, ct, zoom, underflow)
     fig.tight_layout()
     return fig
+
+
+def _cover_every_op(ax, result) -> None:
+    """x limits over every op: autoscaling skips the NaN points of a line, and the edge marks
+    (x in data, y in axes units) do not count, so the last ops' NaN crosses fell past the axes."""
+    n = max((len(t.records) for t in result.traces.values()), default=0)
+    if n:
+        pad = max(1.0, 0.02 * n)
+        ax.set_xlim(-pad, n - 1 + pad)
 
 
 def _zoom_panel(ax, result, trace, zoom: int, underflow: bool) -> None:
