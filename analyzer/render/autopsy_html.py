@@ -9,14 +9,19 @@ was shared. This page, written by ``analyzer autopsy --html FILE``, is in readin
 3. the fixes tried on the failing step, by status: *verified* first, then those that were tried
    and still fail (shown as "does not help", never as a recommendation), then those not tried
    and why; advice that could not be tried is marked *untested*;
-4. the replay figure of each replayed snapshot (culprit marked, forward/backward boundary, a
+4. the replay figure of each distinct culprit (culprit marked, forward/backward boundary, a
    zoom on the ops around the culprit);
 5. the report's findings as sentences, their raw evidence folded away (``<details>``);
 6. the report's plots, each with one line on how to read it; then the snapshots.
 
 Images are inlined as base64 PNG and nothing is fetched, so the page is one file. Snapshot links
 are relative to the page's directory, so the page keeps working when it is moved together with
-the run directory. Every string read from a file is escaped.
+the run directory. Every string read from a file is escaped. Source lines are as the replay
+shows them, relative to the run's recorded working directory (the absolute path is the cell's
+tooltip), so the page reads the same whoever rendered it from wherever.
+
+The page is meant to be attached: one replay figure per distinct culprit (a later snapshot that
+blames the same op is one line under the first one's figure), figures as palette PNGs at 90 dpi.
 
 Example:
     >>> write_autopsy_html("autopsy.html", result.to_dict(), report=result.report,  # doctest: +SKIP
@@ -133,7 +138,7 @@ def _culprit_table(a: dict, run_dir: Path, page: Path) -> str:
             continue
         main = a.get("culprit") is not None and r is (a.get("replays") or [None])[0]
         rows.append(f"<tr class='{'primary' if main else ''}'><td><b>{_e(c.get('op'))}</b>.{_e(c.get('overload'))}</td>"
-                    f"<td>{_e(c.get('module'))}</td><td><code>{_e(c.get('source'))}</code></td>"
+                    f"<td>{_e(c.get('module'))}</td><td><code title='{_e(c.get('source_path'))}'>{_e(c.get('source'))}</code></td>"
                     f"<td>{_e(c.get('phase'))}</td><td>{_e(c.get('precision'))}</td><td>{_e(r.get('step'))}</td>"
                     f"<td>{_e(_rank_of(r.get('snapshot'), a.get('report') or {}))}</td>"
                     f"<td>{_e(r.get('verdict'))}</td><td>{_snapshot_link(r.get('snapshot'), run_dir, page)}</td></tr>")
