@@ -6,9 +6,10 @@ was shared. This page, written by ``analyzer autopsy --html FILE``, is in readin
 
 1. the verdict box: verdict, one sentence, step, rank, precision;
 2. the culprit table: op, module, source line, phase, precision, step, rank, snapshot;
-3. the fixes tried on the failing step, by status: *verified* first, then those that were tried
-   and still fail (shown as "does not help", never as a recommendation), then those not tried
-   and why; advice that could not be tried is marked *untested*;
+3. the fixes tried on the failing step, one list per distinct culprit, by status: *verified*
+   first, then those that were tried and still fail (shown as "does not help", never as a
+   recommendation), then those not tried and why; advice that could not be tried is marked
+   *untested*;
 4. the replay figure of each distinct culprit (culprit marked, forward/backward boundary, a
    zoom on the ops around the culprit);
 5. the report's findings as sentences, their raw evidence folded away (``<details>``);
@@ -166,27 +167,45 @@ def _fix_line(f: dict) -> str:
     return f"<li class='{_e(status)}'><span class='status'>{tag}</span>: {title}{detail}{extra}</li>"
 
 
-def _fixes(a: dict) -> str:
-    fixes = [f for f in a.get("fixes") or [] if isinstance(f, dict)]
-    failing = {f.get("name") for f in fixes if f.get("status") == "fails"}
-    groups = (("verified", "Verified on the failing step (recommended)"),
-              ("fails", "Tried and still non-finite (not recommended)"),
-              ("not_tried", "Not tried"))
-    out = ["<section id='fixes'><h2>Fixes tried on the failing step</h2>"]
-    if not fixes:
-        out.append("<p>No fix was tried.</p>")
-    for status, title in groups:
+_FIX_GROUPS = (("verified", "Verified on the failing step (recommended)"),
+               ("fails", "Tried and still non-finite (not recommended)"),
+               ("not_tried", "Not tried"))
+
+
+def _fix_lists(fixes: list[dict], advice: list[dict], h: int) -> list[str]:
+    """The fixes of one culprit by status, then its advice, under ``<h{h}>`` headings."""
+    out = []
+    for status, title in _FIX_GROUPS:
         items = [_fix_line(f) for f in fixes if f.get("status") == status]
         if items:
-            out.append(f"<h3>{title}</h3><ul>{''.join(items)}</ul>")
+            out.append(f"<h{h}>{title}</h{h}><ul>{''.join(items)}</ul>")
     # Advice that names a fix which failed is never shown as advice, whatever its own status says.
-    advice = [x for x in a.get("advice") or []
-              if isinstance(x, dict) and (x.get("fix") is None or x.get("fix") not in failing)]
+    failing = {f.get("name") for f in fixes if f.get("status") == "fails"}
+    advice = [x for x in advice if x.get("fix") is None or x.get("fix") not in failing]
     if advice:
         items = "".join(f"<li class='{'verified' if x.get('status') == 'verified' else 'untested'}'>"
                         f"<span class='status'>{'verified' if x.get('status') == 'verified' else 'untested'}"
                         f"</span>: {_e(x.get('text'))}</li>" for x in advice)
-        out.append(f"<h3>Advice</h3><ul>{items}</ul>")
+        out.append(f"<h{h}>Advice</h{h}><ul>{items}</ul>")
+    return out
+
+
+def _fixes(a: dict) -> str:
+    fixes = [f for f in a.get("fixes") or [] if isinstance(f, dict)]
+    advice = [x for x in a.get("advice") or [] if isinstance(x, dict)]
+    out = ["<section id='fixes'><h2>Fixes tried on the failing step</h2>"]
+    if not fixes:
+        out.append("<p>No fix was tried.</p>")
+    # One list per culprit, the answer's first: fixes verified on one failure are no fix for another.
+    steps = {str(r.get("snapshot")): r.get("step") for r in a.get("replays") or [] if isinstance(r, dict)}
+    tried = [str(x.get("snapshot")) for x in fixes + advice]
+    snaps = list(dict.fromkeys([s for s in steps if s in tried] + tried))
+    if len(snaps) <= 1:
+        out += _fix_lists(fixes, advice, 3)
+    for snap in snaps if len(snaps) > 1 else ():
+        out.append(f"<h3>step {_e(steps.get(snap))} ({_e(Path(snap).name)})</h3>")
+        out += _fix_lists([f for f in fixes if str(f.get("snapshot")) == snap],
+                          [x for x in advice if str(x.get("snapshot")) == snap], 4)
     for s in a.get("shared_fixes") or []:
         out.append(f"<p>{_e(Path(str(s.get('snapshot'))).name)} has the same culprit as "
                    f"{_e(Path(str(s.get('same_culprit_as'))).name)}: the fixes above apply to both.</p>")
