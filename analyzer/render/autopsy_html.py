@@ -139,7 +139,8 @@ def _culprit_table(a: dict, run_dir: Path, page: Path) -> str:
             continue
         main = a.get("culprit") is not None and r is (a.get("replays") or [None])[0]
         rows.append(f"<tr class='{'primary' if main else ''}'><td><b>{_e(c.get('op'))}</b>.{_e(c.get('overload'))}</td>"
-                    f"<td>{_e(c.get('module'))}</td><td><code title='{_e(c.get('source_path'))}'>{_e(c.get('source'))}</code></td>"
+                    f"<td>{_e(c.get('module'))}</td>"
+                    f"<td><code title='{_e(c.get('source_path'))}'>{_e(c.get('source'))}</code></td>"
                     f"<td>{_e(c.get('phase'))}</td><td>{_e(c.get('precision'))}</td><td>{_e(r.get('step'))}</td>"
                     f"<td>{_e(_rank_of(r.get('snapshot'), a.get('report') or {}))}</td>"
                     f"<td>{_e(r.get('verdict'))}</td><td>{_snapshot_link(r.get('snapshot'), run_dir, page)}</td></tr>")
