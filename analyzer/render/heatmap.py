@@ -8,7 +8,7 @@ swatches, labelled "NaN/Inf" and "exactly 0"; finite norms beyond the scale's 1s
 percentiles take the scale's own end colours, so neither swatch is ever a finite value.
 
 Example:
-    >>> fig = grad_heatmap(report.frames, "run")  # doctest: +SKIP
+    >>> fig = plot_grad_heatmap(report.frames, "run")  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from ..report import Frames
 from .plots import _ZERO_LG, _layer_ticks, _matrix, _title, plt
 
-__all__ = ["grad_heatmap", "NONFINITE_COLOR", "ZERO_COLOR", "MISSING_COLOR"]
+__all__ = ["plot_grad_heatmap", "NONFINITE_COLOR", "ZERO_COLOR", "MISSING_COLOR"]
 
 # A NaN/Inf cell: red sits outside viridis (purple to yellow) and reads as an alarm, where the
 # white it replaced read as "no data". White is left to cells with no gradient recorded.
@@ -40,7 +40,7 @@ def _bad_cells(frames: Frames, shape: tuple[int, int]) -> np.ndarray:
     return bad
 
 
-def grad_heatmap(frames: Frames, run: str = "") -> Figure:
+def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
     """log10 unscaled gradient norm per parameter (rows, model order) over steps (columns).
 
     Three cells lie outside the colour scale, each with its own colour: red, a NaN/Inf norm in

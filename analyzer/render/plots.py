@@ -1,5 +1,7 @@
 """Matplotlib figures of a run's trace; the one place the Agg backend is chosen. Each returns a Figure.
 
+The gradient heatmap is ``heatmap.plot_grad_heatmap`` (it builds on this module's helpers).
+
 Every figure is readable on its own: a title naming the run, labelled axes, log scales where
 values span decades. Long runs are downsampled to at most ``MAX_POINTS`` bins (median loss,
 minimum scale, any skip / non-finite in the bin), so a 1M-step trace plots in a second.
@@ -26,7 +28,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from ..report import LOG_FLOOR, Frames  # noqa: E402
 
-__all__ = ["plot_loss_scale", "plot_grad_heatmap", "plot_stalled_fraction", "plot_grad_vs_depth",
+__all__ = ["plot_loss_scale", "plot_stalled_fraction", "plot_grad_vs_depth",
            "plot_replay_ops", "MAX_POINTS"]
 
 MAX_POINTS = 4000
@@ -158,13 +160,6 @@ def _layer_ticks(ax, frames: Frames, n: int, axis: str = "y") -> None:
         ax.set_yticks(ticks, labels, fontsize=7 if n > 15 else 8)
     else:
         ax.set_xticks(ticks, labels, fontsize=7, rotation=60, ha="right")
-
-
-def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
-    """log10 unscaled gradient norm per parameter over steps (``heatmap.grad_heatmap``)."""
-    from .heatmap import grad_heatmap
-
-    return grad_heatmap(frames, run)
 
 
 def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:

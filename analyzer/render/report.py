@@ -126,13 +126,13 @@ def relative_href(target, page) -> str:
 
 
 def _figures(rep: Report):
-    from . import plots
+    from . import heatmap, plots
 
     fr = rep.frames
     name = Path(rep.run).name or rep.run
     yield "loss_scale", lambda: plots.plot_loss_scale(fr, name)
     if fr.layer_bins is not None:
-        yield "grad_heatmap", lambda: plots.plot_grad_heatmap(fr, name)
+        yield "grad_heatmap", lambda: heatmap.plot_grad_heatmap(fr, name)
         yield "stalled_fraction", lambda: plots.plot_stalled_fraction(fr, rep.stalled_fraction, name)
         yield "grad_vs_depth", lambda: plots.plot_grad_vs_depth(fr, name)
 

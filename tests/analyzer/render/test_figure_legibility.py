@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from matplotlib.colors import to_rgba
 from PIL import Image
 
-from analyzer.render import plots
+from analyzer.render import heatmap, plots
 from analyzer.render.heatmap import NONFINITE_COLOR
 from analyzer.render.png import figure_png
 from analyzer.render.update_plot import plot_update_forensics
@@ -63,7 +63,7 @@ def test_heatmap_cells_are_red_for_nan_inf_black_for_zero_white_for_no_gradient(
         s.lg[i, j] = -np.inf  # grad_norm exactly 0
     with tempfile.TemporaryDirectory() as d:
         rep = build_report(_write(s, Path(d), no_grad))
-    fig = plots.plot_grad_heatmap(rep.frames, "run")
+    fig = heatmap.plot_grad_heatmap(rep.frames, "run")
     try:
         ax = fig.axes[0]
         im, = ax.images
