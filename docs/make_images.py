@@ -40,7 +40,8 @@ def main() -> None:
         shutil.copyfile(Path(tmp) / out.plots[0].parent / "loss_scale.png", DOCS / "demo-loss-scale.png")
         if out.replay_plot is not None:
             shutil.copyfile(Path(tmp) / out.replay_plot, DOCS / "demo-replay.png")
-    # Source locations print relative to the working directory; show them as from the repo root.
+    # Source lines print relative to the run's recorded working directory, here the temporary folder,
+    # which samples/ is not under: they are absolute; show them as from the repo root.
     text = "\n".join(lines).replace(f"{REPO}{os.sep}", "")
     (DOCS / "demo-output.txt").write_text(text + "\n")
     for name in ("demo-loss-scale.png", "demo-replay.png", "demo-output.txt"):

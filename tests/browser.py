@@ -7,7 +7,8 @@ what the tests need:
 - ``render_text(page)`` opens a small harness page that loads `page` in an iframe and, once it
   has loaded, copies the iframe's ``innerText`` (what a reader sees: no markup, no collapsed
   ``<details>`` body, no ``display:none``) and every link's *resolved* ``href`` into the harness's
-  DOM, which ``--dump-dom`` then prints. The harness is the test's own file, next to the page
+  DOM, which ``--dump-dom`` then prints; ``render_page(page)`` adds its images (decoded sizes)
+  and its height. The harness is the test's own file, next to the page
   it reads; the page itself is never modified.
 - ``screenshot(page, png)`` renders the page to a PNG.
 
@@ -15,6 +16,8 @@ what the tests need:
 
 Example:
     >>> text, links = render_text(Path("autopsy.html"))  # doctest: +SKIP
+    >>> render_page(Path("autopsy.html"))["images"][0]["width"]  # doctest: +SKIP
+    900
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["find_chromium", "render_text", "screenshot", "SKIP_REASON"]
+__all__ = ["find_chromium", "render_page", "render_text", "screenshot", "SKIP_REASON"]
 
 _NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 SKIP_REASON = ("no Chromium found (looked for $CHROMIUM, then " + ", ".join(_NAMES) + " on PATH): "
@@ -65,7 +68,12 @@ document.getElementById("page").addEventListener("load", function () {{
   out.id = "rendered";
   out.textContent = JSON.stringify({{
     text: d.body.innerText,
-    links: Array.from(d.querySelectorAll("a[href]")).map(function (a) {{ return a.href; }})
+    links: Array.from(d.querySelectorAll("a[href]")).map(function (a) {{ return a.href; }}),
+    images: Array.from(d.images).map(function (i) {{
+      return {{alt: i.alt, cls: i.className, width: i.naturalWidth, height: i.naturalHeight,
+               complete: i.complete}};
+    }}),
+    height: d.documentElement.scrollHeight
   }});
   document.body.appendChild(out);
 }});
@@ -73,7 +81,15 @@ document.getElementById("page").addEventListener("load", function () {{
 
 
 def render_text(page: Path) -> tuple[str, list[str]]:
-    """What Chromium shows of `page` (a local HTML file): its rendered text and resolved link URLs.
+    """What Chromium shows of `page` (a local HTML file): its rendered text and resolved link URLs."""
+    data = render_page(page)
+    return data["text"], data["links"]
+
+
+def render_page(page: Path) -> dict:
+    """What Chromium shows of `page`: ``text``, ``links`` (resolved URLs), ``images`` (``alt``,
+    ``cls``, the decoded ``width``/``height``, 0 for an image it could not decode, ``complete``)
+    and ``height`` (the document's height in CSS pixels, in the harness's 1200 px wide frame).
 
     NB: ``--allow-file-access-from-files`` lets the harness (a ``file://`` page) read the
     iframe's document, which Chromium otherwise treats as another origin.
@@ -90,8 +106,7 @@ def render_text(page: Path) -> tuple[str, list[str]]:
         raise RuntimeError(f"the harness did not render the page (DOM: {res.stdout[:500]!r}; stderr: "
                            f"{res.stderr[-1000:]!r})")
     body = res.stdout[start + len('<pre id="rendered">'):res.stdout.index("</pre>", start)]
-    data = json.loads(html.unescape(body))
-    return data["text"], data["links"]
+    return json.loads(html.unescape(body))
 
 
 def screenshot(page: Path, png: Path, size: tuple[int, int] = (1200, 2400)) -> Path:

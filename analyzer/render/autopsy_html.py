@@ -6,17 +6,23 @@ was shared. This page, written by ``analyzer autopsy --html FILE``, is in readin
 
 1. the verdict box: verdict, one sentence, step, rank, precision;
 2. the culprit table: op, module, source line, phase, precision, step, rank, snapshot;
-3. the fixes tried on the failing step, by status: *verified* first, then those finite but far
-   from the FP32 step (*changes the result*), then those that were tried and still fail (shown as "does not help", never as a recommendation), then those not tried
-   and why; advice that could not be tried is marked *untested*;
-4. the replay figure of each replayed snapshot (culprit marked, forward/backward boundary, a
+3. the fixes tried on the failing step, one list per distinct culprit, by status: *verified*
+   first, then those finite but far from the FP32 step (*changes the result*), then those that
+   were tried and still fail (shown as "does not help", never as a recommendation), then those
+   not tried and why; advice that could not be tried is marked *untested*;
+4. the replay figure of each distinct culprit (culprit marked, forward/backward boundary, a
    zoom on the ops around the culprit);
 5. the report's findings as sentences, their raw evidence folded away (``<details>``);
 6. the report's plots, each with one line on how to read it; then the snapshots.
 
 Images are inlined as base64 PNG and nothing is fetched, so the page is one file. Snapshot links
 are relative to the page's directory, so the page keeps working when it is moved together with
-the run directory. Every string read from a file is escaped.
+the run directory. Every string read from a file is escaped. Source lines are as the replay
+shows them, relative to the run's recorded working directory (the absolute path is the cell's
+tooltip), so the page reads the same whoever rendered it from wherever.
+
+The page is meant to be attached: one replay figure per distinct culprit (a later snapshot that
+blames the same op is one line under the first one's figure), figures as palette PNGs at 90 dpi.
 
 Example:
     >>> write_autopsy_html("autopsy.html", result.to_dict(), report=result.report,  # doctest: +SKIP
@@ -31,11 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from .outputs import atomic_write_text
-from .report import FIGURE_CAPTIONS, _figures, _png_b64, relative_href
+from .png import figure_png_b64
+from .report import FIGURE_CAPTIONS, _figures, relative_href
 
 __all__ = ["write_autopsy_html"]
 
-_MAX_FIGURES = 4     # replay figures drawn (one per replayed snapshot, earliest first)
+_MAX_FIGURES = 4     # replay figures drawn (one per distinct culprit, the answer's first)
+_DPI = 90            # 10-inch figures at 900 px, inside the page's 1100 px column: never upscaled
 _MAX_LISTED = 32     # snapshots listed
 _MAX_EVIDENCE = 4000  # characters of one finding's raw evidence
 
@@ -131,7 +139,8 @@ def _culprit_table(a: dict, run_dir: Path, page: Path) -> str:
             continue
         main = a.get("culprit") is not None and r is (a.get("replays") or [None])[0]
         rows.append(f"<tr class='{'primary' if main else ''}'><td><b>{_e(c.get('op'))}</b>.{_e(c.get('overload'))}</td>"
-                    f"<td>{_e(c.get('module'))}</td><td><code>{_e(c.get('source'))}</code></td>"
+                    f"<td>{_e(c.get('module'))}</td>"
+                    f"<td><code title='{_e(c.get('source_path'))}'>{_e(c.get('source'))}</code></td>"
                     f"<td>{_e(c.get('phase'))}</td><td>{_e(c.get('precision'))}</td><td>{_e(r.get('step'))}</td>"
                     f"<td>{_e(_rank_of(r.get('snapshot'), a.get('report') or {}))}</td>"
                     f"<td>{_e(r.get('verdict'))}</td><td>{_snapshot_link(r.get('snapshot'), run_dir, page)}</td></tr>")
@@ -161,28 +170,46 @@ def _fix_line(f: dict) -> str:
     return f"<li class='{_e(status)}'><span class='status'>{tag}</span>: {title}{detail}{extra}</li>"
 
 
-def _fixes(a: dict) -> str:
-    fixes = [f for f in a.get("fixes") or [] if isinstance(f, dict)]
-    failing = {f.get("name") for f in fixes if f.get("status") in ("fails", "changes_result")}
-    groups = (("verified", "Verified on the failing step (recommended)"),
-              ("changes_result", "Finite, but far from the FP32 step (not recommended)"),
-              ("fails", "Tried and still non-finite (not recommended)"),
-              ("not_tried", "Not tried"))
-    out = ["<section id='fixes'><h2>Fixes tried on the failing step</h2>"]
-    if not fixes:
-        out.append("<p>No fix was tried.</p>")
-    for status, title in groups:
+_FIX_GROUPS = (("verified", "Verified on the failing step (recommended)"),
+               ("changes_result", "Finite, but far from the FP32 step (not recommended)"),
+               ("fails", "Tried and still non-finite (not recommended)"),
+               ("not_tried", "Not tried"))
+
+
+def _fix_lists(fixes: list[dict], advice: list[dict], h: int) -> list[str]:
+    """The fixes of one culprit by status, then its advice, under ``<h{h}>`` headings."""
+    out = []
+    for status, title in _FIX_GROUPS:
         items = [_fix_line(f) for f in fixes if f.get("status") == status]
         if items:
-            out.append(f"<h3>{title}</h3><ul>{''.join(items)}</ul>")
-    # Advice that names a fix which failed is never shown as advice, whatever its own status says.
-    advice = [x for x in a.get("advice") or []
-              if isinstance(x, dict) and (x.get("fix") is None or x.get("fix") not in failing)]
+            out.append(f"<h{h}>{title}</h{h}><ul>{''.join(items)}</ul>")
+    # Advice that names a fix which failed (or changed the result) is never shown as advice, whatever its own status says.
+    failing = {f.get("name") for f in fixes if f.get("status") in ("fails", "changes_result")}
+    advice = [x for x in advice if x.get("fix") is None or x.get("fix") not in failing]
     if advice:
         items = "".join(f"<li class='{'verified' if x.get('status') == 'verified' else 'untested'}'>"
                         f"<span class='status'>{'verified' if x.get('status') == 'verified' else 'untested'}"
                         f"</span>: {_e(x.get('text'))}</li>" for x in advice)
-        out.append(f"<h3>Advice</h3><ul>{items}</ul>")
+        out.append(f"<h{h}>Advice</h{h}><ul>{items}</ul>")
+    return out
+
+
+def _fixes(a: dict) -> str:
+    fixes = [f for f in a.get("fixes") or [] if isinstance(f, dict)]
+    advice = [x for x in a.get("advice") or [] if isinstance(x, dict)]
+    out = ["<section id='fixes'><h2>Fixes tried on the failing step</h2>"]
+    if not fixes:
+        out.append("<p>No fix was tried.</p>")
+    # One list per culprit, the answer's first: fixes verified on one failure are no fix for another.
+    steps = {str(r.get("snapshot")): r.get("step") for r in a.get("replays") or [] if isinstance(r, dict)}
+    tried = [str(x.get("snapshot")) for x in fixes + advice]
+    snaps = list(dict.fromkeys([s for s in steps if s in tried] + tried))
+    if len(snaps) <= 1:
+        out += _fix_lists(fixes, advice, 3)
+    for snap in snaps if len(snaps) > 1 else ():
+        out.append(f"<h3>step {_e(steps.get(snap))} ({_e(Path(snap).name)})</h3>")
+        out += _fix_lists([f for f in fixes if str(f.get("snapshot")) == snap],
+                          [x for x in advice if str(x.get("snapshot")) == snap], 4)
     for s in a.get("shared_fixes") or []:
         out.append(f"<p>{_e(Path(str(s.get('snapshot'))).name)} has the same culprit as "
                    f"{_e(Path(str(s.get('same_culprit_as'))).name)}: the fixes above apply to both.</p>")
@@ -192,24 +219,65 @@ def _fixes(a: dict) -> str:
     return "".join(out)
 
 
-def _replay_figures(replays: list) -> str:
+def _same_culprit(autopsy: dict) -> dict[str, str]:
+    """Each replayed snapshot whose culprit an earlier one already has -> that earlier snapshot.
+
+    ``shared_fixes`` pairs a snapshot with the first one of its culprit; a snapshot can name one
+    that itself names another, so the chain is followed to its first.
+    """
+    pairs = {str(s.get("snapshot")): str(s.get("same_culprit_as")) for s in autopsy.get("shared_fixes") or []
+             if isinstance(s, dict)}
+    out = {}
+    for snap in pairs:
+        first, seen = snap, set()
+        while first in pairs and first not in seen:
+            seen.add(first)
+            first = pairs[first]
+        out[snap] = first
+    return out
+
+
+def _figure_groups(replays: list, autopsy: dict) -> list[tuple[Any, list]]:
+    """(replay drawn, later replays with its culprit), one per distinct culprit, in replay order."""
+    same = _same_culprit(autopsy)
+    groups: list[tuple[Any, list]] = []
+    index: dict[str, int] = {}
+    for r in replays:
+        # keyed by the first snapshot of the culprit: the primary can head the answer before it
+        key = same.get(str(r.snapshot), str(r.snapshot))
+        if key in index:
+            groups[index[key]][1].append(r)
+        else:
+            index[key] = len(groups)
+            groups.append((r, []))
+    return groups
+
+
+def _replay_figures(replays: list, autopsy: dict) -> str:
     from .plots import plt
     from .replay import replay_figure
 
     out = ["<section id='replay'><h2>Replay</h2>"]
     if not replays:
         out.append("<p>No snapshot was replayed.</p>")
-    for r in replays[:_MAX_FIGURES]:
+    groups = _figure_groups(replays, autopsy)
+    for r, later in groups[:_MAX_FIGURES]:
         fig = replay_figure(r)  # an update replay draws its forensics: it has no per-op runs
         try:
-            img = _png_b64(fig)
+            img = figure_png_b64(fig, dpi=_DPI)
         finally:
             plt.close(fig)
-        out.append(f"<h3>{_e(Path(str(r.snapshot)).name)}: {_e(r.verdict)}</h3>"
-                   f"<img alt='replay figure of {_e(Path(str(r.snapshot)).name)}' src='data:image/png;base64,{img}'>"
+        name = _e(Path(str(r.snapshot)).name)
+        out.append(f"<h3>step {_e(r.step)} ({name}): {_e(r.verdict)}</h3>"
+                   f"<img class='replay' alt='replay figure of {name}' src='data:image/png;base64,{img}'>"
                    f"<p class='how'>{_e(_UPDATE_CAPTION if r.update is not None else _REPLAY_CAPTION)}</p>")
-    if len(replays) > _MAX_FIGURES:
-        out.append(f"<p>{len(replays) - _MAX_FIGURES} more replay(s) not drawn (--json lists them).</p>")
+        if later:  # the same op blamed again: its figure would repeat the one above
+            items = "".join(f"<li class='same-culprit'>step {_e(x.step)} ({_e(Path(str(x.snapshot)).name)}, "
+                            f"{_e(x.reason)}): {_e(x.verdict)}, same culprit as step {_e(r.step)}: "
+                            "the figure above</li>" for x in later)
+            out.append(f"<ul>{items}</ul>")
+    if len(groups) > _MAX_FIGURES:
+        out.append(f"<p>{len(groups) - _MAX_FIGURES} more replayed culprit(s) not drawn (--json lists them).</p>")
     out.append("</section>")
     return "".join(out)
 
@@ -243,7 +311,7 @@ def _plots(report) -> str:
     for stem, make in _figures(report):
         fig = make()
         try:
-            img = _png_b64(fig)
+            img = figure_png_b64(fig, dpi=_DPI)
         finally:
             plt.close(fig)
         out.append(f"<h3>{_e(stem.replace('_', ' '))}</h3><p class='how'>{_e(FIGURE_CAPTIONS[stem])}</p>"
@@ -281,7 +349,7 @@ def write_autopsy_html(path, autopsy: dict, *, report, replays: list, run_dir) -
         _verdict_box(autopsy, primary),
         _culprit_table(autopsy, run_dir, page),
         _fixes(autopsy),
-        _replay_figures(list(replays)),
+        _replay_figures(list(replays), autopsy),
         _findings(report) if report is not None else "",  # a checkpoint without a training log: no report
         _plots(report) if report is not None else "",
         _snapshots(autopsy, run_dir, page),

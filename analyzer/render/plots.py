@@ -1,5 +1,7 @@
 """Matplotlib figures of a run's trace; the one place the Agg backend is chosen. Each returns a Figure.
 
+The gradient heatmap is ``heatmap.plot_grad_heatmap`` (it builds on this module's helpers).
+
 Every figure is readable on its own: a title naming the run, labelled axes, log scales where
 values span decades. Long runs are downsampled to at most ``MAX_POINTS`` bins (median loss,
 minimum scale, any skip / non-finite in the bin), so a 1M-step trace plots in a second.
@@ -26,7 +28,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from ..report import LOG_FLOOR, Frames  # noqa: E402
 
-__all__ = ["plot_loss_scale", "plot_grad_heatmap", "plot_stalled_fraction", "plot_grad_vs_depth",
+__all__ = ["plot_loss_scale", "plot_stalled_fraction", "plot_grad_vs_depth",
            "plot_replay_ops", "MAX_POINTS"]
 
 MAX_POINTS = 4000
@@ -68,14 +70,23 @@ def _draws(artist) -> bool:
     return True
 
 
-def _legend(ax, *twins, **kwargs) -> None:
+def _legend(ax, *twins, outside: bool = True, **kwargs) -> None:
     """One legend on `ax` for the labelled artists of `ax` and its twin axes that draw something;
-    no legend when there are none."""
+    no legend when there are none.
+
+    ``outside`` (the default) puts it to the right of the axes, past a twin's axis labels: inside,
+    wherever it went, it sat on the points it explains (the NaN crosses at the top right of the
+    loss, the ops next to the culprit in the replay's zoom). ``fig.tight_layout()`` makes room.
+    """
     pairs = []
     for a in (ax, *[t for t in twins if t is not None]):
         pairs += [(h, lab) for h, lab in zip(*a.get_legend_handles_labels()) if _draws(h)]
-    if pairs:
-        ax.legend([h for h, _ in pairs], [lab for _, lab in pairs], **kwargs)
+    if not pairs:
+        return
+    if outside:
+        pad = 1.09 if any(t is not None for t in twins) else 1.01
+        kwargs = {**kwargs, "loc": "upper left", "bbox_to_anchor": (pad, 1.0), "borderaxespad": 0.0}
+    ax.legend([h for h, _ in pairs], [lab for _, lab in pairs], **kwargs)
 
 
 def _title(frames: Frames, what: str, run: str) -> str:
@@ -107,9 +118,12 @@ def plot_loss_scale(frames: Frames, run: str = "") -> Figure:
     if skipped.any():
         ax.scatter(x[skipped], np.full(skipped.sum(), 0.03), transform=top, marker="|", color="C1", s=40,
                    label=f"skipped step ({int(skipped.sum())})", gid="skipped")
+    if x.size:  # every step, even the NaN ones at the end that autoscaling skips (their crosses)
+        pad = max(0.5, 0.01 * float(x[-1] - x[0]))
+        ax.set_xlim(float(x[0]) - pad, float(x[-1]) + pad)
     ax.set_ylabel("loss")
     ax.set_title(_title(frames, "Loss and loss scale", run))
-    _legend(ax, loc="upper right", fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     if has_scale:
         ax2 = axes[1, 0]
@@ -119,7 +133,7 @@ def plot_loss_scale(frames: Frames, run: str = "") -> Figure:
         ax2.set_yscale("log", base=2)
         ax2.axhline(1.0, color="red", lw=0.6, ls="--", label="scale 1 (collapse)")
         ax2.set_ylabel("loss scale (log2)")
-        _legend(ax2, loc="upper right", fontsize=8)
+        _legend(ax2, fontsize=8)
         ax2.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
@@ -148,28 +162,6 @@ def _layer_ticks(ax, frames: Frames, n: int, axis: str = "y") -> None:
         ax.set_xticks(ticks, labels, fontsize=7, rotation=60, ha="right")
 
 
-def plot_grad_heatmap(frames: Frames, run: str = "") -> Figure:
-    """log10 unscaled gradient norm per parameter (rows, model order) over steps (columns)."""
-    m, layers, step_lo = _matrix(frames)
-    fig, ax = plt.subplots(figsize=(10, max(3.5, min(12, 0.25 * layers.size + 1.5))))
-    x1 = step_lo[-1] + frames.bin_width if step_lo.size else 1
-    zero = m <= _ZERO_LG  # clipped log of an exactly-zero norm: its own colour, not the scale's end
-    finite = m[np.isfinite(m) & ~zero]
-    vmin, vmax = (np.percentile(finite, 1), np.percentile(finite, 99.5)) if finite.size else (-10, 0)
-    cmap = plt.get_cmap("viridis").with_extremes(under="black", bad="white")
-    shown = np.where(zero, vmin - 1, m)
-    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax,
-                   extent=(step_lo[0] if step_lo.size else 0, x1, layers.size - 0.5, -0.5))
-    fig.colorbar(im, ax=ax, label="log10 grad norm (unscaled)", extend="min")
-    _layer_ticks(ax, frames, layers.size)
-    ax.set_xlabel(f"step ({frames.bin_width} step(s) per column)" if frames.bin_width > 1 else "step")
-    ax.set_ylabel("parameter (input at top, output at bottom)")
-    ax.set_title(_title(frames, "Per-layer gradient norm", run) + "\nblack: exactly zero, white: non-finite (overflow)",
-                 fontsize=11)
-    fig.tight_layout()
-    return fig
-
-
 def plot_stalled_fraction(frames: Frames, sf: pl.DataFrame, run: str = "") -> Figure:
     """Fraction of parameters (by element count) whose gradient is stalled, over steps.
 
@@ -194,7 +186,6 @@ def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figur
     cols = np.unique(np.linspace(0, m.shape[1] - 1, n_lines).round().astype(int))
     cmap = plt.get_cmap("plasma")
     bottom = blended_transform_factory(ax.transData, ax.transAxes)
-    zero_labelled = False
     for j, c in enumerate(cols):
         y = m[:, c]
         ok = np.isfinite(y) & (y > _ZERO_LG)
@@ -205,10 +196,10 @@ def plot_grad_vs_depth(frames: Frames, run: str = "", n_lines: int = 4) -> Figur
         ax.plot(layers, np.where(ok, 10 ** np.where(ok, y, 0), np.nan), marker="o", ms=3, lw=1, color=color,
                 label=label)
         zero = np.isfinite(y) & (y <= _ZERO_LG)
-        if zero.any():
+        if zero.any():  # labelled with its step: the triangles of two steps differ only in colour
             ax.scatter(layers[zero], np.full(zero.sum(), 0.02), transform=bottom, marker="v", color=color,
-                       label=None if zero_labelled else "exactly zero gradient", clip_on=False)
-            zero_labelled = True
+                       label=f"step {int(step_lo[c])}: exactly zero gradient ({int(zero.sum())} layer(s))",
+                       clip_on=False, gid=f"zero_grad:{int(step_lo[c])}")
     ax.set_yscale("log")
     _layer_ticks(ax, frames, layers.size, axis="x")
     ax.set_ylabel("gradient norm (unscaled, log)")
@@ -359,17 +350,27 @@ def plot_replay_ops(result, *, zoom: int = _ZOOM) -> Figure:
             ax.text(0, limit, f" {name} max", va="bottom", fontsize=8, color="grey")
     _mark_common(ax, result, ct if ct is not None else next(iter(result.traces.values()), None))
     twin = _draw_zeros(ax, ct) if underflow else None
+    _cover_every_op(ax, result)
     ax.set_yscale("log")
     ax.set_xlabel("op index (execution order: forward, then backward)")
     ax.set_ylabel("output abs-max")
     step = f" of step {result.step}" if result.step is not None else ""
     ax.set_title(f"replay{step}: {result.verdict}  (x at top: NaN/Inf output, -inf mask values not shown; "
                  "v at bottom: all-zero output)", pad=14, fontsize=10)
-    _legend(ax, twin, loc="lower right", fontsize=8)
+    _legend(ax, twin, fontsize=8)
     if c and ct is not None:
         _zoom_panel(axes[1, 0], result, ct, zoom, underflow)
     fig.tight_layout()
     return fig
+
+
+def _cover_every_op(ax, result) -> None:
+    """x limits over every op: autoscaling skips the NaN points of a line, and the edge marks
+    (x in data, y in axes units) do not count, so the last ops' NaN crosses fell past the axes."""
+    n = max((len(t.records) for t in result.traces.values()), default=0)
+    if n:
+        pad = max(1.0, 0.02 * n)
+        ax.set_xlim(-pad, n - 1 + pad)
 
 
 def _zoom_panel(ax, result, trace, zoom: int, underflow: bool) -> None:
@@ -395,4 +396,4 @@ def _zoom_panel(ax, result, trace, zoom: int, underflow: bool) -> None:
     ax.set_ylabel("output abs-max")
     ax.set_title(f"zoom: ops #{lo}..#{hi} around the culprit ({trace.precision} run)", fontsize=10, pad=14)
     ax.grid(alpha=0.3)
-    _legend(ax, twin, loc="lower left", fontsize=8)
+    _legend(ax, twin, fontsize=8)

@@ -104,7 +104,7 @@ def _factor_bars(ax, params: list[dict], total: int) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # element counts
     ax.set_xlabel("NaN/Inf elements after the update, by the factor that explains them"
                   + (f" ({total - len(params)} more parameters not shown)" if total > len(params) else ""))
-    _legend(ax, loc="lower right", fontsize=8)
+    _legend(ax, fontsize=8)
 
 
 def _example_values(ax, params: list[dict], u: dict) -> None:
@@ -157,4 +157,4 @@ def _example_values(ax, params: list[dict], u: dict) -> None:
                 "an infinite total norm (clip coefficient 0, 0 * inf = NaN)", transform=ax.transAxes, ha="center",
                 fontsize=8, color="C3", gid="clip_signature", wrap=True)
     ax.grid(alpha=0.3)
-    _legend(ax, loc="center right", fontsize=8)
+    _legend(ax, fontsize=8)

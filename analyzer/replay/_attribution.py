@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -22,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from ._cache import Memo
 
-__all__ = ["user_source", "attach_module_hooks", "CUDA_FP32_OPS"]
+__all__ = ["user_source", "source_path", "sources_relative_to", "attach_module_hooks", "CUDA_FP32_OPS"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -54,24 +56,52 @@ def user_source() -> str | None:
                 return None
         elif not filename.startswith(_TORCH_DIR) and not filename.endswith(_SKIP_FILES) \
                 and not filename.startswith("<frozen"):
-            shown = _SHOWN.get(filename)
+            key = (_BASE[0] or os.getcwd(), filename)
+            shown = _SHOWN.get(key)
             if shown is None:
-                shown = _SHOWN[filename] = _shown_name(filename)
+                shown = _SHOWN[key] = _shown_name(filename, key[0])
             return f"{shown}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
 
-_SHOWN: Memo = Memo()  # file name -> its shown (shortened) name
+_SHOWN: Memo = Memo()  # (base, file name) -> its shown (shortened) name
+# The directory source lines are shown relative to: the run's recorded working directory while a
+# snapshot is replayed (``sources_relative_to``), so a line reads the same from wherever the
+# analyzer runs; None: the current directory (a checkpoint records none). NB: a process global,
+# not a ContextVar: CUDA runs backward in autograd's own threads, which a ContextVar would not reach.
+_BASE: list[str | None] = [None]
 
 
-def _shown_name(filename: str) -> str:
-    """Relative to the working directory when under it, else absolute."""
+@contextmanager
+def sources_relative_to(directory: str | None) -> Iterator[None]:
+    """Show the source lines of the ops run inside relative to `directory` (None: the current one)."""
+    before = _BASE[0]
+    _BASE[0] = os.path.realpath(directory) if directory else None
     try:
-        shown = os.path.relpath(filename)
-    except ValueError:
+        yield
+    finally:
+        _BASE[0] = before
+
+
+def _shown_name(filename: str, base: str | None = None) -> str:
+    """Relative to `base` (default: the working directory) when under it, else absolute."""
+    try:
+        real = os.path.realpath(filename)
+        shown = os.path.relpath(real, base or os.getcwd())
+    except (ValueError, OSError):
         return filename
-    return filename if shown.startswith("..") else shown
+    return real if shown.startswith("..") else shown
+
+
+def source_path(source: str | None) -> str | None:
+    """The absolute ``file:line`` of a ``user_source()`` line shown in the current base."""
+    if not source or ":" not in source:
+        return None
+    file, line = source.rsplit(":", 1)
+    if not os.path.isabs(file):
+        file = os.path.normpath(os.path.join(_BASE[0] or os.getcwd(), file))
+    return f"{file}:{line}"
 
 
 def attach_module_hooks(model: torch.nn.Module, stack: list[str]) -> list:

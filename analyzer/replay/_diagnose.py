@@ -14,6 +14,7 @@ import torch
 
 from ..errors import AnalyzerError
 from ._actionable import batch_fault
+from ._attribution import source_path
 from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
@@ -203,6 +204,7 @@ def _op_fields(run: RunTrace, i: int) -> dict:
         "output_absmax": _out_absmax(run, i),
         "output_kind": _KIND[op_kind(run, rec)],
         "custom": rec.namespace not in ("aten", "prims"),
+        "source_path": source_path(rec.source),
     }
 
 

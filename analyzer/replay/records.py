@@ -47,6 +47,7 @@ class OpRecord(Mapping):
     custom: bool
     zeros: Any = UNSET
     fp32_zeros: Any = UNSET
+    source_path: Any = UNSET  # the absolute file:line of `source`, which is shown relative to the run's cwd
 
     def _present(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not UNSET]

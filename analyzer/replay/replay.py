@@ -33,6 +33,7 @@ from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_
 from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
 from ._accumulate import micro_summary, with_micro_batch
+from ._attribution import sources_relative_to
 from ._diagnose import diagnose, precision_run, with_roots
 from ._bf16 import needs_bf16, with_bf16
 from ._magnitude import with_jump
@@ -113,7 +114,9 @@ class Replay:
         if self.is_update:  # checkpoint: what a checkpoint replay read (load.adhoc), else None
             return dataclasses.replace(replay_update(self.path, self.snapshot),
                                        checkpoint=getattr(self.snapshot, "source", None))
-        result = _replay(self.path, self.snapshot, self.context(), self._dtypes, self._progress)
+        ctx = self.context()
+        with sources_relative_to(recorded_cwd(self.snapshot)):  # source lines read the same from any directory
+            result = _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress)
         outside = written_outside(self.path, self.snapshot)  # NaN weights the optimizer state does not explain
         if outside and result.verdict == "nonfinite_input":
             result.summary += f" NB: {outside[0]}: {OUTSIDE_NOTE}."
@@ -126,7 +129,8 @@ class Replay:
         Returns:
             The fixes in the order tried; empty for a healthy step.
         """
-        return run_fixes(result, self.context)
+        with sources_relative_to(recorded_cwd(self.snapshot)):  # as run() showed them: a guard matches its line
+            return run_fixes(result, self.context)
 
 
 def replay_snapshot(path: str | os.PathLike, *, device: str = "auto", dtypes: list[str] | None = None,

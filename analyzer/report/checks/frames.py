@@ -5,7 +5,8 @@ collects the per-layer table itself:
 
 - ``steps``: one row per step (ranks merged: mean loss, min/max scale, any skipped, max norm);
 - ``layer_bins``: per (step bin, layer): mean log10 gradient norm (``lg``, zero norms clipped
-  to ``LOG_FLOOR``), rows, rows with a finite norm, mean zero fraction and parameter norm; at
+  to ``LOG_FLOOR``), rows, rows with a finite norm, rows with a NaN/Inf one (``n_bad``: a null
+  norm is no gradient, not a bad one), mean zero fraction and parameter norm; at
   most ~2000 bins, so the size is bounded whatever the run length (100M rows -> 200k);
 - ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
 
@@ -151,8 +152,9 @@ def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int, changes: bool = 
             {"pn_lo": pl.col("pn").min(), "pn_hi": pl.col("pn").max()})
     out = (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
                      zf=pl.when(fin & zf.is_finite()).then(zf), pn=pl.when(pn.is_finite()).then(pn),
-                     pbad=(pn.is_not_null() & ~pn.is_finite()), **extra)
+                     pbad=(pn.is_not_null() & ~pn.is_finite()), gbad=(gn.is_not_null() & ~fin), **extra)
            .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
+                                n_bad=pl.col("gbad").sum(),
                                 zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean(),
                                 pbad=pl.col("pbad").sum(), **aggs))
     return out

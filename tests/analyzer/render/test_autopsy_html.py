@@ -220,3 +220,39 @@ def test_advice_naming_a_failing_fix_is_left_out_and_a_failing_fix_is_never_reco
     recommended = text[text.index("(recommended)"):text.index("(not recommended)")]
     assert "verified: fix b" in recommended and "fix a" not in recommended
     assert text.index("fails at aten.log: fix a") < text.index("not tried: fix c")
+
+
+def test_each_distinct_culprit_gets_its_own_fix_list_and_a_fix_failing_on_one_hides_no_advice_of_another(
+        small_report, tmp_path):
+    def fix(snap, name, status):
+        return {"snapshot": snap, "name": name, "title": f"fix {name} on {snap}", "status": status, "detail": None,
+                "precision": "float16", "failing_op": None, "max_safe_scale": None}
+
+    autopsy = {"autopsy_version": 1, "run": "r", "verdict": "overflow", "culprit": None, "answer": [], "report": {},
+               "replays": [{"snapshot": "run/s40.pt", "step": 40}, {"snapshot": "run/s7.pt", "step": 7}],
+               "fixes": [fix("run/s7.pt", "bf16", "fails"), fix("run/s40.pt", "bf16", "verified"),
+                         fix("run/s40.pt", "upcast", "fails")],
+               "advice": [{"snapshot": "run/s40.pt", "text": "use bf16", "status": "verified", "fix": "bf16"},
+                          {"snapshot": "run/s7.pt", "text": "use bf16 there", "status": "verified", "fix": "bf16"}]}
+    text = _text(write_autopsy_html(tmp_path / "p.html", autopsy, report=small_report, replays=[],
+                                    run_dir=tmp_path))
+    # the answer's replay first, each list under its own step, neither list holding the other's fixes
+    first, second = text.index("step 40 (s40.pt)"), text.index("step 7 (s7.pt)")
+    assert first < text.index("verified: fix bf16 on run/s40.pt") < text.index("fails: fix upcast on run/s40.pt") \
+        < text.index("verified: use bf16") < second < text.index("fails: fix bf16 on run/s7.pt")
+    assert "use bf16 there" not in text  # its fix failed on its own step
+    assert "verified: use bf16" in text[first:second]  # bf16 failing at step 7 does not hide step 40's advice
+
+
+def test_one_figure_per_distinct_culprit_keyed_by_the_first_snapshot_of_each():
+    from types import SimpleNamespace
+
+    from analyzer.render.autopsy_html import _figure_groups
+
+    r = {n: SimpleNamespace(snapshot=n) for n in ("a", "b", "c", "d", "e")}
+    # b and d blame a's op (d through b), e blames c's; the primary b heads the answer before a
+    shared = {"shared_fixes": [{"snapshot": "b", "same_culprit_as": "a"}, {"snapshot": "d", "same_culprit_as": "b"},
+                               {"snapshot": "e", "same_culprit_as": "c"}]}
+    groups = _figure_groups([r["b"], r["a"], r["c"], r["d"], r["e"]], shared)
+    assert [(g.snapshot, [x.snapshot for x in later]) for g, later in groups] == [("b", ["a", "d"]), ("c", ["e"])]
+    assert [(g.snapshot, later) for g, later in _figure_groups([r["a"], r["c"]], {})] == [("a", []), ("c", [])]

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.render import plots
+from analyzer.render import heatmap, plots
 from analyzer.replay import replay_snapshot
 from analyzer.report import build_report
 
@@ -93,7 +93,7 @@ def test_the_loss_line_breaks_exactly_at_non_finite_steps_and_every_legend_entry
         assert ("loss" in entries) == (len(bad) < N)
     finally:
         plt.close(fig)
-    for make in (plots.plot_grad_heatmap, plots.plot_grad_vs_depth):
+    for make in (heatmap.plot_grad_heatmap, plots.plot_grad_vs_depth):
         fig = make(rep.frames, "run")
         try:
             entries = _legend_ok(fig)
