@@ -129,6 +129,8 @@ class MistakeWatch:
         seen["inside_forward"] = low is not None or cast
         if seen["inside_forward"]:
             seen.update(enabled=True, dtype=schema.dtype_name(low) if low is not None else None)
+        elif graph is not None and _compiled_graph(graph):
+            seen["compiled_graph"] = True  # its casts, if any, are hidden inside the compiled graph
 
     def _autocast_seen(self, step: int, loss) -> None:
         seen = self._observed
@@ -140,7 +142,16 @@ class MistakeWatch:
             # autocast entered inside the forward (accelerate wraps model.forward in it): the graph shows
             # the parameters cast to low precision, so it was active; its dtype is not known here
             seen = {**seen, "enabled": True, "dtype": None, "inside_forward": True}
+        compiled = seen.pop("compiled_graph", False) or (isinstance(loss, torch.Tensor) and loss.grad_fn is not None
+                                                           and _compiled_graph(loss))
+        if not seen["enabled"] and compiled and not seen["active_on"]:  # autocast on another device: still a mistake
+            # a torch.compile'd forward: its casts are inside the compiled graph, and an autocast entered
+            # inside the forward (accelerate's wrapper) cannot be seen from here: not known, not "off"
+            seen = {**seen, "enabled": None, "dtype": None, "inside_forward": None,
+                    "note": "the forward ran a compiled graph: whether autocast was on inside it is not observable"}
         self._update_meta(autocast={**seen, "step": step})
+        if seen["enabled"] is None:
+            return
         dt = self._device_type
         if not seen["enabled"]:
             others = seen["active_on"]
@@ -206,6 +217,21 @@ def _casts_parameters(loss: torch.Tensor, most: int = 100_000) -> bool:
             if cast and child.name() == "torch::autograd::AccumulateGrad":
                 return True
             stack.append(child)
+    return False
+
+
+def _compiled_graph(loss: torch.Tensor, most: int = 100_000) -> bool:
+    """Whether the loss's autograd graph runs through a compiled graph (AOTAutograd's
+    ``CompiledFunctionBackward``), whose casts are hidden inside it. Host-side metadata only."""
+    stack, seen = [loss.grad_fn], set()
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name().startswith("CompiledFunction"):
+            return True
+        stack.extend(child for child, _ in node.next_functions)
     return False
 
 
