@@ -20,7 +20,7 @@ lines cut here)::
     tried, fails: run aten.bmm in blocks.0.attn (forward) alone in FP32, its result cast back to
       float16: still non-finite at loss scale 4096: the loss, first at aten.bmm in blocks.0.attn (forward)
     do (verified above): Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler.
-    untested advice: Dividing the attention logits by sqrt(head_dim) = 4 is not enough here: the largest
+    checked: Dividing the attention logits by sqrt(head_dim) = 4 is not enough here: the largest
       logit, 3.39e+05 in FP32, would still be 8.49e+04, past float16's max 65504.
     also step 31, rank 0 (overflow_streak): overflow at aten.bmm in blocks.0.attn (forward); same culprit
       as step00000024-r00000-nonfinite_loss.pt, whose fixes apply
@@ -30,7 +30,7 @@ line, phase, precision, step and rank; ``verified fix`` lines were re-run on the
 came out as FP32 computes it (every gradient finite, the loss within tolerance of the FP32 run's,
 both shown); ``tried, changes the result`` lines came out finite but far from FP32 (a clamp that
 hides a negative variance), never recommended; ``tried, fails`` lines were re-run and were not finite;
-``untested advice`` could not be tried on a snapshot; ``also`` lines are the other snapshots picked.
+``untested advice`` could not be tried on a snapshot; ``checked`` lines state what the replay's values show (why a remedy is not offered); ``also`` lines are the other snapshots picked.
 """
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:
             continue  # never word a failing fix as a recommendation
         if a.status == "verified":
             lines.append(f"do (verified above): {a.text}")
+        elif a.status == "checked":
+            lines.append(f"checked: {a.text}")
         else:
             lines.append(f"untested advice: {a.text}")
     return lines

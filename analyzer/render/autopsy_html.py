@@ -62,7 +62,7 @@ _CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em a
 h1{font-size:1.4em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 .box{padding:.7em 1em;border-radius:6px;background:#fdecea;border:1px solid #e0b4b4}
 .box.healthy{background:#eaf6ea;border-color:#b4d8b4}.box .v{font-size:1.35em;font-weight:600}
-.verified{color:#1b6e1b}.fails,.changes_result{color:#b00020}.not_tried,.untested{color:#7a5a00}
+.verified{color:#1b6e1b}.fails,.changes_result{color:#b00020}.not_tried,.untested{color:#7a5a00}.checked{color:#333}
 .error{color:#b00020}.warning{color:#a66300}.info{color:#555}table{border-collapse:collapse;width:100%}
 td,th{border-bottom:1px solid #ddd;padding:.35em .5em;text-align:left;vertical-align:top}
 tr.primary td{background:#fff6e0}code{font-size:12px;color:#333;word-break:break-all}
@@ -187,8 +187,9 @@ def _fix_lists(fixes: list[dict], advice: list[dict], h: int) -> list[str]:
     failing = {f.get("name") for f in fixes if f.get("status") in ("fails", "changes_result")}
     advice = [x for x in advice if x.get("fix") is None or x.get("fix") not in failing]
     if advice:
-        items = "".join(f"<li class='{'verified' if x.get('status') == 'verified' else 'untested'}'>"
-                        f"<span class='status'>{'verified' if x.get('status') == 'verified' else 'untested'}"
+        tag = {"verified": "verified", "checked": "checked"}  # anything else reads as untested
+        items = "".join(f"<li class='{tag.get(x.get('status'), 'untested')}'>"
+                        f"<span class='status'>{tag.get(x.get('status'), 'untested')}"
                         f"</span>: {_e(x.get('text'))}</li>" for x in advice)
         out.append(f"<h{h}>Advice</h{h}><ul>{items}</ul>")
     return out

@@ -119,8 +119,11 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     trace = r.culprit_trace
     if c and trace is not None and ops > 0:
         lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]
-    if r.advice:
-        lines += ["", "what to try:"] + [f"  - {a}" for a in r.advice]
+    checked = {a.text for a in r.advice_lines if a.checked}  # what the values show, not something to try
+    if [a for a in r.advice if a not in checked]:
+        lines += ["", "what to try:"] + [f"  - {a}" for a in r.advice if a not in checked]
+    if checked:
+        lines += ["", "checked:"] + [f"  - {a}" for a in r.advice if a in checked]
     return "\n".join(lines)
 
 

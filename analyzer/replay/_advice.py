@@ -42,5 +42,5 @@ def advice_with_status(result: ReplayResult, fixes: list[Fix]) -> list[Advice]:
             continue  # its fix's own line is already first
         if mine and all(f.status in _NOT_RECOMMENDED for f in mine):
             continue
-        out.append(Advice(line.text, "untested", mine[0].name if mine else None))
+        out.append(Advice(line.text, "checked" if line.checked else "untested", mine[0].name if mine else None))
     return out

@@ -109,7 +109,8 @@ def sqrt_d_advice(check: dict | None, prec: str) -> list[AdviceLine]:
                            f"which scales for you; the largest logit, {logit:.3g} in FP32, becomes {scaled:.3g}, "
                            f"under {prec}'s max {top:g}.")]
     return [AdviceLine(f"Dividing the attention logits by sqrt(head_dim) = {math.sqrt(hd):.3g} is not enough here: the "
-                       f"largest logit, {logit:.3g} in FP32, would still be {scaled:.3g}, past {prec}'s max {top:g}.")]
+                       f"largest logit, {logit:.3g} in FP32, would still be {scaled:.3g}, past {prec}'s max {top:g}.",
+                       checked=True)]
 
 
 def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:

@@ -51,7 +51,7 @@ from .verdicts import VERDICTS
 __all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "register_fix", "plan", "run_fixes"]
 
 FIX_STATUSES = ("verified", "fails", "not_tried", "changes_result")
-ADVICE_STATUSES = ("verified", "untested")
+ADVICE_STATUSES = ("verified", "untested", "checked")
 
 _NO_MODULE = ("<loss_fn>", "<loss_scale>", "<autograd>", "<accumulate_grad>")
 _NAMES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
@@ -103,7 +103,9 @@ class Advice:
 
     Attributes:
         text: the advice, one paragraph.
-        status: ``verified`` (a fix tried on the snapshot made the step finite) or ``untested``.
+        status: ``verified`` (a fix tried on the snapshot made the step come out as FP32 computes it),
+            ``untested``, or ``checked`` (not advice to try: what the replay's values show, such as why
+            a remedy is not offered, ``AdviceLine.checked``).
         fix: the ``Fix.name`` it rests on, when it is one.
     """
 

@@ -36,10 +36,15 @@ __all__ = ["AdviceLine", "Verdict", "VERDICTS", "register", "refine", "summary",
 
 @dataclass(frozen=True)
 class AdviceLine:
-    """One advice line and the names of the fixes (``fixes.FIXES``) it recommends."""
+    """One advice line and the names of the fixes (``fixes.FIXES``) it recommends.
+
+    ``checked``: the line states what the replay's own values show (why a remedy is not offered,
+    with its numbers), not something to try: it is printed as ``checked``, never as untested advice.
+    """
 
     text: str
     fixes: tuple[str, ...] = ()
+    checked: bool = False
 
 
 @dataclass(frozen=True)

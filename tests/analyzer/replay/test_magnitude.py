@@ -80,6 +80,11 @@ def test_the_demo_is_not_told_to_divide_by_sqrt_d_because_its_number_stays_past_
     line, = [a for a in r.advice if a.startswith("Dividing the attention logits")]
     assert f"sqrt(head_dim) = {math.sqrt(hd):.3g} is not enough here" in line
     assert f"{logit:.3g} in FP32, would still be {logit / math.sqrt(hd):.3g}, past float16's max 65504" in line
+    # a statement the replay's values check, not something to try: printed under "checked", never as advice
+    assert [a.checked for a in r.advice_lines if a.text == line] == [True]
+    text = render_replay_text(r)
+    assert line not in text.split("what to try:", 1)[1].split("checked:", 1)[0]
+    assert line in text.split("checked:", 1)[1]
 
 
 def test_the_demo_replay_runs_bf16_for_its_bf16_advice_and_prints_nothing_untested(demo_replay):
@@ -101,6 +106,8 @@ def test_the_demos_autopsy_answer_leads_with_the_rsqrt_of_tau_and_verifies_bf16_
     assert not [line for line in answer if "Divide the attention logits" in line]
     assert [line for line in answer if "verified fix: switch from FP16 to BF16" in line]
     assert not [line for line in answer if "BF16" in line and "untested advice" in line]
+    assert [line for line in answer if line.strip().startswith("checked: Dividing the attention logits")]
+    assert not [line for line in answer if "untested advice: Dividing" in line]
 
 
 # -- a Gram matrix, no softmax: no attention advice ---------------------------------------------------
