@@ -31,7 +31,7 @@ def norms(tensors: list[torch.Tensor], device: torch.device, single_device: bool
     """
     if not tensors:
         return torch.empty(0, device=device)
-    if single_device and all(t.dtype != torch.float64 for t in tensors):
+    if single_device and torch.float64 not in {t.dtype for t in tensors}:
         return torch.stack(torch._foreach_norm(tensors, 2, torch.float32))
     return torch.stack([torch.linalg.vector_norm(t, dtype=None if t.dtype == torch.float64 else torch.float32)
                         .to(device, torch.float32) for t in tensors])

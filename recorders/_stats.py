@@ -56,12 +56,14 @@ class StepStats:
         step = self._step
         scale_t, unscaled = self._scale_state()
         params = self._params
-        grads, idx = [], []
-        for i, p in enumerate(params):
-            if p.grad is not None:
-                grads.append(local_tensor(p.grad) if self._sharded else p.grad)
-                idx.append(i)
-        sel = None if len(idx) == len(params) else idx
+        grads = [p.grad for p in params]
+        if all(g is not None for g in grads):  # the common case: one comprehension, no per-parameter branch
+            idx, sel = range(len(grads)), None
+        else:
+            idx = [i for i, g in enumerate(grads) if g is not None]
+            grads, sel = [grads[i] for i in idx], idx
+        if self._sharded:
+            grads = [local_tensor(g) for g in grads]
 
         parts = []
         layer_due = step % self.config.layer_every == 0
@@ -70,7 +72,7 @@ class StepStats:
             gnorm = norms(grads, self._device, self._single_device)
             if scale_t is not None and not unscaled:
                 gnorm = gnorm / scale_t.to(self._device)
-            parts.append(torch.linalg.vector_norm(gnorm.to(self._acc)))
+            parts.append(torch.linalg.vector_norm(gnorm, dtype=self._acc))  # summed in float64: one op
         loss_t = None
         if isinstance(loss, torch.Tensor):
             loss_t = loss.detach().reshape(()).to(self._device, self._acc)
