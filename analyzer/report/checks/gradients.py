@@ -51,8 +51,13 @@ def _stalled_bins(frames: Frames) -> pl.DataFrame:
 
 
 def _weights(frames: Frames, layers: np.ndarray) -> np.ndarray:
-    return np.array([frames.numels[i] if i < len(frames.numels) and frames.numels[i] else 1
-                     for i in layers], dtype=float)
+    """Each row's parameter element count (1 where unknown): one table lookup, not a Python loop per row."""
+    table = np.array([n if n else 1 for n in frames.numels], dtype=float)
+    layers = np.asarray(layers, dtype=np.int64)
+    out = np.ones(layers.shape, dtype=float)
+    known = (layers >= 0) & (layers < table.size)
+    out[known] = table[layers[known]]
+    return out
 
 
 def stalled_fraction(frames: Frames) -> pl.DataFrame:
@@ -269,11 +274,12 @@ def grad_underflow(frames: Frames) -> list[Finding]:
     head, tail = set(bins[:k].tolist()), set(bins[-k:].tolist())
     rms = _scaled_rms(frames, lb, set(bins[-k:].tolist()))
     rising, dead = [], []
-    for (layer,), g in lb.group_by("layer"):
-        z0 = g.filter(pl.col("bin").is_in(head))["zero_frac"].mean()
-        z1 = g.filter(pl.col("bin").is_in(tail))["zero_frac"].mean()
-        if z0 is None or z1 is None or z1 - z0 < 0.2:
-            continue
+    # the first and last tenth's mean zero fraction of every layer in one aggregate; the trend fit
+    # only for the layers whose fraction rose by 0.2 or more
+    ends = lb.group_by("layer").agg(z0=pl.col("zero_frac").filter(pl.col("bin").is_in(list(head))).mean(),
+                                    z1=pl.col("zero_frac").filter(pl.col("bin").is_in(list(tail))).mean())
+    for layer, z0, z1 in ends.filter(pl.col("z1") - pl.col("z0") >= 0.2).iter_rows():
+        g = lb.filter(pl.col("layer") == layer)
         fit = stats.linregress(g["bin"].to_numpy(), g["zero_frac"].to_numpy())
         if fit.pvalue < TREND_P and fit.slope > 0:
             # exact zeros from underflow need scaled elements near FP16's subnormals (6e-8);
