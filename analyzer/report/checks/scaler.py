@@ -138,9 +138,11 @@ def calibration_end(frames: Frames) -> dict | None:
         return None
     settled = n < len(steps)
     end_scale = float(scale[n]) if settled else float(scale[n - 1]) / 2
+    with np.errstate(invalid="ignore"):  # an inf or NaN scale in a damaged trace: inf - inf is no backoff
+        backoffs = int(np.sum(np.diff(scale[:n + 1] if settled else scale[:n]) < 0)) + (0 if settled else 1)
     return {"first_step": int(steps[0]), "last_step": int(steps[n - 1]), "skipped": n,
             "scale_start": float(scale[0]), "settled_scale": end_scale, "settled": settled,
-            "backoffs": int(np.sum(np.diff(scale[:n + 1] if settled else scale[:n]) < 0)) + (0 if settled else 1)}
+            "backoffs": backoffs}
 
 
 def startup_calibration(frames: Frames) -> list[Finding]:

@@ -7,6 +7,7 @@ parameters that never get a gradient, and ranks of different lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -48,6 +49,11 @@ def _report_json(spec, *args) -> dict:
 @example(every_column("first", lengths=(1,)))      # a single step, broken
 @example(every_column("last", amp_dtype="bfloat16", scaler=False, lengths=(5, 40, 1)))
 @example(every_column("sprinkled", lengths=(70, 3), n_layers=1))
+# an FP16 run whose first step was skipped and whose last scale is NaN/Inf: the start-up
+# calibration's backoff count once subtracted inf - inf (a RuntimeWarning); found by hypothesis
+@example(dataclasses.replace(every_column("ok", lengths=(7, 1), n_layers=0), scaler=False, seed=5669,
+                             scale_floor=65536.0, healthy=False,
+                             patterns={**every_column("ok").patterns, "scale": "last", "skipped": "first"}))
 def test_report_json_on_any_generated_trace_exits_0_with_strict_json_and_complete_findings(spec):
     obj = _report_json(spec)
     assert obj["steps"]["count"] >= 1 and isinstance(obj["verdict"], str)
