@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from recorders import schema
 from ..errors import AnalyzerError, BadInputError, FactoryError
 from ..load import Snapshot, load_snapshot, recorded_cwd, resolve_ref, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
+from ..load.run_dir import read_meta
 from . import verdicts
 from ._accumulate import micro_summary, with_micro_batch
 from ._attribution import sources_relative_to
@@ -120,6 +122,11 @@ class Replay:
         outside = written_outside(self.path, self.snapshot)  # NaN weights the optimizer state does not explain
         if outside and result.verdict == "nonfinite_input":
             result.summary += f" NB: {outside[0]}: {OUTSIDE_NOTE}."
+        off = autocast_was_off(self.path) if self.snapshot.amp_dtype is not None else None
+        if off is not None:
+            result.summary += (f" NB: the snapshot says amp_dtype={self.snapshot.amp_dtype}, but the recorder saw autocast "
+                               f"off on {off.get('device_type')} during training's forward (meta.json), so the run "
+                               "trained in FP32 and the step is replayed as it ran, in FP32.")
         compiled = getattr(self.snapshot, "compile", None)  # how training torch.compile'd the model (format 5)
         return with_compiled(result, compiled, self.context) if compiled else result
 
@@ -257,9 +264,23 @@ def _context(path: str, snap: Snapshot, device: str, factory: str | None, loss_f
     )
 
 
+def autocast_was_off(path: str) -> dict | None:
+    """What the recorder saw of autocast in the run the snapshot `path` belongs to, when it saw it
+    off during training's forward (meta.json's ``autocast``, ``enabled: false``); None otherwise,
+    and for a snapshot outside a run directory or beside an unreadable meta.json."""
+    meta = Path(path).parent.parent / schema.META_FILE
+    if not meta.is_file():
+        return None
+    try:
+        seen = read_meta(meta).get("autocast")
+    except BadInputError:  # the report names a damaged meta.json; the snapshot replays on its own word
+        return None
+    return seen if isinstance(seen, dict) and seen.get("enabled") is False else None
+
+
 def _amp_dtype(path: str, snap: Snapshot) -> str | None:
     raw = snap.amp_dtype
-    if raw is None:
+    if raw is None or autocast_was_off(path) is not None:  # trained in FP32: replay the step that ran
         return None
     try:
         name = schema.dtype_name(schema.dtype_from_name(raw))
