@@ -204,35 +204,30 @@ def _casts_parameters(loss: torch.Tensor, most: int = 100_000) -> bool:
 
     NB: host-side graph metadata only (it survives backward); at most `most` nodes, once per run.
     """
-    stack, seen = [loss.grad_fn], set()
-    while stack and len(seen) < most:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        cast = node.name().startswith("ToCopyBackward")
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            if cast and child.name() == "torch::autograd::AccumulateGrad":
-                return True
-            stack.append(child)
+    for node in _graph_nodes(loss, most):
+        if node.name().startswith("ToCopyBackward") and any(
+                child is not None and child.name() == "torch::autograd::AccumulateGrad"
+                for child, _ in node.next_functions):
+            return True
     return False
 
 
 def _compiled_graph(loss: torch.Tensor, most: int = 100_000) -> bool:
     """Whether the loss's autograd graph runs through a compiled graph (AOTAutograd's
     ``CompiledFunctionBackward``), whose casts are hidden inside it. Host-side metadata only."""
+    return any(node.name().startswith("CompiledFunction") for node in _graph_nodes(loss, most))
+
+
+def _graph_nodes(loss: torch.Tensor, most: int):
+    """The autograd nodes behind `loss`, depth first, each once, at most `most` of them."""
     stack, seen = [loss.grad_fn], set()
     while stack and len(seen) < most:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node.name().startswith("CompiledFunction"):
-            return True
+        yield node
         stack.extend(child for child, _ in node.next_functions)
-    return False
 
 
 def _low_precision_output(output, most: int = 64) -> tuple[torch.dtype | None, torch.Tensor | None]:

@@ -89,6 +89,8 @@ class Replay:
         self._device, self._dtypes, self._progress = device, dtypes, progress
         self._factory, self._loss_fn = factory, loss_fn
         self._ctx: ReplayContext | None = None
+        # what the recorder saw of autocast (meta.json beside the snapshot), read once per replay
+        self._autocast_off = autocast_was_off(self.path) if self.snapshot.amp_dtype is not None else None
 
     @property
     def is_update(self) -> bool:
@@ -100,7 +102,7 @@ class Replay:
         """The rebuilt model, batch and RNG every run of this replay uses (built once)."""
         if self._ctx is None:
             path, snap = self.path, self.snapshot
-            amp = _amp_dtype(path, snap)
+            amp = _amp_dtype(path, snap, self._autocast_off)
             state = load_sharded_state(path, snap)  # an FSDP snapshot's whole model; None for any other
             state = snap.model_state if state is None else state
             ctx = _context(path, snap, self._device, self._factory, self._loss_fn, self.roots, state=state)
@@ -118,11 +120,11 @@ class Replay:
                                        checkpoint=getattr(self.snapshot, "source", None))
         ctx = self.context()
         with sources_relative_to(recorded_cwd(self.snapshot)):  # source lines read the same from any directory
-            result = _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress)
+            result = _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress, self._autocast_off)
         outside = written_outside(self.path, self.snapshot)  # NaN weights the optimizer state does not explain
         if outside and result.verdict == "nonfinite_input":
             result.summary += f" NB: {outside[0]}: {OUTSIDE_NOTE}."
-        off = autocast_was_off(self.path) if self.snapshot.amp_dtype is not None else None
+        off = self._autocast_off
         if off is not None:
             result.summary += (f" NB: the snapshot says amp_dtype={self.snapshot.amp_dtype}, but the recorder saw autocast "
                                f"off on {off.get('device_type')} during training's forward (meta.json), so the run "
@@ -158,9 +160,10 @@ def try_fixes(path: str | os.PathLike, result: ReplayResult, *, device: str = "a
     return Replay(path, device=device, factory=factory, loss_fn=loss_fn, paths=paths).try_fixes(result)
 
 
-def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | None, progress: bool) -> ReplayResult:
+def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | None, progress: bool,
+            autocast_off: dict | None) -> ReplayResult:
     mode = ctx.mode
-    amp = _amp_dtype(path, snap)
+    amp = _amp_dtype(path, snap, autocast_off)
     precisions = _precisions(mode.dtype, dtypes)  # FP32 and the low precision the run trained in
     scale = _scale(path, snap)
     bar = _Progress(progress, total=len(precisions))
@@ -278,9 +281,11 @@ def autocast_was_off(path: str) -> dict | None:
     return seen if isinstance(seen, dict) and seen.get("enabled") is False else None
 
 
-def _amp_dtype(path: str, snap: Snapshot) -> str | None:
+def _amp_dtype(path: str, snap: Snapshot, autocast_off: dict | None) -> str | None:
+    """The precision training computed in: the snapshot's amp_dtype, None when `autocast_off`
+    (``autocast_was_off``) says the forward ran without autocast."""
     raw = snap.amp_dtype
-    if raw is None or autocast_was_off(path) is not None:  # trained in FP32: replay the step that ran
+    if raw is None or autocast_off is not None:  # trained in FP32: replay the step that ran
         return None
     try:
         name = schema.dtype_name(schema.dtype_from_name(raw))
