@@ -135,8 +135,12 @@ def _compiled_line(cmp: dict) -> str:
     where = ", ".join(f"`{m['path']}`" if m["path"] else "the whole model" for m in cmp["modules"][:3])
     more = f" and {len(cmp['modules']) - 3} more" if len(cmp["modules"]) > 3 else ""
     smallest = f"; smallest non-finite compiled module `{cmp['module']}`" if cmp.get("module") else ""
+    micro = ""
+    if cmp.get("micro_batches"):  # an accumulating step: every micro-batch ran compiled
+        bad = cmp.get("micro_batch")
+        micro = f"; {cmp['micro_batches']} micro-batches" + ("" if bad is None else f", non-finite from micro-batch {bad}")
     return (f"  compiled  {cmp['precision']} loss {_num(cmp['loss']):>10}  {state} ({cmp['backend']}: {where}{more})"
-            f"{smallest}")
+            f"{smallest}{micro}")
 
 
 def _update_lines(u: dict, shown: int = 3) -> list[str]:
