@@ -32,8 +32,10 @@ def _micro_text(micro: dict) -> str:
     if micro["combine"] == "num_items_in_batch":
         n = micro.get("num_items_in_batch")
         how += f" (num_items_in_batch={n})" if n is not None else " (num_items_in_batch)"
-    else:
+    elif micro["combine"] != "sum":
         how += f" ({micro['divisor']:g})"
+    if micro.get("source") == "batch_file":  # no recorder: the normalisation is the --accumulate one (NB line)
+        return f"accumulated {micro['count']} micro-batches of the batch file as --accumulate says (NB below): {how}"
     return f"accumulated {micro['count']} micro-batches as training did: {how}"
 
 
