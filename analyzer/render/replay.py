@@ -32,6 +32,8 @@ def _micro_text(micro: dict) -> str:
     if micro["combine"] == "num_items_in_batch":
         n = micro.get("num_items_in_batch")
         how += f" (num_items_in_batch={n})" if n is not None else " (num_items_in_batch)"
+    elif micro["combine"] == "mean" and micro["divisor"] != micro["count"]:  # a step cut short by an exception
+        how += f" ({micro['divisor']:g}, the whole step's; {micro['count']} ran)"
     elif micro["combine"] != "sum":
         how += f" ({micro['divisor']:g})"
     if micro.get("source") == "batch_file":  # no recorder: the normalisation is the --accumulate one (NB line)

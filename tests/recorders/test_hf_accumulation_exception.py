@@ -96,6 +96,18 @@ def test_the_exception_snapshot_keeps_the_three_micro_batches_with_the_whole_ste
         assert all(int(mb["num_items_in_batch"]) == items for mb in snap["batch"])
 
 
+def test_the_replay_text_says_the_divisor_is_the_whole_steps(raised):
+    from analyzer.render import render_replay_text
+    from analyzer.replay import replay_snapshot
+
+    combine, path, _ = raised
+    text = render_replay_text(replay_snapshot(path, device="cpu"))
+    if combine == "mean":
+        assert f"divided by the number of micro-batches ({ACCUM}, the whole step's; {MICRO + 1} ran)" in text
+    else:
+        assert f"accumulated {MICRO + 1} micro-batches as training did" in text and "num_items_in_batch=" in text
+
+
 def test_replaying_the_three_micro_batches_remakes_the_gradients_the_trainer_had_summed(raised):
     combine, path, trained = raised
     got, trace = _replayed_grads(path)
