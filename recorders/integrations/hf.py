@@ -220,7 +220,7 @@ class AmpAutopsyCallback(TrainerCallback):
         self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
         factory, factory_kwargs, loss_fn = self._refs(model)
         self.recorder = _TrainerRecorder(
-            self.run_dir, model, trainer_compile=trainer_compile_info(args),
+            self.run_dir, model, trainer_compile=trainer_compile_info(args, model),
             factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
             scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
             **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
