@@ -211,8 +211,11 @@ def test_any_list_as_the_batch_file_replays_or_gives_one_error_line(tmp_path_fac
     ck, batch = _files(d)
     torch.save(items, batch)
     res = CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY, "--json"])
-    well_formed = len(items) >= 2 and all(isinstance(i, dict) and set(i) == {"x", "y"} and
-                                          all(isinstance(v, torch.Tensor) for v in i.values()) for i in items)
+    def micro(i) -> bool:  # what _micro draws: x (n, 4) and y (n, 1), the shapes mse(build_mlp) takes
+        return (isinstance(i, dict) and set(i) == {"x", "y"} and all(isinstance(v, torch.Tensor) for v in i.values())
+                and i["x"].shape[1:] == (4,) and i["y"].shape[1:] == (1,) and len(i["x"]) == len(i["y"]))
+
+    well_formed = len(items) >= 2 and all(micro(i) for i in items)
     if well_formed:
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["micro_batches"]["count"] == len(items)
