@@ -89,7 +89,9 @@ def gate_accum(tmp_path_factory):
     except torch._dynamo.exc.BackendCompilerFailed:  # e.g. the portable kernels: no at::vec for Inductor's C++
         model = torch.compile(build_gate_net())
         path, built = _record(run.parent / "eager-stepped", model, *args, step_model=model._orig_mod), False
-    return path, built, Replay(path, device="cpu").run()
+    replay = Replay(path, device="cpu")
+    result = replay.run()
+    return path, built, result, replay.try_fixes(result)
 
 
 def test_the_compiled_snapshot_keeps_the_four_micro_batches_and_the_compile_entry(aot_nan):
@@ -153,8 +155,8 @@ def test_the_autopsy_of_the_compiled_accumulating_run_heads_with_micro_batch_2(a
     assert f"batch:{BAD}.x" in lines[0] and f"micro-batch {BAD} (0-based)" in lines[0]
 
 
-def test_a_compiled_only_nan_in_micro_batch_2_names_the_module_and_the_micro_batch(gate_accum):
-    path, built, r = gate_accum
+def test_a_compiled_only_nan_in_micro_batch_2_names_gate_and_the_micro_batch_and_its_fix_is_verified(gate_accum):
+    path, built, r, fixes = gate_accum
     assert r.runs["float32"]["finite"] and r.runs["float16"]["finite"]  # eager: every micro-batch finite
     if not built:  # Inductor cannot build the kernels here: the eager verdict stands, marked
         assert r.compiled["reproduced"] is False and r.verdict == "healthy"
@@ -166,3 +168,5 @@ def test_a_compiled_only_nan_in_micro_batch_2_names_the_module_and_the_micro_bat
     assert r.compiled["micro_batch"] == BAD and r.culprit["micro_batch"] == BAD
     assert r.culprit["module"] == "gate" and r.culprit["op"] == "<compiled>"
     assert f"micro-batch {BAD} (0-based) of the {MICRO}" in r.summary
+    # gate excluded from compilation, all four micro-batches compiled again: the step comes out as FP32 eager's
+    assert [(f.name, f.status) for f in fixes] == [("compile_disable", "verified")]
