@@ -154,6 +154,10 @@ def _checkpoint_options(fn):
     fn = click.option("--scale", type=float, default=None, metavar="S",
                       help="With --batch: the loss scale of the failing step. Default: 1 for BF16; for FP16 the "
                            "GradScaler state saved with the checkpoint, else GradScaler's default 65536.")(fn)
+    fn = click.option("--accumulate", type=click.Choice(["auto", "mean", "sum", "join"]), default=None,
+                      help="With --batch FILE holding a list of micro-batches: how training combined their losses. "
+                           "mean: each loss / N; sum: undivided; join: replay their concatenation as one batch. "
+                           "Default auto: HF's num_items_in_batch when every micro-batch carries it, else mean.")(fn)
     fn = click.option("--amp", type=click.Choice(["fp16", "bf16"]), default=None,
                       help="With --batch: the precision the run trained in (default fp16).")(fn)
     return click.option("--batch", "batch", type=click.Path(exists=True, dir_okay=False, path_type=str),
@@ -164,19 +168,19 @@ def _checkpoint_options(fn):
                              "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
 
 
-def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths):
+def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths, accumulate=None):
     """The checkpoint and batch as a snapshot (``--batch``); without --batch, refuse a checkpoint clearly."""
     from .load.adhoc import checkpoint_instead, load_checkpoint_snapshot
 
     if batch is None:
-        if amp is not None or scale is not None:
-            raise click.UsageError("--amp and --scale go with --batch (a checkpoint and its failing batch)")
+        if amp is not None or scale is not None or accumulate is not None:
+            raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
         err = checkpoint_instead(path)
         if err is not None:
             raise err
         return path
     return load_checkpoint_snapshot(path, batch, factory=factory, loss_fn=loss_fn, amp=amp, scale=scale,
-                                    device=device, paths=paths)
+                                    device=device, paths=paths, accumulate=accumulate or "auto")
 
 
 def _fail_on_option(when: str, printed: str):
@@ -234,7 +238,7 @@ def _replay_options(*, culprit: str, snapshot: str):
               help="Replay this rank's snapshot of the same step: the file beside SNAPSHOT with the same "
                    "step and reason (FSDP and DDP runs write one per rank).")
 @_one_line_errors
-def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
+def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
            rank):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf.
 
@@ -252,7 +256,7 @@ def replay(snapshot, batch, amp, scale, as_json, device, dtypes, plot_path, ops,
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
     target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
-                                paths=paths)
+                                paths=paths, accumulate=accumulate)
     result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
                              loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
     if plot_path:
@@ -325,7 +329,7 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @_replay_options(culprit="each culprit", snapshot="the snapshots'")
 @_fail_on_option("the report has a finding of this severity or worse", "the autopsy")
 @_one_line_errors
-def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
+def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
     """One answer: report the run, replay its first failing snapshots, try each fix on them.
 
     RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
@@ -340,12 +344,13 @@ def autopsy(run, batch, amp, scale, as_json, html_path, out_dir, rank, device, o
     if out_dir:
         check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
     progress = sys.stderr.isatty() and not as_json
-    if batch is None and (amp is not None or scale is not None):
-        raise click.UsageError("--amp and --scale go with --batch (a checkpoint and its failing batch)")
+    if batch is None and (amp is not None or scale is not None or accumulate is not None):
+        raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
     target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
-                                                          loss_fn=loss_fn, device=device, paths=paths)
+                                                          loss_fn=loss_fn, device=device, paths=paths,
+                                                          accumulate=accumulate)
     result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
     run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log

@@ -244,12 +244,14 @@ KEYS_ADDED["micro_batches"] = 6  # every micro-batch of an accumulating step (re
 
 # A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of
 # MICRO_BATCH_COMBINES), divisor (float > 0: what each micro-batch's loss was divided by before its
-# backward), source ("list": a list given to begin_step, "hf_trainer", "lightning"), num_items_in_batch
-# (int | None: HF Trainer's item count of the whole step, when the model took it).
+# backward), source ("list": a list given to begin_step, "hf_trainer", "lightning"; "batch_file": a list
+# of micro-batches given to `analyzer replay CHECKPOINT --batch`, never written to a snapshot),
+# num_items_in_batch (int | None: HF Trainer's item count of the whole step, when the model took it).
 MICRO_BATCH_KEYS = ("count", "combine", "divisor", "source", "num_items_in_batch")
 MICRO_BATCH_COMBINES: dict[str, str] = {
     "mean": "each micro-batch's loss divided by the number of micro-batches",
     "num_items_in_batch": "each micro-batch's summed loss divided inside the model by the whole step's item count",
+    "sum": "each micro-batch's loss as the loss function returns it, undivided",  # analyzer replay --accumulate sum
 }
 
 # meta.json's and every snapshot's "compile" (version 5), None when no part of the model was compiled:

@@ -48,6 +48,7 @@ from recorders import schema
 from ..errors import BadInputError, FactoryError
 from ._ckpt import (_MAX_JSON, HF_BUILDER, HF_LOSS, PL_BUILDER, PL_LOSS, STATE_KEYS, _int_of, _scaler_scale,  # noqa: F401
                     clean_state, read_json, state_dict_of)
+from ._batchfile import micro_batch_file
 from ._validate import check_dense
 from .safetensors import load_safetensors, looks_like_safetensors
 from .snapshot import Snapshot
@@ -84,7 +85,8 @@ class CheckpointSnapshot(Snapshot):
 
 def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, *, factory: str | None = None,
                              loss_fn: str | None = None, amp: str | None = None, scale: float | None = None,
-                             device: str = "auto", paths: tuple[str, ...] = ()) -> CheckpointSnapshot:
+                             device: str = "auto", paths: tuple[str, ...] = (),
+                             accumulate: str = "auto") -> CheckpointSnapshot:
     """Read a checkpoint and a ``torch.save``'d batch into a ``CheckpointSnapshot``.
 
     Args:
@@ -96,6 +98,7 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
             GradScaler's default ``init_scale`` for FP16.
         device: where the replay will run (``auto``, ``cpu``, ``cuda``): the random state is made for it.
         paths: ``--path`` roots, where a Lightning module class is looked for.
+        accumulate: ``--accumulate``: how a list of micro-batches is replayed (``_batchfile.ACCUMULATE``).
 
     Raises:
         BadInputError: an unreadable, pickled-class, foreign or incomplete file; FactoryError: no
@@ -118,7 +121,7 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         optimizer, note = _model_optimizer(path, ck["optimizer_sd"], refs["factory"], kwargs,
                                            explicit=factory is not None, paths=paths)
         ck["notes"].append(note)
-    data, batch_notes = read_batch(batch, hf=ck["kind"] == "hf" and not loss_fn)
+    data, batch_notes, micro = read_batch(batch, hf=ck["kind"] == "hf" and not loss_fn, accumulate=accumulate)
     low_scale, scale_note = _scale(amp_dtype, scale, ck.get("scaler_scale"))
     notes = [f"no recorder snapshot: the weights of {ck['what']} {path} and the batch {os.fspath(batch)}",
              f"AMP dtype {amp_dtype}" + (" (--amp)" if amp else " (the --amp default; pass --amp bf16 for a BF16 run)"),
@@ -134,7 +137,7 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         "train_mode": True,
         "model_state": ck["state"], "batch": data, "rng": _fixed_rng(dev), "loss": None, "loss_dtype": None,
         "grad_norm": None, "cwd": None, "sdpa": None, "fsdp": None, "optimizer": optimizer, "update": None,
-        "exception": None, "compile": None, "micro_batches": None,  # a list of micro-batches is joined (read_batch)
+        "exception": None, "compile": None, "micro_batches": micro,  # a list of micro-batches: accumulation
     }
     source = {"checkpoint": path, "kind": ck["kind"], "batch": os.fspath(batch), "amp_dtype": amp_dtype,
               "scale": 1.0 if low_scale is None else low_scale, "seed": SEED, "logs": ck.get("logs"), "notes": notes}
@@ -181,19 +184,13 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
 
 
 # -- the batch -----------------------------------------------------------------------------------
-def read_batch(path: str | os.PathLike, *, hf: bool = False) -> tuple[Any, list[str]]:
-    """The batch in ``path`` (weights_only) and notes: micro-batches joined, an HF tensor made a dict."""
+def read_batch(path: str | os.PathLike, *, hf: bool = False,
+               accumulate: str = "auto") -> tuple[Any, list[str], dict | None]:
+    """The batch in ``path`` (weights_only), notes, and the ``micro_batches`` entry of a list of micro-batches
+    (``_batchfile``: replayed as accumulation, or joined with ``accumulate="join"``); an HF tensor made a dict."""
     obj = torch_load_safe(path)
     fix = f"torch.save the batch the failing step's loss was computed on ({RECIPE})"
-    notes: list[str] = []
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(m, (dict, list, tuple)) for m in obj):
-        if len(obj) > 1:
-            n = len(obj)
-            obj = _join_micro_batches(obj, path, fix)
-            notes.append(f"the batch file holds {n} micro-batches: replayed as one batch, their concatenation "
-                         "(the same per-sample values; a mean loss over it is accumulation's summed loss / N)")
-        else:
-            obj = obj[0]
+    obj, notes, micro = micro_batch_file(obj, path, accumulate, fix=fix)
     leaves = [(w, t) for w, t in _leaves(obj, "batch")]
     if not any(isinstance(t, torch.Tensor) for _, t in leaves):
         raise BadInputError(f"holds no tensor (a {type(obj).__name__})", path=path, fix=fix)
@@ -203,10 +200,13 @@ def read_batch(path: str | os.PathLike, *, hf: bool = False) -> tuple[Any, list[
     if hf and isinstance(obj, torch.Tensor):
         obj = {"input_ids": obj, "labels": obj}
         notes.append("the batch is one tensor: replayed as model(input_ids=batch, labels=batch).loss")
-    elif hf and not isinstance(obj, dict):
+    elif hf and micro is not None and not all(isinstance(m, dict) for m in obj):
+        raise BadInputError(f"an HF model's micro-batches are dicts of its inputs, got {type(obj[0]).__name__}s",
+                            path=path, fix=fix)
+    elif hf and micro is None and not isinstance(obj, dict):
         raise BadInputError(f"an HF model's batch is the dict of its inputs, got a {type(obj).__name__}",
                             path=path, fix=fix)
-    return obj, notes
+    return obj, notes, micro
 
 
 def _leaves(obj: Any, where: str):
@@ -219,32 +219,6 @@ def _leaves(obj: Any, where: str):
             stack.extend((v, f"{w}[{i}]") for i, v in enumerate(cur))
         else:
             yield w, cur
-
-
-def _join_micro_batches(parts, path, fix) -> Any:
-    first = parts[0]
-    try:
-        if isinstance(first, dict):
-            if any(not isinstance(p, dict) or p.keys() != first.keys() for p in parts):
-                raise ValueError("the micro-batches have different keys")
-            return {k: _join([p[k] for p in parts]) for k in first}
-        if any(not isinstance(p, (list, tuple)) or len(p) != len(first) for p in parts):
-            raise ValueError("the micro-batches have different lengths")
-        return type(first)(_join([p[i] for p in parts]) for i in range(len(first)))
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise BadInputError(f"holds {len(parts)} micro-batches that cannot be joined into one batch "
-                            f"({' '.join(str(e).split())[:160]})", path=path,
-                            fix="save the failing micro-batch alone, " + fix) from e
-
-
-def _join(values: list) -> Any:
-    if all(isinstance(v, torch.Tensor) for v in values):
-        if any(v.dim() == 0 for v in values):
-            raise ValueError("a 0-d tensor has no batch dimension")
-        return torch.cat(values)
-    if all(v == values[0] for v in values):  # a flag or a shared value
-        return values[0]
-    raise ValueError("a non-tensor entry differs between micro-batches")
 
 
 # -- defaults ------------------------------------------------------------------------------------

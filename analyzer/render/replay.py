@@ -32,8 +32,12 @@ def _micro_text(micro: dict) -> str:
     if micro["combine"] == "num_items_in_batch":
         n = micro.get("num_items_in_batch")
         how += f" (num_items_in_batch={n})" if n is not None else " (num_items_in_batch)"
-    else:
+    elif micro["combine"] == "mean" and micro["divisor"] != micro["count"]:  # a step cut short by an exception
+        how += f" ({micro['divisor']:g}, the whole step's; {micro['count']} ran)"
+    elif micro["combine"] != "sum":
         how += f" ({micro['divisor']:g})"
+    if micro.get("source") == "batch_file":  # no recorder: the normalisation is the --accumulate one (NB line)
+        return f"accumulated {micro['count']} micro-batches of the batch file as --accumulate says (NB below): {how}"
     return f"accumulated {micro['count']} micro-batches as training did: {how}"
 
 
@@ -135,8 +139,12 @@ def _compiled_line(cmp: dict) -> str:
     where = ", ".join(f"`{m['path']}`" if m["path"] else "the whole model" for m in cmp["modules"][:3])
     more = f" and {len(cmp['modules']) - 3} more" if len(cmp["modules"]) > 3 else ""
     smallest = f"; smallest non-finite compiled module `{cmp['module']}`" if cmp.get("module") else ""
+    micro = ""
+    if cmp.get("micro_batches"):  # an accumulating step: every micro-batch ran compiled
+        bad = cmp.get("micro_batch")
+        micro = f"; {cmp['micro_batches']} micro-batches" + ("" if bad is None else f", non-finite from micro-batch {bad}")
     return (f"  compiled  {cmp['precision']} loss {_num(cmp['loss']):>10}  {state} ({cmp['backend']}: {where}{more})"
-            f"{smallest}")
+            f"{smallest}{micro}")
 
 
 def _update_lines(u: dict, shown: int = 3) -> list[str]:

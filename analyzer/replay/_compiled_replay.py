@@ -25,6 +25,7 @@ import torch
 
 from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (and, through it, compile_specific)
 from . import verdicts
+from ._accumulate import micro_summary
 from ._compile_localize import localize
 from ._compile_verdict import COMPILE_SPECIFIC
 from ._compiled_run import compiled_once
@@ -62,6 +63,8 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
                     seconds=round(time.perf_counter() - t0, 2))
         return dataclasses.replace(result, compiled=info)
     run = full.trace
+    if ctx.micro is not None:  # every micro-batch ran compiled; the first after which the step was non-finite
+        info.update(micro_batches=ctx.micro["count"], micro_batch=full.micro_batch)
     eager = result.traces.get(prec)
     c, e = _side(run), (_side(eager) if eager is not None else (0 if result.verdict == "healthy" else 2))
     info.update(reproduced=True, **_run_fields(run), eager_finite=e == 0)
@@ -85,7 +88,7 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
                 seconds=round(time.perf_counter() - t0, 2))
     if module is not None:
         info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
-    culprit = None if module is None else _culprit(module, info["phase"], prec, run)
+    culprit = None if module is None else _culprit(module, info["phase"], prec, run, full.micro_batch)
     return _verdict(result, info, culprit)
 
 
@@ -122,18 +125,21 @@ def _eager_origin(result: ReplayResult) -> dict:
             "precision": c["precision"], "index": c["index"], "source": c.get("source")}
 
 
-def _culprit(module: str, phase: str, prec: str, run: RunTrace) -> Culprit:
-    """The compiled module blamed, as a culprit: no eager op, so op ``<compiled>`` and index -1."""
+def _culprit(module: str, phase: str, prec: str, run: RunTrace, micro_batch: int | None) -> Culprit:
+    """The compiled module blamed, as a culprit: no eager op, so op ``<compiled>`` and index -1; with
+    accumulation, the micro-batch after which the compiled step was first non-finite."""
     kind = "inf" if phase == "forward" and math.isinf(run.loss) else "nan"
-    return Culprit(op="<compiled>", overload="", module=module, phase=phase, precision=prec, index=-1,
-                   source=None, node=None, input_dtypes=[], output_dtype=prec, input_absmax=None,
-                   output_absmax=None, output_kind=kind, custom=False)
+    culprit = Culprit(op="<compiled>", overload="", module=module, phase=phase, precision=prec, index=-1,
+                      source=None, node=None, input_dtypes=[], output_dtype=prec, input_absmax=None,
+                      output_absmax=None, output_kind=kind, custom=False)
+    return culprit if micro_batch is None else dataclasses.replace(culprit, micro_batch=micro_batch)
 
 
 def _verdict(result: ReplayResult, info: dict, culprit: Culprit | None) -> ReplayResult:
     d = Diagnosis(COMPILE_SPECIFIC, culprit=culprit, compiled=info, scale=result.scale,
                   nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype)
     lines = tuple(verdicts.advice(d))
-    return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=verdicts.summary(d), culprit=culprit,
+    summary = micro_summary(verdicts.summary(d), d, result.micro_batches)
+    return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=summary, culprit=culprit,
                                advice=[a.text for a in lines], advice_lines=lines, culprit_trace=None,
                                compiled=info)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._accumulate import micro_parts
 from ._precision import cast_batch, io_hooks
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _to_device
 from .backends import sdpa_switches
@@ -35,6 +36,7 @@ class CompiledOnce:
 
     trace: RunTrace | None
     error: str | None = None
+    micro_batch: int | None = None  # accumulation: the first micro-batch (0-based) after which the step was non-finite
 
 
 def cannot_compile(entries: Sequence[dict], device: torch.device) -> str | None:
@@ -112,30 +114,46 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
     ctx.restore_rng()
     low = precision in LOW_PRECISION
     handles = io_hooks(model, ctx.mode, precision)
+    values: list[float] = []
+    first_bad: int | None = None
     try:
         with compiled_in_place(model, entries, disable), sdpa_switches(ctx.sdpa, device=ctx.device.type):
-            with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
-                loss = ctx.loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor")
-            backward_ran = loss.requires_grad
-            if backward_ran:
-                (loss.float() * scale).backward()
+            for i, (part, divisor) in enumerate(micro_parts(ctx.micro, batch)):  # one part unless accumulating
+                with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
+                    loss = ctx.loss_fn(model, part)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor")
+                backward_ran = loss.requires_grad
+                if backward_ran:
+                    (loss.float() * scale if divisor is None else loss.float() / divisor * scale).backward()
+                values.append(float(loss.detach().float().item()))  # NB: sync, once per micro-batch
+                if first_bad is None and ctx.micro is not None and not (math.isfinite(values[-1]) and _grads_finite(model)):
+                    first_bad = i
     except Exception as e:  # noqa: BLE001 - Inductor's build errors are many types; each is one line
         return CompiledOnce(None, _why_failed(e))
     finally:
         for h in handles:
             h.remove()
         gc.collect()
-    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
-    vals = [float(g.detach().abs().amax().float()) if g.is_floating_point() else 0.0 for g in grads]  # NB: syncs
+    vals = _grad_absmax(model)
+    total = values[0] if ctx.micro is None else sum(v / float(ctx.micro["divisor"]) for v in values)
     trace = RunTrace(
         precision=precision, scale=scale, records=[], absmax=[], nonzero=[],
-        loss=float(loss.detach().float().item()), loss_dtype=str(loss.dtype).removeprefix("torch."),
+        loss=total, loss_dtype=str(loss.dtype).removeprefix("torch."),
         loss_producer=None, grads_finite=all(math.isfinite(v) for v in vals),
         grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
         backward_ran=backward_ran)
-    return CompiledOnce(trace)
+    return CompiledOnce(trace, micro_batch=first_bad)
+
+
+def _grad_absmax(model: torch.nn.Module) -> list[float]:
+    """abs-max of every floating gradient (0 for others); NB: syncs."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
+    return [float(g.detach().abs().amax().float()) if g.is_floating_point() else 0.0 for g in grads]
+
+
+def _grads_finite(model: torch.nn.Module) -> bool:
+    return all(math.isfinite(v) for v in _grad_absmax(model))
 
 
 def _why_failed(e: BaseException) -> str:

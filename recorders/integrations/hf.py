@@ -59,7 +59,9 @@ Gradient accumulation. With ``gradient_accumulation_steps=N`` the callback keeps
 N forwards of the step, by reference (no copy until a snapshot is written), and the snapshot holds
 them as a list with how the Trainer combined their losses (``schema.MICRO_BATCH_KEYS``): divided by
 the whole step's ``num_items_in_batch`` inside the model when it takes that argument, otherwise by
-N. A replay re-runs every micro-batch and accumulates their gradients as the Trainer did.
+the step's micro-batch count (N, or the epoch's remainder: ``_hf_accum``). Both are fixed before the
+step's first forward, so an ``exception`` snapshot of a step cut short keeps them. A replay re-runs
+every micro-batch and accumulates their gradients as the Trainer did.
 
 Example:
     >>> from transformers import Trainer, TrainingArguments
@@ -86,6 +88,7 @@ from .. import imports, schema
 from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
+from ._hf_accum import dataloader_length, step_micro_batches
 from ._hf_compile import trainer_compile_info
 
 __all__ = ["AmpAutopsyCallback", "build_pretrained", "pretrained_loss", "pretrained_factory_kwargs",
@@ -191,6 +194,7 @@ class AmpAutopsyCallback(TrainerCallback):
         self._warned_args = False
         self._warned_clip = False
         self._accum = 1
+        self._step_forwards = 1  # micro-batches of the current optimizer step, as the Trainer counted them
         self._token_scale = 1
         self._clips = False
         self._gradient_state = None
@@ -216,7 +220,7 @@ class AmpAutopsyCallback(TrainerCallback):
         self._token_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
         factory, factory_kwargs, loss_fn = self._refs(model)
         self.recorder = _TrainerRecorder(
-            self.run_dir, model, trainer_compile=trainer_compile_info(args),
+            self.run_dir, model, trainer_compile=trainer_compile_info(args, model),
             factory=factory, factory_kwargs=factory_kwargs, loss_fn=loss_fn,
             scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
             **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
@@ -228,9 +232,11 @@ class AmpAutopsyCallback(TrainerCallback):
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, train_dataloader=None, **kwargs):
         # HF's numbering: the global_step this optimizer step ends with (log_history, checkpoint-N)
         self._step = state.global_step + 1
+        # what the Trainer divides each micro-batch's loss by without num_items_in_batch (_hf_accum)
+        self._step_forwards = step_micro_batches(self._accum, dataloader_length(train_dataloader), state.global_step)
         self._losses = []
         self._batches = []
         self._queued = False
@@ -338,8 +344,8 @@ class AmpAutopsyCallback(TrainerCallback):
             return
         if normalized:
             micro.declare("num_items_in_batch", 1.0 / self._token_scale, "hf_trainer")
-        else:  # NB: the epoch's last step may have fewer forwards: divided by their count, as the Trainer does
-            micro.declare("mean", None, "hf_trainer")
+        else:  # the step's micro-batch count, fetched before its first forward: an exception mid-step keeps it
+            micro.declare("mean", float(self._step_forwards), "hf_trainer")
 
     def _last_micro_batch(self) -> bool:
         """Whether this forward's backward is the last before the optimizer step (accelerate's
@@ -374,7 +380,8 @@ class AmpAutopsyCallback(TrainerCallback):
         total = self._losses[0] if len(self._losses) == 1 else torch.stack([x.reshape(()) for x in self._losses]).sum()
         if self._normalized:  # each micro-batch's loss is already a share of the step's mean
             return total * self._token_scale if self._token_scale != 1 else total
-        return total / len(self._losses)  # the Trainer divides each by the micro-batch count
+        # the Trainer divides each by the step's micro-batch count, also when an exception cut the step short
+        return total / max(self._step_forwards, len(self._losses))
 
     # ---------------------------------------------------------------- helpers
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from analyzer.cli import main
@@ -66,23 +66,53 @@ def test_a_safetensors_state_dict_is_read_without_torch_load(tmp_path):
     assert all(torch.equal(snap.model_state[k], v) for k, v in rm.build_mlp().state_dict().items())
 
 
-def test_micro_batches_are_joined_into_one_batch_and_the_note_says_so(tmp_path):
+def test_micro_batches_are_joined_into_one_batch_with_accumulate_join_and_the_note_says_so(tmp_path):
     f = tmp_path / "mb.pt"
     parts = [{"x": torch.full((2, 4), float(i)), "y": torch.zeros(2, 1)} for i in range(3)]
     torch.save(parts, f)
-    batch, notes = read_batch(f)
-    assert batch["x"].shape == (6, 4) and batch["x"][4:].eq(2.0).all()
-    assert "3 micro-batches" in notes[0]
+    batch, notes, micro = read_batch(f, accumulate="join")
+    assert batch["x"].shape == (6, 4) and batch["x"][4:].eq(2.0).all() and micro is None
+    assert "3 micro-batches" in notes[0] and "concatenation" in notes[0]
     torch.save([{"x": torch.ones(2, 4)}, {"x": torch.ones(2, 5)}], f)
     with pytest.raises(BadInputError, match="cannot be joined"):
-        read_batch(f)
+        read_batch(f, accumulate="join")
 
 
-def test_a_tuple_batch_of_tensors_is_one_batch_not_micro_batches(tmp_path):
-    f = tmp_path / "b.pt"
-    torch.save((torch.ones(2, 4), torch.zeros(2, 1)), f)
-    batch, notes = read_batch(f)
-    assert isinstance(batch, tuple) and batch[0].shape == (2, 4) and notes == []
+def test_a_list_of_micro_batches_is_kept_as_a_list_with_the_mean_normalisation_named(tmp_path):
+    f = tmp_path / "mb.pt"
+    torch.save([{"x": torch.full((2, 4), float(i)), "y": torch.zeros(2, 1)} for i in range(3)], f)
+    batch, notes, micro = read_batch(f)
+    assert isinstance(batch, list) and len(batch) == 3 and batch[2]["x"].eq(2.0).all()
+    assert micro == {"count": 3, "combine": "mean", "divisor": 3.0, "source": "batch_file", "num_items_in_batch": None}
+    assert "each loss divided by 3" in notes[0] and "--accumulate sum" in notes[0] and "--accumulate join" in notes[0]
+    _, _, summed = read_batch(f, accumulate="sum")
+    assert summed["combine"] == "sum" and summed["divisor"] == 1.0
+
+
+def test_micro_batches_that_carry_hfs_num_items_in_batch_are_divided_by_the_model_itself(tmp_path):
+    f = tmp_path / "mb.pt"
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    torch.save([{"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(28)} for _ in range(4)], f)
+    batch, notes, micro = read_batch(f, hf=True)
+    assert micro["combine"] == "num_items_in_batch" and micro["divisor"] == 1.0 and micro["num_items_in_batch"] == 28
+    assert "num_items_in_batch (28)" in notes[0]
+
+
+@pytest.mark.parametrize("obj, why", [
+    ([], "holds an empty list"),
+    ([{"x": torch.ones(2, 4)}, torch.ones(2, 4)], "item 1 is a Tensor, not a micro-batch (the list mixes Tensor, dict)"),
+    ([{"x": torch.ones(2, 4)}, 3], "item 1 is a int"),
+    ([[{"x": torch.ones(2, 4)}, {"x": torch.ones(2, 4)}], [{"x": torch.ones(2, 4)}, {"x": torch.ones(2, 4)}]],
+     "item 0 is itself a list of micro-batches (nested lists)"),
+    ([{"x": torch.ones(2, 4)}, {"z": torch.ones(2, 4)}], "micro-batch 1 differs from micro-batch 0"),
+    ([{"x": torch.ones(2, 4)}, {"x": torch.ones(2, 4, dtype=torch.float16)}], "micro-batch 1 differs"),
+    ([{"x": torch.ones(2, 4)}, {"x": "text"}], "micro-batch 1 holds no tensor"),
+])
+def test_an_odd_list_of_micro_batches_is_one_error_line_naming_the_file(tmp_path, obj, why):
+    ck, batch = _files(tmp_path)
+    torch.save(obj, batch)
+    line = _one_error_line(CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY]))
+    assert why in line and str(batch) in line
 
 
 def test_checkpoint_instead_tells_checkpoints_from_snapshots(tmp_path, fp16_attention_step):
@@ -164,13 +194,47 @@ def test_any_weights_only_content_as_checkpoint_and_batch_replays_or_gives_one_e
     _one_error_line(res)  # no content here fits build_mlp's state_dict: always refused, never a traceback
 
 
+_micro = st.integers(1, 3).map(lambda n: {"x": torch.randn(n, 4), "y": torch.zeros(n, 1)})
+_item = st.one_of(_micro, _values, st.lists(_micro, min_size=1, max_size=2),
+                  st.dictionaries(st.sampled_from(["x", "y", "z"]), st.builds(torch.ones, st.integers(1, 3)), max_size=2))
+
+
+@_fast
+@given(items=st.lists(_item, max_size=4))
+@example(items=[{"x": torch.randn(2, 4), "y": torch.zeros(2, 1)}, {"x": torch.randn(3, 4), "y": torch.zeros(3, 1)}])
+@example(items=[])
+def test_any_list_as_the_batch_file_replays_or_gives_one_error_line(tmp_path_factory, items):
+    """Lists of micro-batches, damaged ones (empty, mixed, nested, other keys) and plain values: a list of
+    two or more well-formed micro-batches replays as accumulation; anything else replays as one batch or
+    is one Error line, never a traceback."""
+    d = tmp_path_factory.mktemp("lists")
+    ck, batch = _files(d)
+    torch.save(items, batch)
+    res = CliRunner().invoke(main, ["replay", str(ck), "--batch", str(batch), *_FACTORY, "--json"])
+    def micro(i) -> bool:  # what _micro draws: x (n, 4) and y (n, 1), the shapes mse(build_mlp) takes
+        return (isinstance(i, dict) and set(i) == {"x", "y"} and all(isinstance(v, torch.Tensor) for v in i.values())
+                and i["x"].shape[1:] == (4,) and i["y"].shape[1:] == (1,) and len(i["x"]) == len(i["y"]))
+
+    well_formed = len(items) >= 2 and all(micro(i) for i in items)
+    if well_formed:
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["micro_batches"]["count"] == len(items)
+    elif res.exit_code != 0:
+        _one_error_line(res)
+    else:
+        assert "Traceback" not in res.output and json.loads(res.output)["micro_batches"] is None
+
+
 def test_an_hf_batch_that_is_one_tensor_is_its_input_ids_and_labels_and_a_list_is_refused(tmp_path):
     f = tmp_path / "ids.pt"
     torch.save(torch.zeros(2, 8, dtype=torch.long), f)
-    batch, notes = read_batch(f, hf=True)
+    batch, notes, _ = read_batch(f, hf=True)
     assert set(batch) == {"input_ids", "labels"} and "input_ids=batch, labels=batch" in notes[0]
     torch.save([torch.zeros(2, 8, dtype=torch.long)], f)
     with pytest.raises(BadInputError, match="dict of its inputs"):
+        read_batch(f, hf=True)
+    torch.save([(torch.zeros(2, 8, dtype=torch.long),)] * 2, f)
+    with pytest.raises(BadInputError, match="micro-batches are dicts of its inputs"):
         read_batch(f, hf=True)
 
 

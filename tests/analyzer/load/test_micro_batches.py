@@ -66,7 +66,7 @@ def test_any_entry_loads_or_is_one_bad_input_error_naming_the_key(field, value, 
     ({**_valid(2), "count": 3}, _batch(2), "count is 3 but the batch is a list of 2"),
     (_valid(2), {"x": torch.randn(2)}, "the batch is a dict"),
     ({**_valid(2), "divisor": 0.0}, _batch(2), "divisor 0.0 is not a positive finite number"),
-    ({**_valid(2), "combine": "sum"}, _batch(2), "combine 'sum' is not one of"),
+    ({**_valid(2), "combine": "median"}, _batch(2), "combine 'median' is not one of"),
 ])
 def test_a_bad_entry_names_what_is_wrong(tmp_path, entry, batch, match):
     path, _ = _snapshot(tmp_path, batch=batch, micro_batches=entry)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["build_gate_net", "build_chain_net", "mse_loss", "gate_batch", "chain_batch"]
+__all__ = ["build_gate_net", "build_gate_stack", "build_chain_net", "mse_loss", "gate_batch", "chain_batch"]
 
 
 class Gate(nn.Module):
@@ -37,6 +37,20 @@ class GateNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.gate(x))
+
+
+class GateStack(nn.Module):
+    """Repeated blocks (a ``ModuleList`` of one class): what accelerate's ``compile_regions`` compiles one by one."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Gate(width), Gate(width)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 class Chain(nn.Module):
@@ -68,6 +82,16 @@ def build_gate_net(width: int = 4) -> nn.Module:
     model = _seeded(GateNet(width), 0, 0.1)  # small: the backward at GradScaler's 65536 fits FP16
     with torch.no_grad():
         model.gate.proj.weight.copy_(torch.eye(width) * 0.9998)
+    return model
+
+
+def build_gate_stack(width: int = 4) -> nn.Module:
+    """``build_gate_net``'s gate twice: the compiled-only NaN is born in ``blocks.0`` (``blocks.1`` sees its
+    eager output, at most 1 - 0.9998**2 away from 0, and stays finite either way)."""
+    model = _seeded(GateStack(width), 0, 0.1)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.proj.weight.copy_(torch.eye(width) * 0.9998)
     return model
 
 
