@@ -61,8 +61,8 @@ REASON = "checkpoint"
 SEED = 0  # dropout and every other random op replay from torch.manual_seed(SEED)
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _AMP = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop (HF Trainer: "
-          "callbacks=[recorders.integrations.hf.save_batch_on_nan('batch.pt')])")
+RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop, or with "
+          "callbacks=[recorders.integrations.hf.save_batch_on_nan('batch.pt')] under HF Trainer")
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,9 +111,9 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
     ck = _read_checkpoint(Path(path), factory=factory, paths=paths)
     refs = {"factory": factory or ck["factory"], "loss_fn": loss_fn or ck["loss_fn"]}
     for role, option, what in (("factory", "--factory", "pkg.mod:build (it returns the nn.Module)"),
-                               ("loss_fn", "--loss-fn", "pkg.mod:loss (loss = loss(model, batch))")):
+                               ("loss_fn", "--loss-fn", "pkg.mod:loss, where loss = loss(model, batch)")):
         if not refs[role]:
-            raise FactoryError(f"a {ck['what']} does not say which {'model' if role == 'factory' else 'loss'} "
+            raise FactoryError(f"{ck['what']} does not say which {'model' if role == 'factory' else 'loss'} "
                                "it belongs to", path=path, fix=f"pass {option} {what}")
     kwargs = ck["factory_kwargs"] if not factory or ck["kind"] == "lightning" else {}
     optimizer = ck.get("optimizer")
@@ -155,7 +155,7 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
     reader then has its say.
     """
     p = Path(path)
-    fix = f"to replay a checkpoint, pass --batch FILE with the failing step's batch ({RECIPE})"
+    fix = f"to replay a checkpoint, pass --batch FILE: {RECIPE}"
     if p.is_dir():
         if (p / "config.json").is_file() and any((p / w).is_file() for w in _HF_WEIGHTS):
             return BadInputError("not an amp-autopsy snapshot: an HF checkpoint directory", path=p, fix=fix)
@@ -189,7 +189,7 @@ def read_batch(path: str | os.PathLike, *, hf: bool = False,
     """The batch in ``path`` (weights_only), notes, and the ``micro_batches`` entry of a list of micro-batches
     (``_batchfile``: replayed as accumulation, or joined with ``accumulate="join"``); an HF tensor made a dict."""
     obj = torch_load_safe(path)
-    fix = f"torch.save the batch the failing step's loss was computed on ({RECIPE})"
+    fix = f"the batch the failing step's loss was computed on: {RECIPE}"
     obj, notes, micro = micro_batch_file(obj, path, accumulate, fix=fix)
     leaves = [(w, t) for w, t in _leaves(obj, "batch")]
     if not any(isinstance(t, torch.Tensor) for _, t in leaves):

@@ -107,7 +107,15 @@ def test_a_plain_state_dict_without_factory_says_to_pass_it(tmp_path):
     torch.save(rm.build_mlp().state_dict(), tmp_path / "m.pt")
     torch.save({"x": torch.ones(2, 4)}, tmp_path / "b.pt")
     line = _one_error_line(_cli("replay", tmp_path / "m.pt", "--batch", tmp_path / "b.pt"))
-    assert "plain state_dict does not say which model" in line and "--factory" in line
+    assert "m.pt: a plain state_dict does not say which model" in line and "--factory" in line
+
+
+def test_a_plain_state_dict_with_factory_but_no_loss_fn_says_to_pass_it(tmp_path):
+    torch.save(rm.build_mlp().state_dict(), tmp_path / "m.pt")
+    torch.save({"x": torch.ones(2, 4)}, tmp_path / "b.pt")
+    line = _one_error_line(_cli("replay", tmp_path / "m.pt", "--batch", tmp_path / "b.pt",
+                                "--factory", "tests.analyzer.replay.replay_models:build_mlp"))
+    assert "m.pt: a plain state_dict does not say which loss it belongs to (pass --loss-fn" in line
 
 
 def test_a_checkpoint_without_batch_says_to_pass_one_with_the_recipe(tmp_path):
