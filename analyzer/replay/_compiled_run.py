@@ -3,8 +3,14 @@
 The per-op recorder cannot watch a compiled step: TorchDynamo does not compile under an active
 ``TorchDispatchMode`` (the step would silently run eager), and Inductor's kernels do not dispatch
 per op. So a compiled run records only what decides the verdict: the loss and whether every
-gradient is finite (a ``RunTrace`` with no op records). Each module of the entry is compiled in
-place (``module.compile(...)``, names unchanged) for the run and restored to eager afterwards.
+gradient is finite (a ``RunTrace`` with no op records), whether the step drew random numbers, and,
+when watched, the first non-finite Inductor kernel (``_kernel_watch``). Each module of the entry is
+compiled in place (``module.compile(...)``, names unchanged) for the run and restored to eager afterwards.
+
+Random numbers: from the snapshot's RNG state, a compiled run draws what training's compiled step
+drew (Inductor's own RNG, seeded from torch's generator), so its dropout masks are training's, not
+eager's. ``same_masks=True`` compiles with ``torch._inductor.config.fallback_random``: Inductor then
+calls eager's random ops, and the masks are the eager replay's.
 
 Example:
     >>> run = compiled_once(ctx, [{"path": "", "backend": "inductor", ...}], "float16", 65536.0)  # doctest: +SKIP
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ._kernel_watch import watching_kernels
 from ._precision import cast_batch, io_hooks
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _to_device
 from .backends import sdpa_switches
@@ -35,6 +42,8 @@ class CompiledOnce:
 
     trace: RunTrace | None
     error: str | None = None
+    drew_random: bool = False  # the step consumed torch's RNG (dropout masks, Inductor's seeds)
+    kernels: dict | None = None  # watched runs: first, checked, graphs, unavailable (``_kernel_watch``)
 
 
 def cannot_compile(entries: Sequence[dict], device: torch.device) -> str | None:
@@ -98,11 +107,13 @@ def compiled_in_place(model: torch.nn.Module, entries: Sequence[dict],
 
 
 def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float, *,
-                  disable: str | None = None) -> CompiledOnce:
+                  disable: str | None = None, watch: bool = False, same_masks: bool = False) -> CompiledOnce:
     """The step with `entries` compiled (the rest eager), in `precision`, backward from ``loss * scale``.
 
-    A compile or kernel-build failure (Inductor cannot build the kernels, no C++ compiler) and an
-    error of the user's code under compilation both come back as ``error``, one line.
+    `watch` checks each Inductor kernel's outputs (``_kernel_watch``: reads only, the numerics are
+    unchanged); `same_masks` draws eager's random numbers (see the module doc). A compile or
+    kernel-build failure (Inductor cannot build the kernels, no C++ compiler) and an error of the
+    user's code under compilation both come back as ``error``, one line.
     """
     why = cannot_compile(entries, ctx.device)
     if why is not None:
@@ -112,8 +123,10 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
     ctx.restore_rng()
     low = precision in LOW_PRECISION
     handles = io_hooks(model, ctx.mode, precision)
+    watched = watching_kernels() if watch else contextlib.nullcontext()
     try:
-        with compiled_in_place(model, entries, disable), sdpa_switches(ctx.sdpa, device=ctx.device.type):
+        with watched as kernels, _random(same_masks), compiled_in_place(model, entries, disable), \
+                sdpa_switches(ctx.sdpa, device=ctx.device.type):
             with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
                 loss = ctx.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -127,6 +140,7 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
         for h in handles:
             h.remove()
         gc.collect()
+    drew = _drew_random(ctx)
     grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
     vals = [float(g.detach().abs().amax().float()) if g.is_floating_point() else 0.0 for g in grads]  # NB: syncs
     trace = RunTrace(
@@ -135,7 +149,28 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
         loss_producer=None, grads_finite=all(math.isfinite(v) for v in vals),
         grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
         backward_ran=backward_ran)
-    return CompiledOnce(trace)
+    seen = None if kernels is None else {"first": kernels.first, "checked": kernels.checked,
+                                         "graphs": kernels.graphs, "unavailable": kernels.unavailable}
+    return CompiledOnce(trace, drew_random=drew, kernels=seen)
+
+
+def _random(same_masks: bool) -> contextlib.AbstractContextManager:
+    """Inductor's own RNG (as training compiled it), or eager's random ops (``fallback_random``)."""
+    if not same_masks:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
+def _drew_random(ctx: ReplayContext) -> bool:
+    """Whether the run consumed torch's RNG: its state differs from the snapshot's (restored before the run)."""
+    if not torch.equal(torch.get_rng_state(), ctx.rng["cpu"]):
+        return True
+    cuda = ctx.rng.get("cuda")
+    if ctx.device.type == "cuda" and cuda and len(cuda) == torch.cuda.device_count():
+        return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda))
+    return False
 
 
 def _why_failed(e: BaseException) -> str:
