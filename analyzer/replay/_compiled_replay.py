@@ -117,6 +117,9 @@ def _kernel_fields(kernels: dict | None) -> dict:
         why = kernels["unavailable"] if kernels else "the compiled run was not watched"
         return {"kernel": None, "kernel_note": f"{why}: the module is the finest place named"}
     first, n = kernels["first"], kernels["checked"]
+    if kernels["graphs"] == 0:
+        return {"kernel": None, "kernel_note": "no Inductor-generated code ran in the compiled step (another "
+                "backend, or no kernel to generate): the module is the finest place named"}
     if first is None:
         return {"kernel": None, "kernel_note": f"no Inductor kernel's output was NaN/Inf ({n} kernel calls checked): "
                 "the NaN/Inf arises outside the compiled kernels (an eager part of the step)"}
@@ -124,10 +127,12 @@ def _kernel_fields(kernels: dict | None) -> dict:
     if first["where"] == "input":
         return {"kernel": None, "kernel_note": f"{graph}'s input was already NaN/Inf: it came from eager code "
                 "between compiled graphs"}
+    other = (f"one of the {kernels['unwatched']} Triton kernels (not watched)" if kernels["unwatched"] else
+             "an op Inductor left to eager (a fallback, not watched)")
     if first["where"] == "output":
-        return {"kernel": None, "kernel_note": f"{graph}'s output is NaN/Inf while no watched kernel's is: "
-                "an op Inductor left to eager (a fallback, not watched) made it"}
-    how = "from finite inputs" if first["inputs_finite"] else "its inputs already NaN/Inf from an op not watched"
+        return {"kernel": None, "kernel_note": f"{graph}'s output is NaN/Inf while no watched kernel's is: {other} "
+                "made it"}
+    how = "from finite inputs" if first["inputs_finite"] else f"its inputs already NaN/Inf from {other}"
     return {"kernel": first, "kernel_note": f"the first of {n} kernel calls, in call order, whose output holds "
             f"NaN/Inf ({how}), in the compiled run of the whole step"}
 

@@ -43,7 +43,7 @@ class CompiledOnce:
     trace: RunTrace | None
     error: str | None = None
     drew_random: bool = False  # the step consumed torch's RNG (dropout masks, Inductor's seeds)
-    kernels: dict | None = None  # watched runs: first, checked, graphs, unavailable (``_kernel_watch``)
+    kernels: dict | None = None  # watched runs: first, checked, graphs, unwatched, unavailable (``_kernel_watch``)
 
 
 def cannot_compile(entries: Sequence[dict], device: torch.device) -> str | None:
@@ -118,6 +118,18 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
     why = cannot_compile(entries, ctx.device)
     if why is not None:
         return CompiledOnce(None, why)
+    out, built = _run(ctx, entries, precision, scale, disable, watch, same_masks, fresh=False)
+    if not built and not watch:
+        # NB: Inductor's FX graph cache does not key on the ATen CPU capability: a graph generated under
+        # AVX-512 and reused under ATEN_CPU_CAPABILITY=default fails to build (its C++ uses at::vec). Once
+        # more with the code generated afresh; a watched run generates afresh already.
+        out, _ = _run(ctx, entries, precision, scale, disable, watch, same_masks, fresh=True)
+    return out
+
+
+def _run(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float, disable: str | None,
+         watch: bool, same_masks: bool, *, fresh: bool) -> tuple[CompiledOnce, bool]:
+    """One compiled run, and False when the compiler (not the user's code) failed; `fresh`: no cached graphs."""
     model = ctx.build_model(precision)
     batch = cast_batch(_to_device(ctx.batch, ctx.device), ctx.mode, precision)
     ctx.restore_rng()
@@ -125,17 +137,17 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
     handles = io_hooks(model, ctx.mode, precision)
     watched = watching_kernels() if watch else contextlib.nullcontext()
     try:
-        with watched as kernels, _random(same_masks), compiled_in_place(model, entries, disable), \
+        with watched as kernels, _fresh(fresh), _random(same_masks), compiled_in_place(model, entries, disable), \
                 sdpa_switches(ctx.sdpa, device=ctx.device.type):
             with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
                 loss = ctx.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor")
+                return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor"), True
             backward_ran = loss.requires_grad
             if backward_ran:
                 (loss.float() * scale).backward()
     except Exception as e:  # noqa: BLE001 - Inductor's build errors are many types; each is one line
-        return CompiledOnce(None, _why_failed(e))
+        return CompiledOnce(None, _why_failed(e)), not _by_compiler(e)
     finally:
         for h in handles:
             h.remove()
@@ -150,8 +162,22 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
         grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
         backward_ran=backward_ran)
     seen = None if kernels is None else {"first": kernels.first, "checked": kernels.checked,
-                                         "graphs": kernels.graphs, "unavailable": kernels.unavailable}
-    return CompiledOnce(trace, drew_random=drew, kernels=seen)
+                                         "graphs": kernels.graphs, "unwatched": kernels.unwatched,
+                                         "unavailable": kernels.unavailable}
+    return CompiledOnce(trace, drew_random=drew, kernels=seen), True
+
+
+@contextlib.contextmanager
+def _fresh(fresh: bool) -> Iterator[None]:
+    """Within (when `fresh`): Inductor generates every graph's code afresh, its FX graph and AOTAutograd caches off."""
+    if not fresh:
+        yield
+        return
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 def _random(same_masks: bool) -> contextlib.AbstractContextManager:
@@ -173,9 +199,13 @@ def _drew_random(ctx: ReplayContext) -> bool:
     return False
 
 
+def _by_compiler(e: BaseException) -> bool:
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
 def _why_failed(e: BaseException) -> str:
     """One line: the compiler could not build the step (its own error inside), or the step raised."""
-    if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+    if _by_compiler(e):
         inner = getattr(e, "inner_exception", None) or e.__cause__ or e
         return f"torch.compile could not build the step here ({type(inner).__name__}: {_line(inner)})"
     return f"the compiled step raised {type(e).__name__}: {_line(e)}"

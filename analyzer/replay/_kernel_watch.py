@@ -59,12 +59,14 @@ class KernelWatch:
         first: the first non-finite event (see ``_event``), or None while every checked kernel is finite.
         checked: kernel calls checked.
         graphs: compiled graphs (generated modules) patched.
+        unwatched: kernels those graphs launch that are not wrapped (Triton's ``kernel.run``).
         unavailable: why nothing is watched (an Inductor internal missing in this torch), else None.
     """
 
     first: dict | None = None
     checked: int = 0
     graphs: int = 0
+    unwatched: int = 0
     unavailable: str | None = None
     _pending: list[dict] = field(default_factory=list)  # post-grad graphs not yet matched to a module
     _undo: list[tuple[Any, str, Any]] = field(default_factory=list)  # (module, name, original) to restore
@@ -84,6 +86,8 @@ class KernelWatch:
         path = getattr(mod, "__file__", None)
         if not path or not callable(getattr(mod, "call", None)) or any(m is mod for m, _, _ in self._undo):
             return  # NB: PyCodeCache hands out one module object per file: patch it once
+        nodes = self._pending.pop() if self._pending else {}  # the post-grad graph this module was generated from
+        self._pending.clear()
         with open(path, encoding="utf-8") as f:
             src = f.read()
         sites = _call_sites(src.splitlines())
@@ -91,8 +95,6 @@ class KernelWatch:
             return
         from torch._inductor import debug
 
-        nodes = self._pending.pop() if self._pending else {}
-        self._pending.clear()
         aot = _AOT_ID.search(src)
         graph = _Graph(path=path, aot_id=aot.group(1) if aot else None, sites=sites, ops=nodes,
                        argtypes={m.group(1): ast.literal_eval(m.group(2)) for m in _PYBINDING.finditer(src)},
@@ -102,6 +104,7 @@ class KernelWatch:
         for top in {n.split(".", 1)[0] for n in names}:
             obj = getattr(mod, top, None)
             if obj is None or hasattr(obj, "run"):  # a Triton launcher: kernel.run(...) is not wrapped
+                self.unwatched += 1
                 continue
             self._set(mod, top, self._wrap(obj, top, graph) if top in names else _Namespace(obj, top, names, self, graph))
         self._set(mod, "call", self._wrap_graph(mod.call, graph))
@@ -125,6 +128,9 @@ class KernelWatch:
                 return fn(*args, **kwargs)
             frame = sys._getframe(1)
             key = graph.sites.get(frame.f_lineno) if frame.f_code.co_filename == graph.path else None
+            if key is None:  # called from another line than its comment's: by name, when the name is unique
+                keys = [k for k in graph.sites.values() if k.rsplit(":", 1)[0] == name]
+                key = keys[0] if len(keys) == 1 else None
             ins = [a for i, a in enumerate(args) if types is None or (i < len(types) and types[i].startswith("const"))]
             inputs_finite = _nonfinite(ins) is None
             out = fn(*args, **kwargs)

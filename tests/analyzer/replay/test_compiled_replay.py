@@ -5,13 +5,13 @@ smallest module and the first non-finite Inductor kernel, and excluding the modu
 is verified), the eager-only overflow of ``(h * 512) * 512 / 262144`` (training's compiled step is
 finite; the eager overflow is labelled eager-only and never headlined), and a dropout step whose
 NaN only the mask decides (the compiled replay draws training's masks; a mask difference is never
-called ``compile_specific``). Where Inductor cannot build the kernels (the portable
-``ATEN_CPU_CAPABILITY=default`` kernels, no C++ compiler), the run is recorded with the compiled
-model but stepped eager, and the replay must say "compiled step not reproduced" with the eager
-verdict standing.
+called ``compile_specific``). Where Inductor cannot build the kernels (no C++ compiler), the run
+is recorded with the compiled model but stepped eager, and the replay must say "compiled step not
+reproduced" with the eager verdict standing.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from analyzer.cli import main
 from analyzer.replay import Replay
 from recorders import Recorder
+from analyzer.replay._compiled_replay import _kernel_fields
 from analyzer.replay._compiled_run import compiled_once
 from tests.analyzer.replay.compile_models import (Gate, build_chain_net, build_drop_gate_net, build_drop_net, build_gate_net, chain_batch,
                                                   drop_batch, drop_seeds, gate_batch, mse_loss)
@@ -59,14 +60,33 @@ def _record(run: Path, build, batch: dict, *, eager_steps: bool) -> tuple[Path, 
     return snaps[0], bool(torch.isfinite(loss))
 
 
+@contextlib.contextmanager
+def _fresh(fresh: bool = True):
+    """Within: Inductor generates every graph's code afresh (FX graph and AOTAutograd caches off).
+
+    NB: Inductor's FX graph cache does not key on the ATen CPU capability: a graph cached by an AVX-512
+    run fails to build under ``ATEN_CPU_CAPABILITY=default`` (its C++ uses at::vec) and builds when
+    generated afresh. Training here retries that way, as the replay's compiled runs do.
+    """
+    if not fresh:
+        yield
+        return
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def _recorded(tmp: Path, build, batch: dict) -> tuple[Path, bool, bool]:
     """(snapshot, whether Inductor built the training step here, whether the trained loss was finite)."""
-    try:
-        path, finite = _record(tmp / "compiled", build, batch, eager_steps=False)
-        return path, True, finite
-    except torch._dynamo.exc.BackendCompilerFailed:  # e.g. the portable kernels: no at::vec for Inductor's C++
-        path, finite = _record(tmp / "eager-stepped", build, batch, eager_steps=True)
-        return path, False, finite
+    for fresh in (False, True):
+        try:
+            with _fresh(fresh):
+                path, finite = _record(tmp / f"compiled-{fresh}", build, batch, eager_steps=False)
+            return path, True, finite
+        except torch._dynamo.exc.BackendCompilerFailed:
+            continue
+    path, finite = _record(tmp / "eager-stepped", build, batch, eager_steps=True)  # no C++ compiler, ...
+    return path, False, finite
 
 
 @pytest.fixture(scope="session")
@@ -233,19 +253,35 @@ def test_watching_the_kernels_leaves_the_compiled_step_bit_identical(chain):
     assert not plain.drew_random and not watched.drew_random
 
 
+
+def test_a_backend_that_generates_no_inductor_code_leaves_no_kernel_to_name(gate):
+    replay = Replay(gate[0])
+    modules = [dict(m, backend="aot_eager") for m in replay.snapshot.compile["modules"]]  # eager kernels, traced
+    out = compiled_once(replay.context(), modules, "float16", 65536.0, watch=True)
+    assert out.trace is not None and out.trace.finite  # aot_eager computes as eager does: the gate stays finite
+    assert out.kernels == {"first": None, "checked": 0, "graphs": 0, "unwatched": 0, "unavailable": None}
+    assert _kernel_fields(out.kernels)["kernel_note"].startswith("no Inductor-generated code ran in the compiled step")
+
 @pytest.fixture(scope="session")
 def dropout(tmp_path_factory):
     """Two FP16 steps of ``torch.compile(build_drop_net())``: a finite one (a manual snapshot before it) and
     one whose compiled mask drops the element the log reads (NaN) where eager's mask keeps it."""
+    for fresh in (False, True):
+        try:
+            with _fresh(fresh):
+                return _dropout_run(tmp_path_factory.mktemp("dropout"))
+        except torch._dynamo.exc.BackendCompilerFailed:
+            continue
+    pytest.skip("Inductor cannot build kernels here: no compiled masks to compare")
+
+
+def _dropout_run(tmp: Path):
     model = torch.compile(build_drop_net())
     batch = drop_batch()
-    try:
-        ok, bad = drop_seeds(model, model._orig_mod, batch)
-    except torch._dynamo.exc.BackendCompilerFailed:
-        pytest.skip("Inductor cannot build kernels here: no compiled masks to compare")
+    ok, bad = drop_seeds(model, model._orig_mod, batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)  # the output is ~8: its FP16 backward fits at 256
-    run = tmp_path_factory.mktemp("dropout") / "run"
+    run = tmp / "run"
     losses = []
     with Recorder(run, model, factory=f"{MODELS}:build_drop_net", loss_fn=f"{MODELS}:mse_loss", scaler=scaler,
                   amp_dtype=torch.float16, optimizer=opt) as rec:
