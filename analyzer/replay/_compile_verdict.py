@@ -21,7 +21,7 @@ Examples of a summary:
     `gate` alone (the rest eager) makes it non-finite, while none of its child modules does alone.
     In the compiled step, the first kernel whose output holds NaN/Inf is
     cpp_fused__to_copy_mul_pow_rsub_1 (forward graph, from finite inputs): aten.mul, aten.sub,
-    aten.pow at tests/analyzer/replay/compile_models.py:28, :29, :39. ...
+    aten.pow at tests/analyzer/replay/compile_models.py:37, :38, :48. Its forward arithmetic, ...
 
 A step that draws random numbers (dropout) is compared with eager under eager's masks; when
 training's masks and eager's decide finiteness differently, the summary says so.

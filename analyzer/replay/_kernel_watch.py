@@ -22,10 +22,11 @@ Example (the compiled-only NaN of ``tests/analyzer/replay/compile_models.py``'s 
     >>> with watching_kernels() as watch:  # doctest: +SKIP
     ...     loss = compiled_model(x).float().pow(2).mean(); loss.backward()
     >>> watch.first  # doctest: +SKIP
-    {'kernel': 'cpp_fused__to_copy_mul_pow_rsub_1', 'graph': 'forward', 'aot_id': '0_forward',
-     'ops': ['aten.mul', 'aten.sub', 'aten.pow', 'prims.convert_element_type'],
-     'sources': ['tests/analyzer/replay/compile_models.py:28', 'tests/analyzer/replay/compile_models.py:29'],
-     'inputs_finite': True, 'output_kind': 'nan', ...}
+    {'kernel': 'cpp_fused__to_copy_mul_pow_rsub_1', 'handle': 'cpp_fused__to_copy_mul_pow_rsub_1:3',
+     'graph': 'forward', 'aot_id': '1_forward', 'ops': ['aten.mul', 'aten.sub', 'aten.pow', 'prims.convert_element_type'],
+     'nodes': ['mul', 'mul_1', 'sub', 'pow_1', 'convert_element_type_4', 'convert_element_type_5'],
+     'sources': ['tests/analyzer/replay/compile_models.py:37', 'tests/analyzer/replay/compile_models.py:38',
+                 'tests/analyzer/replay/compile_models.py:48'], 'inputs_finite': True, 'output_kind': 'nan', 'where': 'kernel'}
 """
 from __future__ import annotations
 
