@@ -133,7 +133,8 @@ def _compiled_lines(cmp: dict) -> list[str]:
     lines = [_compiled_line(cmp)]
     same = (cmp.get("random") or {}).get("same_masks")
     if same is not None:
-        state = "finite" if same["finite"] else ("forward NaN/Inf" if not same["forward_finite"] else "backward NaN/Inf")
+        state = ("finite" if same["finite"] else
+                 "forward NaN/Inf" if not same["forward_finite"] else "backward NaN/Inf")
         lines.append(f"  compiled  {cmp['precision']} loss {_num(same['loss']):>10}  {state} (eager's dropout masks: "
                      "fallback_random; the line above drew training's)")
     k = cmp.get("kernel")

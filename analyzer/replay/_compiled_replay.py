@@ -102,7 +102,7 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
 
 
 def _random_info(run: RunTrace, same: CompiledOnce) -> dict:
-    """A step that draws random numbers: its compiled run with eager's masks, and whether the masks decide finiteness."""
+    """A step that draws random numbers: its compiled run with eager's masks, and whether masks decide finiteness."""
     if same.trace is None:
         return {"same_masks": None, "masks_matter": None,
                 "note": f"the compiled step with eager's dropout masks could not run: {same.error}"}

@@ -23,10 +23,12 @@ Example (the compiled-only NaN of ``tests/analyzer/replay/compile_models.py``'s 
     ...     loss = compiled_model(x).float().pow(2).mean(); loss.backward()
     >>> watch.first  # doctest: +SKIP
     {'kernel': 'cpp_fused__to_copy_mul_pow_rsub_1', 'handle': 'cpp_fused__to_copy_mul_pow_rsub_1:3',
-     'graph': 'forward', 'aot_id': '1_forward', 'ops': ['aten.mul', 'aten.sub', 'aten.pow', 'prims.convert_element_type'],
+     'graph': 'forward', 'aot_id': '1_forward',
+     'ops': ['aten.mul', 'aten.sub', 'aten.pow', 'prims.convert_element_type'],
      'nodes': ['mul', 'mul_1', 'sub', 'pow_1', 'convert_element_type_4', 'convert_element_type_5'],
      'sources': ['tests/analyzer/replay/compile_models.py:37', 'tests/analyzer/replay/compile_models.py:38',
-                 'tests/analyzer/replay/compile_models.py:48'], 'inputs_finite': True, 'output_kind': 'nan', 'where': 'kernel'}
+                 'tests/analyzer/replay/compile_models.py:48'],
+     'inputs_finite': True, 'output_kind': 'nan', 'where': 'kernel'}
 """
 from __future__ import annotations
 
@@ -107,7 +109,8 @@ class KernelWatch:
             if obj is None or hasattr(obj, "run"):  # a Triton launcher: kernel.run(...) is not wrapped
                 self.unwatched += 1
                 continue
-            self._set(mod, top, self._wrap(obj, top, graph) if top in names else _Namespace(obj, top, names, self, graph))
+            wrapped = self._wrap(obj, top, graph) if top in names else _Namespace(obj, top, names, self, graph)
+            self._set(mod, top, wrapped)
         self._set(mod, "call", self._wrap_graph(mod.call, graph))
         self.graphs += 1
 

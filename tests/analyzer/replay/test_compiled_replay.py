@@ -26,8 +26,9 @@ from analyzer.replay import Replay
 from recorders import Recorder
 from analyzer.replay._compiled_replay import _kernel_fields
 from analyzer.replay._compiled_run import compiled_once
-from tests.analyzer.replay.compile_models import (Gate, build_chain_net, build_drop_gate_net, build_drop_net, build_gate_net, chain_batch,
-                                                  drop_batch, drop_seeds, gate_batch, mse_loss)
+from tests.analyzer.replay.compile_models import (Gate, build_chain_net, build_drop_gate_net, build_drop_net,
+                                                  build_gate_net, chain_batch, drop_batch, drop_seeds, gate_batch,
+                                                  mse_loss)
 
 pytestmark = pytest.mark.compile
 
