@@ -82,7 +82,7 @@ def _recorded(tmp: Path, build, batch: dict) -> tuple[Path, bool, bool]:
     for fresh in (False, True):
         try:
             with _fresh(fresh):
-                path, finite = _record(tmp / f"compiled-{fresh}", build, batch, eager_steps=False)
+                path, finite = _record(tmp / ("compiled-fresh" if fresh else "compiled"), build, batch, eager_steps=False)
             return path, True, finite
         except torch._dynamo.exc.BackendCompilerFailed:
             continue
