@@ -15,6 +15,9 @@ import contextlib
 import inspect
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -340,3 +343,36 @@ def test_a_compiled_only_nan_beside_dropout_is_localized_and_fixed_with_eagers_m
     [fix] = replay.try_fixes(result)
     assert (fix.name, fix.status) == ("compile_disable", "verified"), fix.detail
     assert "with eager's dropout masks" in fix.detail
+
+
+_STALE = """
+import sys, torch
+from analyzer.replay import Replay
+from analyzer.replay._compiled_run import compiled_once
+from tests.analyzer.replay.compile_models import build_gate_net, gate_batch, mse_loss
+if sys.argv[1] == "plain":  # training's way: torch.compile, Inductor's caches on
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            mse_loss(torch.compile(build_gate_net()), gate_batch())
+        print("plain: built")
+    except torch._dynamo.exc.BackendCompilerFailed:
+        print("plain: build failed")
+replay = Replay(sys.argv[2])
+out = compiled_once(replay.context(), replay.snapshot.compile["modules"], "float16", 65536.0)
+print("replay:", "reproduced" if out.trace is not None else out.error)
+"""
+
+
+def test_a_graph_cached_under_another_cpu_capability_is_generated_afresh_by_the_replay(gate, tmp_path):
+    """Inductor's FX graph cache does not key on the ATen CPU capability: a graph cached by this CPU's
+    vectorised kernels does not build under the portable ones. The replay's compiled run regenerates it."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" or not gate[1]:
+        pytest.skip("needs a vectorised CPU capability that Inductor builds for")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    first = subprocess.run([sys.executable, "-c", _STALE, "plain", str(gate[0])], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.stdout.splitlines() == ["plain: built", "replay: reproduced"], first.stderr[-2000:]
+    portable = subprocess.run([sys.executable, "-c", _STALE, "plain", str(gate[0])],
+                              env=dict(env, ATEN_CPU_CAPABILITY="default"), capture_output=True, text=True, timeout=600)
+    # the premise (torch 2.13): training's cached graph fails to build here; the replay builds it afresh
+    assert portable.stdout.splitlines() == ["plain: build failed", "replay: reproduced"], portable.stderr[-2000:]
