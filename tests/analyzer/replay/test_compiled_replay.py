@@ -85,7 +85,8 @@ def _recorded(tmp: Path, build, batch: dict) -> tuple[Path, bool, bool]:
     for fresh in (False, True):
         try:
             with _fresh(fresh):
-                path, finite = _record(tmp / ("compiled-fresh" if fresh else "compiled"), build, batch, eager_steps=False)
+                run = tmp / ("compiled-fresh" if fresh else "compiled")
+                path, finite = _record(run, build, batch, eager_steps=False)
             return path, True, finite
         except torch._dynamo.exc.BackendCompilerFailed:
             continue
