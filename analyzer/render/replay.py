@@ -119,7 +119,7 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         own = f" (at loss scale {run['scale']:g})" if run["scale"] != r.scale else ""  # BF16 run for its advice
         lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{own}{at1}{where}")
     if r.compiled is not None:  # a compiled model: the step compiled as training compiled it
-        lines.append(_compiled_line(r.compiled))
+        lines += _compiled_lines(r.compiled)
     trace = r.culprit_trace
     if c and trace is not None and ops > 0:
         lines += ["", f"ops around the culprit ({trace.precision}):", _table(trace, c["index"], ops)]
@@ -129,6 +129,25 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     if checked:
         lines += ["", "checked:"] + [f"  - {a}" for a in r.advice if a in checked]
     return "\n".join(lines)
+
+
+def _compiled_lines(cmp: dict) -> list[str]:
+    """The compiled run of the failing precision (or why it could not be reproduced), its run with eager's
+    dropout masks when the step draws random numbers, and its first non-finite Inductor kernel."""
+    lines = [_compiled_line(cmp)]
+    same = (cmp.get("random") or {}).get("same_masks")
+    if same is not None:
+        state = ("finite" if same["finite"] else
+                 "forward NaN/Inf" if not same["forward_finite"] else "backward NaN/Inf")
+        lines.append(f"  compiled  {cmp['precision']} loss {_num(same['loss']):>10}  {state} (eager's dropout masks: "
+                     "fallback_random; the line above drew training's)")
+    k = cmp.get("kernel")
+    if k:
+        ops = ", ".join(k["ops"][:8]) + (" ..." if len(k["ops"]) > 8 else "")
+        src = ", ".join(k["sources"][:4]) + (" ..." if len(k["sources"]) > 4 else "")
+        lines.append(f"  kernel    {k['kernel']} ({k['graph']} graph): first NaN/Inf output; {ops}"
+                     + (f" at {src}" if src else ""))
+    return lines
 
 
 def _compiled_line(cmp: dict) -> str:

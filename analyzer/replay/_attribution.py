@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from ._cache import Memo
 
-__all__ = ["user_source", "source_path", "sources_relative_to", "attach_module_hooks", "CUDA_FP32_OPS"]
+__all__ = ["user_source", "shown_source", "source_path", "sources_relative_to", "attach_module_hooks", "CUDA_FP32_OPS"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -56,13 +56,18 @@ def user_source() -> str | None:
                 return None
         elif not filename.startswith(_TORCH_DIR) and not filename.endswith(_SKIP_FILES) \
                 and not filename.startswith("<frozen"):
-            key = (_BASE[0] or os.getcwd(), filename)
-            shown = _SHOWN.get(key)
-            if shown is None:
-                shown = _SHOWN[key] = _shown_name(filename, key[0])
-            return f"{shown}:{frame.f_lineno}"
+            return shown_source(filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def shown_source(filename: str, line: int) -> str:
+    """``file:line`` as ``user_source`` shows it (relative to the run's directory while a snapshot replays)."""
+    key = (_BASE[0] or os.getcwd(), filename)
+    shown = _SHOWN.get(key)
+    if shown is None:
+        shown = _SHOWN[key] = _shown_name(filename, key[0])
+    return f"{shown}:{line}"
 
 
 _SHOWN: Memo = Memo()  # (base, file name) -> its shown (shortened) name

@@ -1,7 +1,9 @@
 """The fix ``compile_disable``: the step compiled as in training, with the culprit module excluded (``torch.compiler.disable``).
 
 It serves ``compile_specific`` when a module was found (``ReplayResult.compiled["module"]``); the
-run is judged by the fix registry's shared ``_judge``, as every other fix is.
+run is judged by the fix registry's shared ``_judge``, as every other fix is. A step that draws
+random numbers is compiled with eager's (``fallback_random``), the masks of the FP32 replay it is
+judged against.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ def _compile_disable(ctx: ReplayContext, result: ReplayResult) -> Fix:
     c = result.compiled
     module = c["module"]
     title = _title(module)
-    out = compiled_once(ctx, c["modules"], c["precision"], c["scale"], disable=module)
+    same_masks = c.get("random") is not None  # judged against the FP32 eager replay: eager's dropout masks
+    out = compiled_once(ctx, c["modules"], c["precision"], c["scale"], disable=module, same_masks=same_masks)
     if out.trace is None:
         return Fix(name="compile_disable", title=title, status="not_tried", precision=c["precision"],
                    detail=f"the compiled step could not run: {out.error}")
-    return _judge(result, "compile_disable", title, out.trace, note=" (compiled as training compiled it)")
+    masks = ", with eager's dropout masks" if same_masks else ""
+    return _judge(result, "compile_disable", title, out.trace, note=f" (compiled as training compiled it{masks})")
 
 
 def _line(fix: Fix, _c: Mapping, _mode: str) -> str:

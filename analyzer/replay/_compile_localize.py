@@ -7,8 +7,8 @@ is the one whose compiled version goes non-finite while each of its children's d
 fusion inside it is what eager rounding does not reproduce. Containers that are never called
 (``ModuleList``, ``ModuleDict``) are looked through, not compiled.
 
-NB: on CPU, Inductor's ``nan_asserts`` check only a compiled graph's inputs and outputs, not each
-kernel, so the module is the finest place this search names.
+NB: the kernel inside the module is named by the compiled run of the whole step
+(``_kernel_watch``), not by this search.
 
 Example:
     >>> found = localize(ctx, entries, "float16", 65536.0)  # doctest: +SKIP
@@ -57,17 +57,18 @@ def _children(module: torch.nn.Module, path: str) -> Iterator[str]:
 
 
 def localize(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float,
-             phase: str) -> Localized:
+             phase: str, *, same_masks: bool = False) -> Localized:
     """The smallest module whose compiled version alone makes the step non-finite (see the module doc).
 
     `entries` are the snapshot's compiled modules; the step with all of them compiled is known to
-    be non-finite in `phase`.
+    be non-finite in `phase`. `same_masks`: each run draws eager's random numbers (a step with
+    dropout), so that only compilation differs from the eager replay.
     """
     tried: list[dict] = []
 
     def fails(entry: dict) -> str | None:
         """The phase the step fails in with only `entry` compiled, else None."""
-        out = compiled_once(ctx, [entry], precision, scale)
+        out = compiled_once(ctx, [entry], precision, scale, same_masks=same_masks)
         t = out.trace
         tried.append({"module": entry["path"], "finite": bool(t is not None and t.finite), "error": out.error})
         if t is None or t.finite:

@@ -9,19 +9,42 @@ Two ways (``Diagnosis.compiled``, built by ``_compiled_replay``):
   NaN/Inf is eager-only (Inductor keeps a fused chain's intermediates in FP32 and rounds once),
   named as such and never as the run's failure.
 
-Example of a summary:
+The compiled-only case names, where Inductor's generated code allows (``_kernel_watch``), the
+first kernel whose output holds NaN/Inf, with the ATen ops it fuses and their source lines.
+
+Examples of a summary:
     Training's compiled step is finite in float16 (loss 0.4121, every gradient finite). The eager
     replay's overflow at aten.mul in `scale` (forward) is eager-only: Inductor computes this fused
     chain in FP32 and rounds its result once.
+
+    The compiled step is non-finite in float16 (the loss) while the eager step is finite: compiling
+    `gate` alone (the rest eager) makes it non-finite, while none of its child modules does alone.
+    In the compiled step, the first kernel whose output holds NaN/Inf is
+    cpp_fused__to_copy_mul_pow_rsub_1 (forward graph, from finite inputs): aten.mul, aten.sub,
+    aten.pow at tests/analyzer/replay/compile_models.py:37, :38, :48. Its forward arithmetic, ...
+
+A step that draws random numbers (dropout) is compared with eager under eager's masks; when
+training's masks and eager's decide finiteness differently, the summary says so.
 """
 from __future__ import annotations
 
 from .diagnosis import Diagnosis
 from .verdicts import AdviceLine, Verdict, register
 
-__all__ = ["COMPILE_SPECIFIC"]
+__all__ = ["COMPILE_SPECIFIC", "masks_sentence"]
 
 COMPILE_SPECIFIC = "compile_specific"
+
+
+def masks_sentence(info: dict) -> str | None:
+    """When training's masks and eager's give the compiled step a different finiteness, say so (else None)."""
+    r = info.get("random")
+    if not r or not r.get("masks_matter"):
+        return None
+    state = lambda f: "finite" if f["finite"] else "non-finite"  # noqa: E731
+    return (f"training's compiled step, with its own dropout masks (Inductor's RNG), is {state(info)}, and "
+            f"{state(r['same_masks'])} with eager's masks: which elements dropout drops decides it, not "
+            "compilation (the eager replay cannot draw Inductor's masks)")
 
 
 def _where(module: str | None) -> str:
@@ -59,22 +82,51 @@ def _ops_by_line(ops: list[dict], lines: int = 4) -> str:
 def _summary(d: Diagnosis) -> str:
     c = d.compiled
     prec = c["precision"]
+    masks = masks_sentence(c)
+    masks = f" {masks[0].upper()}{masks[1:]}." if masks else ""
     if c.get("eager_only") is not None:
-        ran = ("every gradient finite" if c["finite"] else
+        same = (c.get("random") or {}).get("same_masks")
+        run, who = (same, "The step compiled with eager's dropout masks") if masks else (c, "Training's compiled step")
+        ran = ("every gradient finite" if run["finite"] else
                f"a gradient non-finite at loss scale {c['scale']:g}, a step GradScaler skips")
-        return (f"Training's compiled step has a finite loss in {prec} ({c['loss']:.4g}; {ran}). "
-                f"The eager replay's {_eager_only(c)} is eager-only: {_why(c)}.")
+        return (f"{who} has a finite loss in {prec} ({run['loss']:.4g}; {ran}). "
+                f"The eager replay's {_eager_only(c)} is eager-only: {_why(c)}.{masks}")
     what = "the loss" if c.get("phase") == "forward" else "a gradient"
     if c.get("module") is None:
         return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite; no "
-                "compiled module alone makes it non-finite, only the compiled modules together.")
+                "compiled module alone makes it non-finite, only the compiled modules together."
+                f"{_kernel(c)}{masks}")
     kids = " (it has no child modules)" if c.get("leaf") else ", while none of its child modules does alone"
     if c.get("stopped"):
         kids = f" (the search stopped after {len(c['tried'])} compiled runs: a smaller module may fail too)"
     runs = _ops_by_line(c.get("ops") or [])
     runs = f" Its {c['phase']} arithmetic, as the eager trace records it: {runs}." if runs else ""
     return (f"The compiled step is non-finite in {prec} ({what}) while the eager step is finite: compiling "
-            f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.{runs}")
+            f"{_where(c['module'])} alone (the rest eager) makes it non-finite{kids}.{_kernel(c)}{runs}{masks}")
+
+
+def _kernel(c: dict) -> str:
+    """The first non-finite Inductor kernel, its ops and source lines (``_kernel_watch``), as a sentence."""
+    k = c.get("kernel")
+    if not k:
+        return ""
+    ops = ", ".join(o for o in k["ops"] if o not in _LAYOUT and o != "prims.convert_element_type")
+    src = _lines(k["sources"])
+    how = "from finite inputs" if k["inputs_finite"] else "its inputs already NaN/Inf"
+    return (f" In the compiled step, the first kernel whose output holds NaN/Inf is {k['kernel']} "
+            f"({k['graph']} graph, {how})"
+            + (f": {ops}" if ops else "") + (f" at {src}" if src else "") + ".")
+
+
+def _lines(sources: list[str]) -> str:
+    """``a.py:28, :29; b.py:3``: one file name per run of lines in it."""
+    parts: list[str] = []
+    last = None
+    for s in sources:
+        file, _, line = s.rpartition(":")
+        parts.append(f":{line}" if file == last else s)
+        last = file
+    return ", ".join(parts)
 
 
 def _advice(d: Diagnosis) -> list[AdviceLine]:

@@ -12,6 +12,14 @@
   kernel, an unknown backend): the eager verdict stands, and ``compiled`` says "compiled step not
   reproduced" and why, in one line.
 
+The run of the whole step is watched (``_kernel_watch``): a compiled-only failure also names the
+first Inductor kernel whose output holds NaN/Inf, with its ATen ops and source lines
+(``compiled["kernel"]``). A step that draws random numbers (dropout) is run compiled twice: from
+the snapshot's RNG state with Inductor's RNG, as training drew its masks (the top-level fields), and
+with eager's masks (``fallback_random``, ``compiled["random"]["same_masks"]``), which is what the
+eager replay is compared with, and what the module search and the fix draw: a mask difference is
+never taken for compile numerics, and when the masks alone decide finiteness the summary says so.
+
 The per-op view (``runs``, the culprit's ops, the plot) stays the eager one.
 """
 from __future__ import annotations
@@ -27,8 +35,8 @@ from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (an
 from . import verdicts
 from ._accumulate import micro_summary
 from ._compile_localize import localize
-from ._compile_verdict import COMPILE_SPECIFIC
-from ._compiled_run import compiled_once
+from ._compile_verdict import COMPILE_SPECIFIC, masks_sentence
+from ._compiled_run import CompiledOnce, compiled_once
 from ._runs import ReplayContext, RunTrace
 from .diagnosis import Diagnosis
 from .records import Culprit
@@ -57,7 +65,7 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
     info: dict = {"modules": modules, "precision": prec, "scale": scale,
                   "backend": modules[0].get("backend") or "inductor"}
     t0 = time.perf_counter()
-    full = compiled_once(ctx, modules, prec, scale)
+    full = compiled_once(ctx, modules, prec, scale, watch=True)
     if full.trace is None:
         info.update(reproduced=False, note=f"{NOT_REPRODUCED}: {full.error}; the eager verdict stands",
                     seconds=round(time.perf_counter() - t0, 2))
@@ -65,31 +73,71 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
     run = full.trace
     if ctx.micro is not None:  # every micro-batch ran compiled; the first after which the step was non-finite
         info.update(micro_batches=ctx.micro["count"], micro_batch=full.micro_batch)
+    same = compiled_once(ctx, modules, prec, scale, watch=True, same_masks=True) if full.drew_random else None
+    compared = same if same is not None and same.trace is not None else full  # what eager is compared with
     eager = result.traces.get(prec)
-    c, e = _side(run), (_side(eager) if eager is not None else (0 if result.verdict == "healthy" else 2))
-    info.update(reproduced=True, **_run_fields(run), eager_finite=e == 0)
+    c, e = _side(compared.trace), (_side(eager) if eager is not None else (0 if result.verdict == "healthy" else 2))
+    info.update(reproduced=True, **_run_fields(run), eager_finite=e == 0,
+                random=None if same is None else _random_info(run, same))
+    masks = masks_sentence(info)
     if c < e and (c == 0 or e == 2):  # eager-only: training's compiled step (or its forward) is finite
         info.update(eager_only=_eager_origin(result), note="the compiled step is finite; the eager NaN/Inf is "
                     "eager-only", seconds=round(time.perf_counter() - t0, 2))
         return _verdict(result, info, None)
     if not (c == 2 and e < 2 or c == 1 and e == 0):  # both fail (or neither) the same way: the verdict stands
         agree = "finite" if c == 0 else "non-finite"
-        info.update(note=f"the compiled step is {agree} too: the eager verdict stands",
-                    seconds=round(time.perf_counter() - t0, 2))
-        return dataclasses.replace(result, compiled=info)
-    phase = "forward" if not run.forward_finite else "backward"
-    found = localize(ctx, modules, prec, scale, phase)
+        same_masks = " with eager's dropout masks" if same is not None else ""
+        info.update(note=f"the compiled step{same_masks} is {agree} too: the eager verdict stands" + (
+                    f"; {masks}" if masks else ""), seconds=round(time.perf_counter() - t0, 2))
+        summary = f"{result.summary} {masks[0].upper()}{masks[1:]}." if masks else result.summary
+        return dataclasses.replace(result, compiled=info, summary=summary)
+    phase = "forward" if not compared.trace.forward_finite else "backward"
+    found = localize(ctx, modules, prec, scale, phase, same_masks=same is not None)
     module = found.module
     leaf = module is not None and not any(True for _ in ctx.build_model(prec).get_submodule(module).children())
     info.update(module=module, phase=found.phase or phase, leaf=leaf, tried=found.tried, stopped=found.stopped,
-                kernel=None, kernel_note="CPU Inductor checks only a compiled graph's inputs and outputs "
-                "(nan_asserts), not each kernel: the module is the finest place named",
-                note="the compiled step is non-finite; the eager step is finite",
+                **_kernel_fields(compared.kernels), note="the compiled step is non-finite; the eager step is finite",
                 seconds=round(time.perf_counter() - t0, 2))
     if module is not None:
         info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
-    culprit = None if module is None else _culprit(module, info["phase"], prec, run, full.micro_batch)
+    culprit = None if module is None else _culprit(module, info["phase"], prec, run, compared.micro_batch)
     return _verdict(result, info, culprit)
+
+
+def _random_info(run: RunTrace, same: CompiledOnce) -> dict:
+    """A step that draws random numbers: its compiled run with eager's masks, and whether masks decide finiteness."""
+    if same.trace is None:
+        return {"same_masks": None, "masks_matter": None,
+                "note": f"the compiled step with eager's dropout masks could not run: {same.error}"}
+    return {"same_masks": _run_fields(same.trace), "masks_matter": _side(run) != _side(same.trace),
+            "note": "the step draws random numbers: the compiled run from the snapshot's RNG state draws training's "
+                    "(Inductor's RNG); eager is compared with the step compiled with eager's (fallback_random)"}
+
+
+def _kernel_fields(kernels: dict | None) -> dict:
+    """``kernel`` (the first non-finite Inductor kernel, or None) and ``kernel_note`` (how it was found, or why not)."""
+    if kernels is None or kernels["unavailable"]:
+        why = kernels["unavailable"] if kernels else "the compiled run was not watched"
+        return {"kernel": None, "kernel_note": f"{why}: the module is the finest place named"}
+    first, n = kernels["first"], kernels["checked"]
+    if kernels["graphs"] == 0:
+        return {"kernel": None, "kernel_note": "no Inductor-generated code ran in the compiled step (another "
+                "backend, or no kernel to generate): the module is the finest place named"}
+    if first is None:
+        return {"kernel": None, "kernel_note": f"no Inductor kernel's output was NaN/Inf ({n} kernel calls checked): "
+                "the NaN/Inf arises outside the compiled kernels (an eager part of the step)"}
+    graph = f"graph {first['aot_id']}" if first.get("aot_id") else f"a {first['graph']} graph"
+    if first["where"] == "input":
+        return {"kernel": None, "kernel_note": f"{graph}'s input was already NaN/Inf: it came from eager code "
+                "between compiled graphs"}
+    other = (f"one of the {kernels['unwatched']} Triton kernels (not watched)" if kernels["unwatched"] else
+             "an op Inductor left to eager (a fallback, not watched)")
+    if first["where"] == "output":
+        return {"kernel": None, "kernel_note": f"{graph}'s output is NaN/Inf while no watched kernel's is: {other} "
+                "made it"}
+    how = "from finite inputs" if first["inputs_finite"] else f"its inputs already NaN/Inf from {other}"
+    return {"kernel": first, "kernel_note": f"the first of {n} kernel calls, in call order, whose output holds "
+            f"NaN/Inf ({how}), in the compiled run of the whole step"}
 
 
 def _module_ops(trace: RunTrace | None, module: str, phase: str, limit: int = 16) -> list[dict]:

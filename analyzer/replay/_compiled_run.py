@@ -3,8 +3,14 @@
 The per-op recorder cannot watch a compiled step: TorchDynamo does not compile under an active
 ``TorchDispatchMode`` (the step would silently run eager), and Inductor's kernels do not dispatch
 per op. So a compiled run records only what decides the verdict: the loss and whether every
-gradient is finite (a ``RunTrace`` with no op records). Each module of the entry is compiled in
-place (``module.compile(...)``, names unchanged) for the run and restored to eager afterwards.
+gradient is finite (a ``RunTrace`` with no op records), whether the step drew random numbers, and,
+when watched, the first non-finite Inductor kernel (``_kernel_watch``). Each module of the entry is
+compiled in place (``module.compile(...)``, names unchanged) for the run and restored to eager afterwards.
+
+Random numbers: from the snapshot's RNG state, a compiled run draws what training's compiled step
+drew (Inductor's own RNG, seeded from torch's generator), so its dropout masks are training's, not
+eager's. ``same_masks=True`` compiles with ``torch._inductor.config.fallback_random``: Inductor then
+calls eager's random ops, and the masks are the eager replay's.
 
 Example:
     >>> run = compiled_once(ctx, [{"path": "", "backend": "inductor", ...}], "float16", 65536.0)  # doctest: +SKIP
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 
 from ._accumulate import micro_parts
+from ._kernel_watch import watching_kernels
 from ._precision import cast_batch, io_hooks
 from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _to_device
 from .backends import sdpa_switches
@@ -36,6 +43,8 @@ class CompiledOnce:
 
     trace: RunTrace | None
     error: str | None = None
+    drew_random: bool = False  # the step consumed torch's RNG (dropout masks, Inductor's seeds)
+    kernels: dict | None = None  # watched runs: first, checked, graphs, unwatched, unavailable (``_kernel_watch``)
     micro_batch: int | None = None  # accumulation: the first micro-batch (0-based) after which the step was non-finite
 
 
@@ -100,29 +109,45 @@ def compiled_in_place(model: torch.nn.Module, entries: Sequence[dict],
 
 
 def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float, *,
-                  disable: str | None = None) -> CompiledOnce:
+                  disable: str | None = None, watch: bool = False, same_masks: bool = False) -> CompiledOnce:
     """The step with `entries` compiled (the rest eager), in `precision`, backward from ``loss * scale``.
 
-    A compile or kernel-build failure (Inductor cannot build the kernels, no C++ compiler) and an
-    error of the user's code under compilation both come back as ``error``, one line.
+    `watch` checks each Inductor kernel's outputs (``_kernel_watch``: reads only, the numerics are
+    unchanged); `same_masks` draws eager's random numbers (see the module doc). A compile or
+    kernel-build failure (Inductor cannot build the kernels, no C++ compiler) and an error of the
+    user's code under compilation both come back as ``error``, one line.
     """
     why = cannot_compile(entries, ctx.device)
     if why is not None:
         return CompiledOnce(None, why)
+    out, built = _run(ctx, entries, precision, scale, disable, watch, same_masks, fresh=False)
+    if not built and not watch:
+        # NB: Inductor's FX graph cache does not key on the ATen CPU capability: a graph generated under
+        # AVX-512 and reused under ATEN_CPU_CAPABILITY=default fails to build (its C++ uses at::vec). Once
+        # more with the code generated afresh; a watched run generates afresh already.
+        out, _ = _run(ctx, entries, precision, scale, disable, watch, same_masks, fresh=True)
+    return out
+
+
+def _run(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: float, disable: str | None,
+         watch: bool, same_masks: bool, *, fresh: bool) -> tuple[CompiledOnce, bool]:
+    """One compiled run, and False when the compiler (not the user's code) failed; `fresh`: no cached graphs."""
     model = ctx.build_model(precision)
     batch = cast_batch(_to_device(ctx.batch, ctx.device), ctx.mode, precision)
     ctx.restore_rng()
     low = precision in LOW_PRECISION
     handles = io_hooks(model, ctx.mode, precision)
+    watched = watching_kernels() if watch else contextlib.nullcontext()
     values: list[float] = []
     first_bad: int | None = None
     try:
-        with compiled_in_place(model, entries, disable), sdpa_switches(ctx.sdpa, device=ctx.device.type):
+        with watched as kernels, _fresh(fresh), _random(same_masks), compiled_in_place(model, entries, disable), \
+                sdpa_switches(ctx.sdpa, device=ctx.device.type):
             for i, (part, divisor) in enumerate(micro_parts(ctx.micro, batch)):  # one part unless accumulating
                 with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=low and ctx.mode.autocast):
                     loss = ctx.loss_fn(model, part)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor")
+                    return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor"), True
                 backward_ran = loss.requires_grad
                 if backward_ran:
                     (loss.float() * scale if divisor is None else loss.float() / divisor * scale).backward()
@@ -130,11 +155,12 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
                 if first_bad is None and ctx.micro is not None and not (math.isfinite(values[-1]) and _grads_finite(model)):
                     first_bad = i
     except Exception as e:  # noqa: BLE001 - Inductor's build errors are many types; each is one line
-        return CompiledOnce(None, _why_failed(e))
+        return CompiledOnce(None, _why_failed(e)), not _by_compiler(e)
     finally:
         for h in handles:
             h.remove()
         gc.collect()
+    drew = _drew_random(ctx)
     vals = _grad_absmax(model)
     total = values[0] if ctx.micro is None else sum(v / float(ctx.micro["divisor"]) for v in values)
     trace = RunTrace(
@@ -143,7 +169,10 @@ def compiled_once(ctx: ReplayContext, entries: Sequence[dict], precision: str, s
         loss_producer=None, grads_finite=all(math.isfinite(v) for v in vals),
         grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
         backward_ran=backward_ran)
-    return CompiledOnce(trace, micro_batch=first_bad)
+    seen = None if kernels is None else {"first": kernels.first, "checked": kernels.checked,
+                                         "graphs": kernels.graphs, "unwatched": kernels.unwatched,
+                                         "unavailable": kernels.unavailable}
+    return CompiledOnce(trace, drew_random=drew, kernels=seen, micro_batch=first_bad), True
 
 
 def _grad_absmax(model: torch.nn.Module) -> list[float]:
@@ -156,9 +185,45 @@ def _grads_finite(model: torch.nn.Module) -> bool:
     return all(math.isfinite(v) for v in _grad_absmax(model))
 
 
+@contextlib.contextmanager
+def _fresh(fresh: bool) -> Iterator[None]:
+    """Within (when `fresh`): Inductor generates every graph's code afresh, its FX graph and AOTAutograd caches off."""
+    if not fresh:
+        yield
+        return
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _random(same_masks: bool) -> contextlib.AbstractContextManager:
+    """Inductor's own RNG (as training compiled it), or eager's random ops (``fallback_random``)."""
+    if not same_masks:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
+def _drew_random(ctx: ReplayContext) -> bool:
+    """Whether the run consumed torch's RNG: its state differs from the snapshot's (restored before the run)."""
+    if not torch.equal(torch.get_rng_state(), ctx.rng["cpu"]):
+        return True
+    cuda = ctx.rng.get("cuda")
+    if ctx.device.type == "cuda" and cuda and len(cuda) == torch.cuda.device_count():
+        return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda))
+    return False
+
+
+def _by_compiler(e: BaseException) -> bool:
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
 def _why_failed(e: BaseException) -> str:
     """One line: the compiler could not build the step (its own error inside), or the step raised."""
-    if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+    if _by_compiler(e):
         inner = getattr(e, "inner_exception", None) or e.__cause__ or e
         return f"torch.compile could not build the step here ({type(inner).__name__}: {_line(inner)})"
     return f"the compiled step raised {type(e).__name__}: {_line(e)}"

@@ -9,6 +9,14 @@ its power 1.5 is NaN. FP32 eager never rounds the weight: c = 0.99990 and the st
 ``build_chain_net``: eager-only overflow (docs/PYTORCH-NOTES: ``z = (h * 512) * 512 / 262144``):
 eager FP16 rounds after each op, so ``h * 512 * 512`` passes 65504 for |h| > 0.25 and
 ``z - z.mean()`` is NaN; Inductor fuses the chain into one FP32 kernel and the step is finite.
+
+``build_drop_net``: a NaN that only dropout's mask decides. ``z = dropout(relu(fc(x)) + 1)`` is 0
+where dropped and at least 2 where kept, so ``log(z[:, 0])`` is -inf exactly when the mask drops
+that element, in any precision. Compiled, the mask comes from Inductor's RNG, eager from eager's:
+``drop_seeds`` finds, for real, seeds where the two masks differ.
+
+``build_drop_gate_net``: ``GateNet``'s compiled-only NaN plus a dropout branch beside it
+(``head(gate(x)) + aux(dropout(x))``): the NaN does not depend on the mask, the loss does.
 """
 from __future__ import annotations
 
@@ -16,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["build_gate_net", "build_gate_stack", "build_chain_net", "mse_loss", "gate_batch", "chain_batch"]
+__all__ = ["build_gate_net", "build_gate_stack", "build_chain_net", "build_drop_net", "mse_loss", "gate_batch",
+           "chain_batch", "drop_batch", "drop_seeds", "build_drop_gate_net"]
 
 
 class Gate(nn.Module):
@@ -70,6 +79,28 @@ class ChainNet(nn.Module):
         return self.head(self.chain(self.fc(x)))
 
 
+class DropGateNet(GateNet):
+    def __init__(self, width: int = 4):
+        super().__init__(width)
+        self.drop = nn.Dropout(0.5)
+        self.aux = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(x)) + self.aux(self.drop(x))
+
+
+class DropNet(nn.Module):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.drop(torch.relu(self.fc(x)) + 1)
+        return self.head(z) + z[:, :1].log()
+
+
 def _seeded(model: nn.Module, seed: int, std: float) -> nn.Module:
     g = torch.Generator().manual_seed(seed)  # building draws no global RNG
     with torch.no_grad():
@@ -102,6 +133,21 @@ def build_chain_net(width: int = 4) -> nn.Module:
     return model
 
 
+def build_drop_gate_net(width: int = 4) -> nn.Module:
+    model = _seeded(DropGateNet(width), 0, 0.1)
+    with torch.no_grad():
+        model.gate.proj.weight.copy_(torch.eye(width) * 0.9998)  # GateNet's compiled-only NaN
+        model.aux.weight.mul_(0.5)  # the backward at GradScaler's 65536 fits FP16
+    return model
+
+
+def build_drop_net(width: int = 4) -> nn.Module:
+    model = _seeded(DropNet(width), 0, 0.1)
+    with torch.no_grad():
+        model.head.weight.fill_(1.0)  # each kept element moves the output by >= 2: masks show in the loss
+    return model
+
+
 def mse_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return F.mse_loss(model(batch["x"]).float(), batch["y"])
 
@@ -115,3 +161,28 @@ def gate_batch() -> dict:
 def chain_batch() -> dict:
     g = torch.Generator().manual_seed(3)
     return {"x": torch.randn(4, 4, generator=g) * 2, "y": torch.zeros(4, 1)}
+
+
+def drop_batch() -> dict:
+    """One row: the step is non-finite exactly when the mask drops its first element."""
+    return {"x": torch.tensor([[0.5, -0.25, 1.0, 0.0]]), "y": torch.zeros(1, 1)}
+
+
+def drop_seeds(compiled: nn.Module, eager: nn.Module, batch: dict, tries: int = 64) -> tuple[int, int]:
+    """(a seed whose compiled FP16 forward is finite with another mask than eager's, a seed whose compiled
+    forward is non-finite while eager's is finite): the masks each draws, found by running both."""
+    def run(model: nn.Module, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(batch["x"]).detach()
+
+    ok = bad = None
+    for seed in range(tries):
+        c, e = run(compiled, seed), run(eager, seed)
+        if ok is None and torch.isfinite(c).all() and not torch.allclose(c, e, atol=0.5):  # FP16 rounding: ~1e-3
+            ok = seed
+        if bad is None and not torch.isfinite(c).all() and torch.isfinite(e).all():
+            bad = seed
+        if ok is not None and bad is not None:
+            return ok, bad
+    raise AssertionError(f"no such seeds in {tries} tries: the compiled and eager masks never differed")
