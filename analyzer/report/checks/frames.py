@@ -5,8 +5,9 @@ collects the per-layer table itself:
 
 - ``steps``: one row per step (ranks merged: mean loss, min/max scale, any skipped, max norm);
 - ``layer_bins``: per (step bin, layer): mean log10 gradient norm (``lg``, zero norms clipped
-  to ``LOG_FLOOR``), rows, rows with a finite norm, rows with a NaN/Inf one (``n_bad``: a null
-  norm is no gradient, not a bad one), mean zero fraction and parameter norm; at
+  to ``LOG_FLOOR``), rows, rows with a finite norm, mean zero fraction and parameter norm, the
+  weights' change columns, and for the plots only (``plots=True``) rows with a NaN/Inf norm
+  (``n_bad``: a null norm is no gradient, not a bad one); at
   most ~2000 bins, so the size is bounded whatever the run length (100M rows -> 200k);
 - ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
 
@@ -133,7 +134,15 @@ def _rank_summary(lf: pl.LazyFrame) -> pl.LazyFrame:
     ).sort("rank"))
 
 
-def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int, changes: bool = True) -> pl.LazyFrame:
+def _finite(x: pl.Expr) -> pl.Expr:
+    """`x` with NaN/Inf as null: ``x + 0 * x`` is NaN exactly there (and `x` itself, sign of zero
+    included, elsewhere), and ``fill_nan`` nulls it; measured ~10% cheaper in the layer aggregate
+    than ``pl.when(x.is_finite()).then(x)``, with the same values."""
+    return (x + 0 * x).fill_nan(None)
+
+
+def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int, changes: bool = True,
+                plots: bool = True) -> pl.LazyFrame:
     """The per-(bin, layer) aggregate, lazy: ``_finish_bins`` turns its result into ``layer_bins``."""
     # One integer group key (bin << 24 | layer), per-row columns prepared before the group-by and
     # nothing the checks do not read: measured 2.5x faster than grouping on (bin, layer) with
@@ -146,18 +155,19 @@ def _layer_bins(lf: pl.LazyFrame, s0: int, s1: int, width: int, changes: bool = 
     # change columns; without them (older runs) param_norm's min/max instead (bitwise-equal norms:
     # weights that did not move). NB: one pair or the other, to keep this one scan cheap.
     upd = [c for c in ("update_rms", "unchanged_frac") if changes and c in lf.collect_schema().names()]
-    extra = {f"_{c}": pl.when(pl.col(c).is_finite()).then(pl.col(c)) for c in upd}
+    extra = {f"_{c}": _finite(pl.col(c)) for c in upd}
     aggs = ({"urms": pl.col("_update_rms").mean(), "unch": pl.col("_unchanged_frac").mean(),
              "n_upd": pl.col("_unchanged_frac").count()} if len(upd) == 2 else
             {"pn_lo": pl.col("pn").min(), "pn_hi": pl.col("pn").max()})
-    out = (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
-                     zf=pl.when(fin & zf.is_finite()).then(zf), pn=pl.when(pn.is_finite()).then(pn),
-                     pbad=(pn.is_not_null() & ~pn.is_finite()), gbad=(gn.is_not_null() & ~fin), **extra)
-           .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
-                                n_bad=pl.col("gbad").sum(),
-                                zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean(),
-                                pbad=pl.col("pbad").sum(), **aggs))
-    return out
+    if plots:  # the heatmap's NaN/Inf cells; no check reads them
+        extra["gbad"] = gn.is_not_null() & ~fin
+        aggs["n_bad"] = pl.col("gbad").sum()
+    return (lf.select(key, lg=pl.when(fin).then(gn.clip(lower_bound=LOG_FLOOR).log10()),
+                      zf=pl.when(fin).then(_finite(zf)), pn=_finite(pn),
+                      pbad=(pn.is_not_null() & ~pn.is_finite()), **extra)
+            .group_by("key").agg(pl.col("lg").mean(), n=pl.len(), n_grad=pl.col("lg").count(),
+                                 zero_frac=pl.col("zf").mean(), pnorm=pl.col("pn").mean(),
+                                 pbad=pl.col("pbad").sum(), **aggs))
 
 
 def _finish_bins(out: pl.DataFrame, s0: int, s1: int, width: int) -> pl.DataFrame:
@@ -183,8 +193,13 @@ def _shard_faults(run: Run, llf: pl.LazyFrame) -> pl.DataFrame | None:
                           .sort("step", "layer", "rank")])[0]
 
 
-def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: bool = False) -> Frames:
-    """Aggregate `run` (optionally one rank, optionally steps A <= step < B) into Frames."""
+def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: bool = False,
+                 plots: bool = True) -> Frames:
+    """Aggregate `run` (optionally one rank, optionally steps A <= step < B) into Frames.
+
+    `plots=False` leaves out what only the plots read (``layer_bins``' ``n_bad``, the heatmap's
+    NaN/Inf cells); the checks read the same frames either way.
+    """
     sel = _step_filter(steps)
     all_steps = run.steps.filter(sel)
     progress_line(progress, "summarising ranks")
@@ -219,7 +234,8 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
         progress_line(progress, f"aggregating per-layer gradient norms ({width} step(s) per bin)")
         version = run.meta.get("format_version")  # runs before format 3 have no change columns
         # one plan: the bins, and the null keys the bins do not see (a null step or layer is a null key)
-        out, nulls = _collect(run, [_layer_bins(llf, s0, s1, width, changes=not (isinstance(version, int) and version < 3)),
+        out, nulls = _collect(run, [_layer_bins(llf, s0, s1, width, changes=not (isinstance(version, int) and version < 3),
+                                                plots=plots),
                                     run.layers.select(pl.col("rank").null_count())])
         _check_keys(run, nulls.hstack([pl.Series("key", [out["key"].null_count()])]))
         layer_bins = _finish_bins(out, s0, s1, width)
