@@ -62,6 +62,14 @@ class Frames:
     # shards held non-finite weights and at the first with non-finite gradients; None otherwise
     shard_faults: pl.DataFrame | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # rank 0's meta.json (optimizer, params' dtypes)
+    _derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, name: str, build: Callable[[Frames], Any]) -> Any:
+        """``build(self)``, computed once per Frames under `name`: a value several checks read (the
+        stalled bins, the gradient trends). Treat it as read-only: the next reader gets the same object."""
+        if name not in self._derived:
+            self._derived[name] = build(self)
+        return self._derived[name]
 
     @property
     def n_ranks(self) -> int:
