@@ -114,9 +114,12 @@ def _check_keys(run: Run, nulls: pl.DataFrame) -> None:
 def _merged_steps(run: Run, lf: pl.LazyFrame, n_ranks: int) -> pl.DataFrame:
     extra = [c for c in ("n_iter", "n_skipped") if c in lf.collect_schema().names()]
     if n_ranks == 1:
-        return _collect(run, [lf.with_columns(scale_max=pl.col("scale"), n_ranks=pl.lit(1, pl.UInt32),
-                                              nonfinite_ranks=(~pl.col("loss").is_finite()).cast(pl.UInt32))
-                              .drop("rank").sort("step", maintain_order=True)])[0]
+        out = _collect(run, [lf.with_columns(scale_max=pl.col("scale"), n_ranks=pl.lit(1, pl.UInt32),
+                                             nonfinite_ranks=(~pl.col("loss").is_finite()).cast(pl.UInt32))
+                             .drop("rank")])[0]
+        # parts are read in order, so one rank's steps usually arrive sorted: checked on the collected
+        # column (a stable sort of sorted rows is those rows), which spares a sort's copy (~75 MB at 1M steps)
+        return out if out["step"].is_sorted() else out.sort("step", maintain_order=True)
     loss = pl.col("loss")
     return _collect(run, [lf.group_by("step").agg(
         wall_time=pl.col("wall_time").max(),

@@ -372,3 +372,20 @@ def test_cli_plots_still_draw_the_nonfinite_heatmap_cells_and_the_json_is_the_sa
     assert json.loads(as_json.stdout) == json.loads(with_plots.stdout)
     # the overflowing parameter's row is red over half the steps; the clean run has red in its colour bar only
     assert _red_pixels(tmp_path / "p" / "grad_heatmap.png") > _red_pixels(tmp_path / "q" / "grad_heatmap.png") + 500
+
+
+def test_a_rank_whose_parts_hold_its_steps_out_of_order_gets_a_sorted_step_table_and_the_same_report(tmp_path):
+    s = Script()
+    s.loss[300:] = np.nan
+    ordered = s.write(tmp_path / "ordered")
+    swapped = s.write(tmp_path / "swapped")
+    trace = swapped / "trace"
+    for kind in ("steps", "layers"):  # part 0 holds steps 200..399, part 1 steps 0..199
+        p0, p1 = trace / f"{kind}-r00000-p000000.parquet", trace / f"{kind}-r00000-p000001.parquet"
+        p0.rename(trace / "tmp.parquet")
+        p1.rename(p0)
+        (trace / "tmp.parquet").rename(p1)
+    rep, ref = build_report(swapped), build_report(ordered)
+    assert rep.frames.steps["step"].to_list() == list(range(400))
+    assert rep.frames.steps.equals(ref.frames.steps)
+    assert [f.to_dict() for f in rep.findings] == [f.to_dict() for f in ref.findings] and rep.findings
