@@ -299,7 +299,8 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
         check_output_path(html_path, inputs=[run], option="--html")
     if plots_dir:
         check_output_path(plots_dir, inputs=[run], option="--plots", is_dir=True)
-    rep = build_report(run, rank=rank, steps=steps, progress=sys.stderr.isatty() and not as_json)
+    rep = build_report(run, rank=rank, steps=steps, progress=sys.stderr.isatty() and not as_json,
+                       plots=bool(plots_dir or html_path))
     plots = write_plots(rep, plots_dir) if plots_dir else []
     if html_path:
         write_html(rep, html_path)

@@ -146,7 +146,8 @@ def _first_clause(msg: str, limit: int = 160) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-def build_report(run, *, rank: int | None = None, steps=None, progress: bool = False) -> Report:
+def build_report(run, *, rank: int | None = None, steps=None, progress: bool = False,
+                 plots: bool = True) -> Report:
     """Open `run` (directory or foreign log), aggregate it and run every check.
 
     Args:
@@ -154,6 +155,8 @@ def build_report(run, *, rank: int | None = None, steps=None, progress: bool = F
         rank: only this rank (default: all ranks merged, with ``rank_divergence``).
         steps: ``(a, b)`` for steps ``a <= step < b``; either end may be None.
         progress: print what is being read to stderr.
+        plots: also aggregate what only the plots read (``analyzer.render``); False when the report
+            is printed as text or JSON only. The findings are the same either way.
 
     Raises:
         analyzer.errors.BadInputError: missing, empty, damaged or foreign input.
@@ -165,7 +168,7 @@ def build_report(run, *, rank: int | None = None, steps=None, progress: bool = F
         ['scale_collapse', 'nonfinite_loss']
     """
     r = load_run(run, progress=progress)
-    frames = build_frames(r, rank=rank, steps=steps, progress=progress)
+    frames = build_frames(r, rank=rank, steps=steps, progress=progress, plots=plots)
     if frames.steps.height == 0:
         what = f"rank {rank}" if rank is not None else "the run"
         if rank is not None and rank not in frames.ranks["rank"].to_list():

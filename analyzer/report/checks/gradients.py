@@ -41,6 +41,11 @@ UNDERFLOW_RMS_LOG10 = -2.0  # typical scaled element <= 1e-2: within ~5 decades 
 
 
 def _stalled_bins(frames: Frames) -> pl.DataFrame:
+    """Per (bin, layer): stalled, has_grad (computed once per Frames: three checks read it)."""
+    return frames.derived("stalled_bins", _build_stalled_bins)
+
+
+def _build_stalled_bins(frames: Frames) -> pl.DataFrame:
     lb = frames.layer_bins.filter(pl.col("n") > 0)
     med = lb.group_by("bin").agg(med_lg=pl.col("lg").median())
     lb = lb.join(med, on="bin")
@@ -166,6 +171,12 @@ def layer_profile(frames: Frames) -> pl.DataFrame:
 
 
 def _depth_trend(frames: Frames) -> dict | None:
+    """The fit of log10 gradient norm against module depth (once per Frames: both trend checks read it)."""
+    d = frames.derived("depth_trend", _build_depth_trend)
+    return None if d is None else dict(d)
+
+
+def _build_depth_trend(frames: Frames) -> dict | None:
     if frames.layer_bins is None:
         return None
     full = layer_profile(frames)
@@ -182,6 +193,12 @@ def _depth_trend(frames: Frames) -> dict | None:
 
 
 def _step_trend(frames: Frames) -> dict | None:
+    """The fit of log10 total gradient norm against steps (once per Frames: both trend checks read it)."""
+    t = frames.derived("step_trend", _build_step_trend)
+    return None if t is None else dict(t)
+
+
+def _build_step_trend(frames: Frames) -> dict | None:
     df = frames.steps.filter(pl.col("grad_norm").is_finite() & (pl.col("grad_norm") > 0)
                              & ~pl.col("skipped").fill_null(False))
     if df.height < 20:

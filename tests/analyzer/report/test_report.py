@@ -333,3 +333,59 @@ def test_with_rank_a_nan_gradient_averaged_in_from_another_rank_names_that_rank(
     assert "rank 1's loss went non-finite at step 100" in f.message
     # all ranks merged: the loss is NaN at step 100 already, so nonfinite_loss says it, not this check
     assert not [f for f in build_report(run).findings if f.check == "nonfinite_grads"]
+
+
+def test_a_report_without_plots_leaves_out_only_the_heatmap_cells_and_says_the_same(tmp_path):
+    s = Script()
+    s.lg[200:, 3] = np.inf  # one parameter's gradient norm overflows from step 200 on
+    s.lg[220, 5] = np.nan
+    s.pnorm[250:, 1] = np.nan  # another's weights go NaN at step 250
+    s.loss[260:] = np.nan
+    run = s.write(tmp_path / "run")
+    full, lean = build_report(run), build_report(run, plots=False)
+    assert lean.to_dict() == full.to_dict()  # the JSON (findings, evidence, summary) does not depend on plots
+    assert [f.check for f in lean.findings] == [f.check for f in full.findings] and lean.findings
+    assert lean.frames.layer_bins.equals(full.frames.layer_bins.drop("n_bad"))
+    # the heatmap's red cells: 200 steps of layer 3 and step 220 of layer 5 (one step per bin up to 2000 steps)
+    bad = full.frames.layer_bins.filter(pl.col("n_bad") > 0)
+    assert int(bad["n_bad"].sum()) == 201 and set(bad["layer"].to_list()) == {3, 5}
+
+
+def _red_pixels(png) -> int:
+    import matplotlib.image as mpimg
+
+    from analyzer.render.heatmap import NONFINITE_COLOR
+
+    rgb = mpimg.imread(png)[..., :3]
+    want = np.array([int(NONFINITE_COLOR[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(rgb - want).max(axis=-1) < 0.02).sum())
+
+
+def test_cli_plots_still_draw_the_nonfinite_heatmap_cells_and_the_json_is_the_same_without_them(tmp_path):
+    s = Script()
+    s.lg[200:, 3] = np.inf
+    bad, clean = s.write(tmp_path / "bad"), Script().write(tmp_path / "clean")
+    as_json = CliRunner().invoke(main, ["report", str(bad), "--json"])
+    with_plots = CliRunner().invoke(main, ["report", str(bad), "--json", "--plots", str(tmp_path / "p")])
+    assert CliRunner().invoke(main, ["report", str(clean), "--plots", str(tmp_path / "q")]).exit_code == 0
+    assert as_json.exit_code == with_plots.exit_code == 0, as_json.output + with_plots.output
+    assert json.loads(as_json.stdout) == json.loads(with_plots.stdout)
+    # the overflowing parameter's row is red over half the steps; the clean run has red in its colour bar only
+    assert _red_pixels(tmp_path / "p" / "grad_heatmap.png") > _red_pixels(tmp_path / "q" / "grad_heatmap.png") + 500
+
+
+def test_a_rank_whose_parts_hold_its_steps_out_of_order_gets_a_sorted_step_table_and_the_same_report(tmp_path):
+    s = Script()
+    s.loss[300:] = np.nan
+    ordered = s.write(tmp_path / "ordered")
+    swapped = s.write(tmp_path / "swapped")
+    trace = swapped / "trace"
+    for kind in ("steps", "layers"):  # part 0 holds steps 200..399, part 1 steps 0..199
+        p0, p1 = trace / f"{kind}-r00000-p000000.parquet", trace / f"{kind}-r00000-p000001.parquet"
+        p0.rename(trace / "tmp.parquet")
+        p1.rename(p0)
+        (trace / "tmp.parquet").rename(p1)
+    rep, ref = build_report(swapped), build_report(ordered)
+    assert rep.frames.steps["step"].to_list() == list(range(400))
+    assert rep.frames.steps.equals(ref.frames.steps)
+    assert [f.to_dict() for f in rep.findings] == [f.to_dict() for f in ref.findings] and rep.findings
