@@ -85,8 +85,10 @@ class LayerBuffer:
     def drain(self, rank: int) -> pl.DataFrame:
         """Move the filled rows to the host as a long-format frame and empty the buffer."""
         n, p = len(self.steps), self.n_params
-        # NB: host sync: one device->host copy of the whole buffer per flush.
-        host = self.buf[:n].to("cpu").transpose(1, 2).reshape(n * p, _WIDTH).tolist() if n else []
+        # NB: host sync: one device->host copy of the whole buffer per flush; then one flat list
+        # per statistic, in (step, layer) order: no list per row for the garbage collector to track
+        host = self.buf[:n].to("cpu") if n else torch.empty(0, _WIDTH, p)
+        col = [host[:, k].reshape(-1).tolist() for k in range(_WIDTH)]
         has = [h for row in self.has_grad for h in row]
         upd = [h for row in self.has_update for h in row]
         nonfinite: list[int | None] = []
@@ -100,12 +102,12 @@ class LayerBuffer:
                 "step": [s for s in self.steps for _ in range(p)],
                 "rank": [rank] * (n * p),
                 "layer": list(range(p)) * n,
-                "grad_norm": [r[GRAD_NORM] if h else None for r, h in zip(host, has)],
-                "param_norm": [r[PARAM_NORM] for r in host],
+                "grad_norm": [v if h else None for v, h in zip(col[GRAD_NORM], has)],
+                "param_norm": col[PARAM_NORM],
                 "grad_nonfinite": nonfinite,
-                "grad_zero_frac": [r[ZERO_FRAC] if h else None for r, h in zip(host, has)],
-                "update_rms": [r[UPDATE_RMS] if u else None for r, u in zip(host, upd)],
-                "unchanged_frac": [r[UNCHANGED] if u else None for r, u in zip(host, upd)],
+                "grad_zero_frac": [v if h else None for v, h in zip(col[ZERO_FRAC], has)],
+                "update_rms": [v if u else None for v, u in zip(col[UPDATE_RMS], upd)],
+                "unchanged_frac": [v if u else None for v, u in zip(col[UNCHANGED], upd)],
             },
             schema=schema.LAYER_COLUMNS,
         )
