@@ -164,10 +164,12 @@ class _Group:
             missing = [j for j, g in enumerate(got) if g is None]
             k = self.sampled
             # NB: gradients are new tensors at every step (zero_grad(set_to_none=True)): views taken afresh
-            gsrcs = [_grad_sample(g, size, stride) for g, (size, stride) in zip(got, self.strided)] + list(got[k:])
             if not missing:
-                dsts, srcs = self.both[self.flip], srcs + gsrcs
-            elif len(missing) < len(gsrcs):
+                dsts, srcs = self.both[self.flip], srcs + [
+                    g.as_strided(size, stride) if g.is_contiguous() else sample_view(g)
+                    for g, (size, stride) in zip(got, self.strided)] + list(got[k:])
+            elif len(missing) < len(got):
+                gsrcs = [_grad_sample(g, size, stride) for g, (size, stride) in zip(got, self.strided)] + list(got[k:])
                 torch._foreach_copy_([d for d, g in zip(self.dsts[2], gsrcs) if g is not None],
                                      [g for g in gsrcs if g is not None])
         torch._foreach_copy_(dsts, srcs)
@@ -192,7 +194,8 @@ class _Group:
             dsq.copy_(cur).sub_(prev).mul_(dsq)  # (in the work dtype: the old value is promoted)
         else:
             torch.mul(cur, cur, out=sq)
-            torch.sub(cur, prev, out=dsq).mul_(dsq)
+            # (cur - prev) * (cur - prev) in one kernel (reduction 0: none): sub then mul's values, one pass less
+            torch._C._nn.mse_loss(cur, prev, 0, out=dsq)
         # NB: into a preallocated float buffer: a bool tensor cast to float costs ~3x the comparison
         torch.eq(self.bits[now], self.bits[then], out=kept)
         if grads is not None:
