@@ -5,7 +5,8 @@
 the weights at the next recorded layer row (``update_rms``, ``unchanged_frac``); the same sample
 of each gradient gives its zero fraction. The parameter norm is the sample's, scaled to the whole
 parameter: exact up to ``SAMPLE`` elements, an estimate beyond; so is the zero fraction. No host
-sync, and a fixed number of ops per parameter dtype (two of them loop over the parameters in C++).
+sync, and a fixed number of ops per parameter dtype (one of them, a ``_foreach_copy_``, loops over the
+parameters in C++).
 
 Example:
     >>> model = torch.nn.Linear(4, 2)
@@ -246,7 +247,7 @@ class UpdateSample:
     Every statistic is one row sum over a few thousand elements per parameter: about 2 x 4096
     elements read per parameter, a fixed number of ops per parameter dtype, no host sync.
 
-    NB: the sample (``sample_view``: all elements, or 64 evenly spaced runs of 64, in memory
+    NB: the sample (``sample_view``: all elements, or 64 evenly spaced runs of 64 in memory
     order) is fixed by the size: no random numbers, so training's RNG stream is untouched, and
     the same elements are compared every time.
     """
