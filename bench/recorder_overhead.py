@@ -69,7 +69,8 @@ from torch import nn
 
 from recorders import Recorder
 from recorders._buffers import BufferTracker
-from recorders._update import UpdateCheck, UpdateSample
+from recorders._sample import UpdateSample
+from recorders._update import UpdateCheck
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 TARGET_RATIO = 1.02  # the recorder at most 1.02x a plain step (on a GPU)

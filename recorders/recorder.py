@@ -30,7 +30,8 @@ from ._micro import MicroBatches
 from ._mistakes import MistakeWatch
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
-from ._update import UpdateCheck, UpdateSample, optimizer_entry, update_entry
+from ._sample import UpdateSample
+from ._update import UpdateCheck, optimizer_entry, update_entry
 from .snapshot import build_snapshot, claim_snapshot, write_snapshot
 from .trace import LayerBuffer, TraceWriter
 
@@ -333,6 +334,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         devices = {p.device for p in self._params}
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._single_device = len(devices) <= 1
+        # one _foreach_norm of the gradients (a gradient has its parameter's dtype and device)
+        self._fused_norms = self._single_device and all(p.dtype != torch.float64 for p in self._params)
         self.device_type = self._device.type
         # float64 keeps counts and sums of squares exact; MPS has no float64
         self._acc = torch.float32 if self._device.type == "mps" else torch.float64

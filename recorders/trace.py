@@ -14,17 +14,21 @@ import torch
 from . import schema
 from ._io import claim_write
 
-__all__ = ["TraceWriter", "LayerBuffer"]
+__all__ = ["TraceWriter", "LayerBuffer", "GRAD_NORM", "PARAM_NORM", "UPDATE_RMS", "UNCHANGED", "ZERO_FRAC",
+           "SAMPLED"]
 
-# Columns of the device buffer, in order.
-_GRAD_NORM, _PARAM_NORM, _ZERO_FRAC, _UPDATE_RMS, _UNCHANGED = 0, 1, 2, 3, 4
+# Rows of a step's (5, params) block in the device buffer, in order: each statistic is one
+# contiguous row, so a whole column of a layer row is written by one op.
+GRAD_NORM, PARAM_NORM, UPDATE_RMS, UNCHANGED, ZERO_FRAC = 0, 1, 2, 3, 4
 _WIDTH = 5
+SAMPLED = slice(PARAM_NORM, _WIDTH)  # the rows UpdateSample.measure_into writes, in its order
 
 
 class LayerBuffer:
-    """Preallocated device buffer of per-parameter statistics, ``rows x params x 5`` float32.
+    """Preallocated device buffer of per-parameter statistics, ``rows x 5 x params`` float32.
 
     Filling it launches no host sync; ``drain`` copies the filled rows to the host in one copy.
+    A step's block is ``next_block()``, filled in place and recorded with ``commit``.
     """
 
     def __init__(self, rows: int, n_params: int, device: torch.device):
@@ -32,15 +36,20 @@ class LayerBuffer:
         self.n_params = n_params
         self.device = device
         # NB: preallocate and touch once: first-touch page faults make fresh buffers ~3x slower.
-        self.buf = torch.zeros(rows, n_params, _WIDTH, dtype=torch.float32, device=device)
+        self.buf = torch.zeros(rows, _WIDTH, n_params, dtype=torch.float32, device=device)
         self.steps: list[int] = []
         self.has_grad: list[list[bool]] = []
         self.has_update: list[list[bool]] = []  # update_rms / unchanged_frac are meaningful
         self.nonfinite: list[list[int] | None] = []
+        self._all = [True] * n_params
+        # NB: each step's block and its sampled rows, as views made once: slicing is an op per call
+        self._blocks = list(self.buf.unbind(0))
+        self._sampled = [b[SAMPLED] for b in self._blocks]
 
     def release(self) -> None:
         """Free the device memory; the buffer holds nothing afterwards."""
-        self.buf = torch.empty(0, self.n_params, _WIDTH, dtype=torch.float32, device=self.device)  # not a view
+        self.buf = torch.empty(0, _WIDTH, self.n_params, dtype=torch.float32, device=self.device)  # not a view
+        self._blocks, self._sampled = [], []
         self.rows = 0
 
     def __len__(self) -> int:
@@ -50,44 +59,36 @@ class LayerBuffer:
     def full(self) -> bool:
         return len(self.steps) >= self.rows
 
-    def put(self, step: int, idx: list[int] | None, where: torch.Tensor | None, grad_norms: torch.Tensor,
-            param_norms: torch.Tensor, zero_frac: torch.Tensor,
-            nonfinite: list[int] | None, update: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None) -> None:
-        """Store one step. `idx`: the parameter indices the grad statistics belong to (None: all);
-        `where`: the same indices as a device tensor.
+    def next_block(self) -> torch.Tensor:
+        """The ``(5, params)`` block the next ``commit`` records: grad_norm, param_norm, update_rms,
+        unchanged_frac, grad_zero_frac, one row each. Call ``drain`` first when ``full``."""
+        return self._blocks[len(self.steps)]
 
-        `nonfinite` is the exact per-parameter count when the cold path computed it, else None
-        (meaning 0 for every parameter that has a gradient). `update` is ``UpdateSample.measure()``:
-        (update_rms, unchanged_frac, which entries are meaningful), or None (all null).
-        """
-        row = self.buf[len(self.steps)]
-        row[:, _PARAM_NORM].copy_(param_norms)
-        if update is not None:
-            row[:, _UPDATE_RMS].copy_(update[0])
-            row[:, _UNCHANGED].copy_(update[1])
+    def next_sampled(self) -> torch.Tensor:
+        """``next_block()[SAMPLED]``: the rows ``UpdateSample.measure_into`` writes."""
+        return self._sampled[len(self.steps)]
+
+    def commit(self, step: int, idx: list[int] | None, nonfinite: list[int] | None, has_update: list[bool]) -> None:
+        """Record `step` as the block ``next_block()`` returned, now filled. `idx`: the parameters
+        that have a gradient (None: all); the other parameters' gradient columns are null."""
         if idx is None:
-            row[:, _GRAD_NORM].copy_(grad_norms)
-            row[:, _ZERO_FRAC].copy_(zero_frac)
-            has = [True] * self.n_params
+            has = self._all  # NB: shared, never mutated
         else:
-            row[:, _GRAD_NORM].fill_(float("nan"))
-            row[:, _ZERO_FRAC].fill_(float("nan"))
-            if idx:
-                row[:, _GRAD_NORM].index_copy_(0, where, grad_norms)
-                row[:, _ZERO_FRAC].index_copy_(0, where, zero_frac)
             has = [False] * self.n_params
             for i in idx:
                 has[i] = True
         self.steps.append(step)
         self.has_grad.append(has)
-        self.has_update.append(list(update[2]) if update is not None else [False] * self.n_params)
+        self.has_update.append(has_update)
         self.nonfinite.append(nonfinite)
 
     def drain(self, rank: int) -> pl.DataFrame:
         """Move the filled rows to the host as a long-format frame and empty the buffer."""
         n, p = len(self.steps), self.n_params
-        # NB: host sync: one device->host copy of the whole buffer per flush.
-        host = self.buf[:n].to("cpu").reshape(n * p, _WIDTH).tolist() if n else []
+        # NB: host sync: one device->host copy of the whole buffer per flush; then one flat list
+        # per statistic, in (step, layer) order: no list per row for the garbage collector to track
+        host = self.buf[:n].to("cpu") if n else torch.empty(0, _WIDTH, p)
+        col = [host[:, k].reshape(-1).tolist() for k in range(_WIDTH)]
         has = [h for row in self.has_grad for h in row]
         upd = [h for row in self.has_update for h in row]
         nonfinite: list[int | None] = []
@@ -101,12 +102,12 @@ class LayerBuffer:
                 "step": [s for s in self.steps for _ in range(p)],
                 "rank": [rank] * (n * p),
                 "layer": list(range(p)) * n,
-                "grad_norm": [r[_GRAD_NORM] if h else None for r, h in zip(host, has)],
-                "param_norm": [r[_PARAM_NORM] for r in host],
+                "grad_norm": [v if h else None for v, h in zip(col[GRAD_NORM], has)],
+                "param_norm": col[PARAM_NORM],
                 "grad_nonfinite": nonfinite,
-                "grad_zero_frac": [r[_ZERO_FRAC] if h else None for r, h in zip(host, has)],
-                "update_rms": [r[_UPDATE_RMS] if u else None for r, u in zip(host, upd)],
-                "unchanged_frac": [r[_UNCHANGED] if u else None for r, u in zip(host, upd)],
+                "grad_zero_frac": [v if h else None for v, h in zip(col[ZERO_FRAC], has)],
+                "update_rms": [v if u else None for v, u in zip(col[UPDATE_RMS], upd)],
+                "unchanged_frac": [v if u else None for v, u in zip(col[UNCHANGED], upd)],
             },
             schema=schema.LAYER_COLUMNS,
         )

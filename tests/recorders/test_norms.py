@@ -15,7 +15,7 @@ from torch import nn
 
 from recorders import Recorder, schema
 from recorders._norms import norms
-from recorders._update import SAMPLE, UpdateSample, sample_view
+from recorders._sample import SAMPLE, UpdateSample, sample_view
 from tests.recorders.models import batches, build_mlp, mse_loss
 
 CPU = torch.device("cpu")

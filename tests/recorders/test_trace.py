@@ -7,7 +7,7 @@ import polars as pl
 import torch
 
 from recorders import schema
-from recorders.trace import LayerBuffer, TraceWriter
+from recorders.trace import GRAD_NORM, PARAM_NORM, UNCHANGED, UPDATE_RMS, ZERO_FRAC, LayerBuffer, TraceWriter
 
 NAN, INF = float("nan"), float("inf")
 
@@ -33,13 +33,20 @@ def test_a_steps_part_reads_back_equal_column_for_column_with_nan_inf_and_nulls(
 
 def test_layer_rows_cross_from_the_device_buffer_to_a_part_unchanged(tmp_path):
     buf = LayerBuffer(rows=4, n_params=3, device=torch.device("cpu"))
-    grad = torch.tensor([0.5, INF, 2.0])
-    buf.put(7, None, None, grad, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.25, 1.0]), [0, 5, 0])
+    block = buf.next_block()  # step 7: no update statistics
+    block[GRAD_NORM] = torch.tensor([0.5, INF, 2.0])
+    block[PARAM_NORM] = torch.tensor([1.0, 2.0, 3.0])
+    block[ZERO_FRAC] = torch.tensor([0.0, 0.25, 1.0])
+    buf.commit(7, None, [0, 5, 0], [False] * 3)
     # step 8: parameter 1 has no gradient (frozen or unused): its gradient columns are null
     # step 8: update columns for parameters 0 and 1 (parameter 2 has none: null), NaN kept as NaN
-    update = (torch.tensor([0.25, NAN, 9.0]), torch.tensor([0.5, 1.0, 9.0]), [True, True, False])
-    buf.put(8, [0, 2], torch.tensor([0, 2]), torch.tensor([0.75, NAN]), torch.tensor([1.5, 2.5, 3.5]),
-            torch.tensor([0.5, 0.125]), None, update)
+    block = buf.next_block()
+    block[GRAD_NORM] = torch.tensor([0.75, 9.0, NAN])
+    block[PARAM_NORM] = torch.tensor([1.5, 2.5, 3.5])
+    block[UPDATE_RMS] = torch.tensor([0.25, NAN, 9.0])
+    block[UNCHANGED] = torch.tensor([0.5, 1.0, 9.0])
+    block[ZERO_FRAC] = torch.tensor([0.5, 9.0, 0.125])
+    buf.commit(8, [0, 2], None, [True, True, False])
     frame = buf.drain(rank=1)
     assert len(buf) == 0
     [path] = TraceWriter(tmp_path, rank=1).write([], frame)
