@@ -116,24 +116,30 @@ def test_a_compiled_only_nan_in_a_region_is_named_by_compiling_the_regions_as_tr
 
     from analyzer.replay import Replay
     from recorders import Recorder
-    from tests.analyzer.replay.compile_models import build_gate_stack, gate_batch, mse_loss
+    from tests.analyzer.replay.compile_models import build_gate_stack, fresh_inductor, gate_batch, mse_loss
 
     models = "tests.analyzer.replay.compile_models"
     model = compile_regions(build_gate_stack())
-    try:
-        with torch.autocast("cpu", dtype=torch.float16):
-            mse_loss(compile_regions(build_gate_stack()), gate_batch())  # can Inductor build the kernels here?
-        step_model = model
-    except torch._dynamo.exc.BackendCompilerFailed:  # the portable kernels: step eager, record the regions
-        step_model = model._orig_mod  # compile_regions keeps the original module there
+    step_model, fresh = model._orig_mod, False  # compile_regions keeps the original module there
+    for fresh in (False, True):  # a graph cached under another CPU capability builds when generated afresh
+        try:
+            with fresh_inductor(fresh):  # can Inductor build the kernels here, forward and backward?
+                with torch.autocast("cpu", dtype=torch.float16):
+                    probe = mse_loss(compile_regions(build_gate_stack()), gate_batch())
+                probe.backward()
+            step_model = model
+            break
+        except torch._dynamo.exc.BackendCompilerFailed:  # no C++ compiler: step eager, record the regions
+            continue
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler, batch = torch.amp.GradScaler("cpu"), gate_batch()
     with Recorder(tmp_path / "run", model, factory=f"{models}:build_gate_stack", loss_fn=f"{models}:mse_loss",
                   scaler=scaler, amp_dtype=torch.float16, optimizer=opt) as rec:
         rec.begin_step(0, batch)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = mse_loss(step_model, batch)
-        scaler.scale(loss).backward()
+        with fresh_inductor(fresh and step_model is model):  # the backward graph compiles at backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = mse_loss(step_model, batch)
+            scaler.scale(loss).backward()
         rec.end_step(loss)
         if step_model is not model:  # a finite eager step: snapshot it by hand
             rec.begin_step(1, batch)
@@ -142,7 +148,7 @@ def test_a_compiled_only_nan_in_a_region_is_named_by_compiling_the_regions_as_tr
     assert [m["path"] for m in load_snapshot(path).compile["modules"]] == ["blocks.0", "blocks.1", "head"]
     r = Replay(path, device="cpu").run()
     assert r.runs["float16"]["finite"] and r.runs["float32"]["finite"]  # eager: finite
-    if step_model is not model:  # Inductor cannot build the kernels here: the eager verdict stands, marked
+    if step_model is not model:  # no C++ compiler here: the eager verdict stands, marked
         assert r.compiled["reproduced"] is False and r.verdict == "healthy"
         return
     assert not torch.isfinite(loss)  # training's regional-compiled step went NaN

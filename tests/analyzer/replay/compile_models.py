@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["build_gate_net", "build_gate_stack", "build_chain_net", "build_drop_net", "mse_loss", "gate_batch",
-           "chain_batch", "drop_batch", "drop_seeds", "build_drop_gate_net"]
+           "chain_batch", "drop_batch", "drop_seeds", "build_drop_gate_net", "fresh_inductor"]
 
 
 class Gate(nn.Module):
@@ -186,3 +186,20 @@ def drop_seeds(compiled: nn.Module, eager: nn.Module, batch: dict, tries: int = 
         if ok is not None and bad is not None:
             return ok, bad
     raise AssertionError(f"no such seeds in {tries} tries: the compiled and eager masks never differed")
+
+
+def fresh_inductor(fresh: bool = True):
+    """A context within which (when `fresh`) Inductor generates every graph's code afresh: its FX graph and
+    AOTAutograd caches off.
+
+    NB: Inductor's FX graph cache does not key on the ATen CPU capability: a graph cached by an AVX-512
+    run fails to build under ``ATEN_CPU_CAPABILITY=default`` (its C++ uses at::vec) and builds when
+    generated afresh. The tests' training loops retry that way, as the replay's compiled runs do.
+    """
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    if fresh:
+        stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+        stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack

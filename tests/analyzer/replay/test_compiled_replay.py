@@ -11,7 +11,6 @@ reproduced" with the eager verdict standing.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -30,8 +29,8 @@ from recorders import Recorder
 from analyzer.replay._compiled_replay import _kernel_fields
 from analyzer.replay._compiled_run import compiled_once
 from tests.analyzer.replay.compile_models import (Gate, build_chain_net, build_drop_gate_net, build_drop_net,
-                                                  build_gate_net, chain_batch, drop_batch, drop_seeds, gate_batch,
-                                                  mse_loss)
+                                                  build_gate_net, chain_batch, drop_batch, drop_seeds,
+                                                  fresh_inductor, gate_batch, mse_loss)
 
 pytestmark = pytest.mark.compile
 
@@ -64,27 +63,11 @@ def _record(run: Path, build, batch: dict, *, eager_steps: bool) -> tuple[Path, 
     return snaps[0], bool(torch.isfinite(loss))
 
 
-@contextlib.contextmanager
-def _fresh(fresh: bool = True):
-    """Within: Inductor generates every graph's code afresh (FX graph and AOTAutograd caches off).
-
-    NB: Inductor's FX graph cache does not key on the ATen CPU capability: a graph cached by an AVX-512
-    run fails to build under ``ATEN_CPU_CAPABILITY=default`` (its C++ uses at::vec) and builds when
-    generated afresh. Training here retries that way, as the replay's compiled runs do.
-    """
-    if not fresh:
-        yield
-        return
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-
-
 def _recorded(tmp: Path, build, batch: dict) -> tuple[Path, bool, bool]:
     """(snapshot, whether Inductor built the training step here, whether the trained loss was finite)."""
     for fresh in (False, True):
         try:
-            with _fresh(fresh):
+            with fresh_inductor(fresh):
                 run = tmp / ("compiled-fresh" if fresh else "compiled")
                 path, finite = _record(run, build, batch, eager_steps=False)
             return path, True, finite
@@ -273,7 +256,7 @@ def dropout(tmp_path_factory):
     one whose compiled mask drops the element the log reads (NaN) where eager's mask keeps it."""
     for fresh in (False, True):
         try:
-            with _fresh(fresh):
+            with fresh_inductor(fresh):
                 return _dropout_run(tmp_path_factory.mktemp("dropout"))
         except torch._dynamo.exc.BackendCompilerFailed:
             continue
