@@ -394,9 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     print()
     if device.type == "cpu":
         # The step-vs-step ratios above carry the machine's noise; the recorder's own time inside its
-        # steps (begin_step + end_step, flushes included) is a steadier estimate of its overhead.
+        # steps (begin_step + end_step; a flush, every 50 steps, falls outside the rounds) is a steadier estimate.
         own = sorted(h / p for h, p in zip(hot_path, plain))
-        print(f"recorder's own time (begin_step + end_step, flushes included) / plain step: "
+        print(f"recorder's own time (begin_step + end_step, {'no flush in the rounds' if rounds + 2 < 50 else 'with its flushes'}) / plain step: "
               f"median {statistics.median(own):.3f}, max {own[-1]:.3f} "
               f"(so the recorder's ratio is about {1 + statistics.median(own):.3f})")
         plain_med = statistics.median(plain)
