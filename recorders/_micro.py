@@ -16,27 +16,29 @@ import torch
 
 from . import schema
 
-__all__ = ["MicroBatches", "is_micro_batch_list"]
+__all__ = ["MicroBatches", "is_micro_batch_list", "batch_structure", "holds_tensor"]
 
 
-def _shape(obj: Any) -> Any:
-    """The structure of a batch, without sizes: containers, keys, and per tensor its dtype and ndim."""
+def batch_structure(obj: Any) -> Any:
+    """The structure of a batch, without sizes (an epoch's last micro-batch may be shorter): containers,
+    keys, and per tensor its dtype and ndim. Two micro-batches of one step have equal structures."""
     if isinstance(obj, torch.Tensor):
         return ("tensor", obj.dtype, obj.ndim)
     if isinstance(obj, dict):
-        return ("dict", tuple((k, _shape(v)) for k, v in obj.items()))
+        return ("dict", tuple((k, batch_structure(v)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(_shape(v) for v in obj))
+        return (type(obj).__name__, tuple(batch_structure(v) for v in obj))
     return ("leaf", type(obj).__name__)
 
 
-def _has_tensor(obj: Any) -> bool:
+def holds_tensor(obj: Any) -> bool:
+    """Whether `obj` is a tensor or a dict, list or tuple with a tensor somewhere inside."""
     if isinstance(obj, torch.Tensor):
         return True
     if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
+        return any(holds_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
+        return any(holds_tensor(v) for v in obj)
     return False
 
 
@@ -51,10 +53,10 @@ def is_micro_batch_list(batch: Any, declared: int | None) -> bool:
     """
     if type(batch) is not list or len(batch) < 2 or (declared is not None and len(batch) > declared):
         return False
-    if not all(isinstance(b, (dict, tuple, list)) and _has_tensor(b) for b in batch):
+    if not all(isinstance(b, (dict, tuple, list)) and holds_tensor(b) for b in batch):
         return False
-    first = _shape(batch[0])
-    return all(_shape(b) == first for b in batch[1:])
+    first = batch_structure(batch[0])
+    return all(batch_structure(b) == first for b in batch[1:])
 
 
 def _num_items(batch: Any) -> int | None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from recorders import schema
+from recorders._micro import batch_structure, holds_tensor
 
 from ..errors import BadInputError
 
@@ -36,25 +37,6 @@ __all__ = ["ACCUMULATE", "micro_batch_file"]
 
 ACCUMULATE = ("auto", "mean", "sum", "join")
 _CONTAINERS = (dict, list, tuple)
-
-
-def _structure(obj: Any) -> Any:
-    """Containers, keys and per tensor its dtype and ndim (sizes may differ: an epoch's last micro-batch)."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", obj.dtype, obj.ndim)
-    if isinstance(obj, dict):
-        return ("dict", tuple((k, _structure(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(_structure(v) for v in obj))
-    return ("value", type(obj).__name__)
-
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    return isinstance(obj, (list, tuple)) and any(_has_tensor(v) for v in obj)
 
 
 def _is_micro_list(obj: Any) -> bool:
@@ -76,11 +58,11 @@ def _check(parts: list, path: str | os.PathLike, fix: str) -> None:
             raise bad(f"item {i} is a {type(m).__name__}, not a micro-batch (the list mixes {', '.join(kinds)})")
         if type(m) is list and m and all(isinstance(v, _CONTAINERS) for v in m):
             raise bad(f"item {i} is itself a list of micro-batches (nested lists)")
-        if not _has_tensor(m):
+        if not holds_tensor(m):
             raise bad(f"micro-batch {i} holds no tensor")
-    first = _structure(parts[0])
+    first = batch_structure(parts[0])
     for i, m in enumerate(parts[1:], 1):
-        if _structure(m) != first:
+        if batch_structure(m) != first:
             raise bad(f"micro-batch {i} differs from micro-batch 0 in its keys, nesting or tensor dtypes")
 
 
