@@ -14,10 +14,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from ._runs import RunTrace
     from .diagnosis import Diagnosis
 
-__all__ = ["micro_parts", "micro_of", "with_micro_batch", "micro_summary"]
+__all__ = ["micro_parts", "scaled_loss", "step_loss", "micro_of", "with_micro_batch", "micro_summary"]
 
 
 def micro_parts(micro: dict | None, batch: Any) -> list[tuple[Any, float | None]]:
@@ -25,6 +27,17 @@ def micro_parts(micro: dict | None, batch: Any) -> list[tuple[Any, float | None]
     if micro is None:
         return [(batch, None)]
     return [(part, float(micro["divisor"])) for part in batch]
+
+
+def scaled_loss(loss: torch.Tensor, scale: float, divisor: float | None) -> torch.Tensor:
+    """What one micro-batch's backward starts from: ``loss * scale``, the loss first divided by `divisor`
+    (``micro_parts``) as training did."""
+    return loss.float() * scale if divisor is None else loss.float() / divisor * scale
+
+
+def step_loss(micro: dict | None, values: list[float]) -> float:
+    """The step's loss from its micro-batches' (one without accumulation): each divided as training did, summed."""
+    return values[0] if micro is None else sum(v / float(micro["divisor"]) for v in values)
 
 
 def micro_of(trace: RunTrace | None, index: int | None) -> int | None:

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from ._accumulate import micro_parts
+from ._accumulate import micro_parts, scaled_loss, step_loss
 from ._kernel_watch import watching_kernels
 from ._precision import cast_batch, io_hooks
-from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _to_device
+from ._runs import LOW_PRECISION, ReplayContext, RunTrace, _nan_max, _to_device
 from .backends import sdpa_switches
 
 __all__ = ["CompiledOnce", "compiled_once", "cannot_compile"]
@@ -150,7 +150,7 @@ def _run(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: flo
                     return CompiledOnce(None, "the compiled step's loss_fn returned no scalar tensor"), True
                 backward_ran = loss.requires_grad
                 if backward_ran:
-                    (loss.float() * scale if divisor is None else loss.float() / divisor * scale).backward()
+                    scaled_loss(loss, scale, divisor).backward()
                 values.append(float(loss.detach().float().item()))  # NB: sync, once per micro-batch
                 if first_bad is None and ctx.micro is not None and not (math.isfinite(values[-1]) and _grads_finite(model)):
                     first_bad = i
@@ -162,12 +162,11 @@ def _run(ctx: ReplayContext, entries: Sequence[dict], precision: str, scale: flo
         gc.collect()
     drew = _drew_random(ctx)
     vals = _grad_absmax(model)
-    total = values[0] if ctx.micro is None else sum(v / float(ctx.micro["divisor"]) for v in values)
     trace = RunTrace(
         precision=precision, scale=scale, records=[], absmax=[], nonzero=[],
-        loss=total, loss_dtype=str(loss.dtype).removeprefix("torch."),
+        loss=step_loss(ctx.micro, values), loss_dtype=str(loss.dtype).removeprefix("torch."),
         loss_producer=None, grads_finite=all(math.isfinite(v) for v in vals),
-        grad_absmax=(math.nan if any(math.isnan(v) for v in vals) else max(vals)) / scale if vals else None,
+        grad_absmax=_nan_max(vals) / scale if vals else None,
         backward_ran=backward_ran)
     seen = None if kernels is None else {"first": kernels.first, "checked": kernels.checked,
                                          "graphs": kernels.graphs, "unwatched": kernels.unwatched,

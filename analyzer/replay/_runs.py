@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
-from ._accumulate import micro_parts
+from ._accumulate import micro_parts, scaled_loss, step_loss
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._compiled import fit_state, original_module
 from ._mode import _OpRecord, _OpStatsMode
@@ -240,7 +240,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     absmax, nonzero = mode.finalize()  # NB: the run's one host sync
     grad_vals = [absmax[i] for i in grad_stats]
     values = [float(x.detach().float().item()) for x in losses]  # NB: sync (after finalize, no extra wait)
-    loss_value = values[0] if ctx.micro is None else sum(v / float(ctx.micro["divisor"]) for v in values)
+    loss_value = step_loss(ctx.micro, values)
     # the loss the step's failure shows in: the first non-finite micro-batch loss, else the last
     loss_producer = next((p for v, p in zip(values, producers) if not math.isfinite(v)), producers[-1])
     return RunTrace(
@@ -261,7 +261,7 @@ def _backward(ctx: ReplayContext, mode: _OpStatsMode, loss: torch.Tensor, scale:
     """``(loss * scale).backward()``; a micro-batch's loss is first divided by `divisor`, as training did."""
     mode.module_stack.append("<loss_scale>")
     try:
-        (loss.float() * scale if divisor is None else loss.float() / divisor * scale).backward()
+        scaled_loss(loss, scale, divisor).backward()
     except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
         raise AnalyzerError(f"backward of the replayed step raised RuntimeError: {_first_line(e)}",
                             path=ctx.path, fix="check the model's backward code") from e
