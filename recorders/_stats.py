@@ -15,6 +15,7 @@ rank's local shard.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import time
@@ -29,6 +30,11 @@ from .trace import GRAD_NORM, PARAM_NORM, ZERO_FRAC
 __all__ = ["StepStats", "local_tensor"]
 
 _grad = operator.attrgetter("grad")
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str | None:
+    return schema.dtype_name(dtype)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +106,7 @@ class StepStats:
         divide = scale_t is not None and not unscaled  # the gradients are still multiplied by the scale
         grad_norm = None
         if grads:  # summed in float64 on the host, as vector_norm(dtype=float64) would: NaN if any is NaN
-            grad_norm = math.sqrt(math.fsum(x * x for x in host_norms))
+            grad_norm = math.sqrt(math.fsum(map(operator.mul, host_norms, host_norms)))
             grad_norm = grad_norm / scale_v if divide else grad_norm
 
         cold = not (grad_norm is None or math.isfinite(grad_norm)) or not (loss_v is None or math.isfinite(loss_v))
@@ -126,7 +132,7 @@ class StepStats:
             "rank": self.rank,
             "wall_time": time.time(),
             "loss": loss_v,
-            "loss_dtype": schema.dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else None,
+            "loss_dtype": _dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else None,
             "scale": scale_v,
             # GradScaler skips exactly when a gradient it unscales is non-finite: the exact count above.
             "skipped": health.overflowed,

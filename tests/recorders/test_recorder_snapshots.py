@@ -99,6 +99,26 @@ def test_the_rng_state_captured_at_begin_step_replays_dropout_exactly(tmp_path):
     assert snap["rng"]["cuda"] is None  # CUDA was never initialised in this process
 
 
+def test_the_snapshot_rng_state_is_get_rng_state_at_begin_step_byte_for_byte(tmp_path):
+    # begin_step clones the generator and the snapshot serialises the clone: the bytes must be
+    # get_rng_state()'s at begin_step, the cached normal sample included (a scalar randn fills it)
+    model = build_dropout_mlp(p=0.5)
+    data = batches(2)
+    with Recorder(tmp_path, model) as rec:
+        train(model, data[:1], rec=rec)
+        torch.randn(())  # leaves a cached second Box-Muller sample in the CPU generator
+        expected = torch.get_rng_state()
+        rec.begin_step(1, data[1])
+        torch.rand(1000)  # the step draws: the capture must not follow the live generator
+        loss = mse_loss(model, data[1])
+        loss.backward()
+        rec.end_step(loss)
+        path = rec.snapshot()
+    state = load_snapshot(path)["rng"]["cpu"]
+    assert state.dtype == torch.uint8 and torch.equal(state, expected)
+    assert not torch.equal(torch.get_rng_state(), expected)
+
+
 def test_nonfinite_gradients_without_a_scaler_trigger_a_snapshot_even_with_a_finite_loss(tmp_path):
     model = build_mlp()
     data = batches(2)
