@@ -206,10 +206,11 @@ def _build_step_trend(frames: Frames) -> dict | None:
     nb = min(200, df.height)
     x = df["step"].to_numpy().astype(float)  # sorted: each bin is one contiguous slice
     y = np.log10(df["grad_norm"].to_numpy())
-    cuts = np.searchsorted(x, np.linspace(x[0], x[-1] + 1, nb + 1)[1:-1])
-    segs = [(xs, ys) for xs, ys in zip(np.split(x, cuts), np.split(y, cuts)) if xs.size]
-    xb = np.array([np.median(xs) for xs, _ in segs])
-    yb = np.array([np.median(ys) for _, ys in segs])
+    # each bin's medians, in one group-by (a bin is the x in [edge k-1, edge k); empty bins are absent)
+    b = np.searchsorted(np.linspace(x[0], x[-1] + 1, nb + 1)[1:-1], x, side="right")
+    med = (pl.DataFrame({"b": b, "x": x, "y": y}).group_by("b").agg(pl.col("x").median(), pl.col("y").median())
+           .sort("b"))
+    xb, yb = med["x"].to_numpy(), med["y"].to_numpy()
     fit = stats.linregress(xb, yb)
     q = max(1, len(yb) // 4)
     return {"slope_decades_per_1k_steps": float(fit.slope * 1000), "p_value": float(fit.pvalue),

@@ -154,9 +154,9 @@ def loss_spike(frames: Frames) -> list[Finding]:
         return []
     # cheap screen with polars' rolling median, then the exact median and MAD of the previous
     # SPIKE_WINDOW finite losses for the few candidates only (1M steps: 0.2 s instead of 1.4 s)
-    loss = pl.col("loss")
-    med = loss.rolling_median(SPIKE_WINDOW).shift(1)
-    cand = (df.with_row_index("i").filter(loss - med > SPIKE_REL * med.abs())["i"].to_numpy())
+    loss, med = pl.col("loss"), pl.col("med")
+    cand = (df.with_row_index("i").with_columns(med=loss.rolling_median(SPIKE_WINDOW).shift(1))  # computed once
+            .filter(loss - med > SPIKE_REL * med.abs())["i"].to_numpy())
     cand = cand[cand >= SPIKE_WINDOW][:MAX_CANDIDATES]
     if cand.size == 0:
         return []
