@@ -7,7 +7,10 @@ deletes the file.
 
 Variants: the floor, and ``analyzer inspect`` (the torch scan of ``analyzer/inspect/_scan.py``), each on
 one thread and on ``--threads`` threads (``torch.set_num_threads``; default 2); with ``--device cuda``
-also the scan on the GPU. Ratios are against the floor on the same number of threads.
+also the scan on the GPU. Ratios are against the floor on the same number of threads. Two more variants
+take inspect apart: the scan alone (``torch.load(mmap=True)`` and ``_scan.scan_all`` over every tensor, on
+each thread count), and, on one thread, the CRC-32 check (``load.torchfile.check_crcs``) that
+``analyzer inspect`` runs on the file before loading it. Inspect's time is about the two together.
 
     python bench/inspect_throughput.py                       # 1 GB float32, 5 rounds
     python bench/inspect_throughput.py --dtype bfloat16      # every tensor bf16
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 
 from analyzer.inspect import _scan, inspect_checkpoints
+from analyzer.load.torchfile import check_crcs
 
 TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
 
@@ -58,16 +62,25 @@ def write_checkpoint(path: Path, size_gb: float, dtype: torch.dtype = torch.floa
     return n * TENSOR_ELEMS * item
 
 
+def tensors(path: Path) -> list[torch.Tensor]:
+    """Every tensor of a checkpoint written by write_checkpoint, loaded with mmap."""
+    sd = torch.load(path, mmap=True, weights_only=True)
+    return [*sd["model"].values(), *(t for slots in sd["optimizer"]["state"].values() for t in slots.values())]
+
+
 def floor(paths: list[Path], threads: int) -> None:
     torch.set_num_threads(threads)
     total = 0.0
     for path in paths:
-        sd = torch.load(path, mmap=True, weights_only=True)
-        for t in sd["model"].values():
+        for t in tensors(path):
             total += float(t.sum())
-        for slots in sd["optimizer"]["state"].values():
-            for t in slots.values():
-                total += float(t.sum())
+
+
+def scan_alone(paths: list[Path], threads: int) -> None:
+    """The scan without inspect's loader (no CRC-32 check, no archive bounds) and without the diagnosis."""
+    torch.set_num_threads(threads)
+    for path in paths:
+        _scan.scan_all([(t, None) for t in tensors(path)])
 
 
 def inspect(paths: list[Path], threads: int, device: str = "cpu") -> None:
@@ -78,6 +91,12 @@ def inspect(paths: list[Path], threads: int, device: str = "cpu") -> None:
 
 def inspect_cuda(paths: list[Path], threads: int) -> None:
     inspect(paths, threads, "cuda")
+
+
+def crc_check(paths: list[Path], threads: int) -> None:
+    """The CRC-32 check inspect runs before loading: every record read through zipfile and checked."""
+    for path in paths:
+        check_crcs(path)
 
 
 def read_file(paths: list[Path], threads: int) -> None:
@@ -144,10 +163,12 @@ def main() -> None:
               f"chunk {_scan.CHUNK} elements; torch {torch.__version__}, "
               f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
         floor_name = "floor: torch.load(mmap) + sum"
-        named = [(floor_name, floor), ("analyzer inspect (cpu)", inspect)]
+        named = [(floor_name, floor), ("analyzer inspect (cpu)", inspect),
+                 ("scan alone: load(mmap) + scan", scan_alone)]
         if args.device == "cuda":
             named.append(("analyzer inspect (cuda)", inspect_cuda))
         variants = {(name, n): fn for n in threads for name, fn in named}
+        variants["CRC-32 check (inside inspect)", 1] = crc_check
         if args.cold:
             variants["read() of the file", 1] = read_file
         times: dict[tuple[str, int], list[float]] = {k: [] for k in variants}
