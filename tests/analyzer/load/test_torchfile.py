@@ -137,3 +137,64 @@ def test_any_flipped_bit_is_refused_when_it_lands_in_a_record_and_never_crashes(
         assert res.exit_code == 1 and "damaged: record" in res.stderr, res.output
     elif res.exit_code:  # a header or the central directory: zip's or torch's own word, on one line
         assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def _zipfile_verdict(path: Path) -> str | None:
+    """The first record zipfile itself finds damaged (it checks the CRC as it reads a record to its
+    end), reading every record the way check_crcs reads a compressed one; None if none is."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        return None
+    with zf:
+        for info in zf.infolist():
+            if info.CRC == 0 or info.is_dir():
+                continue
+            try:
+                torchfile._check_record(path, zf, info)
+            except BadInputError as e:
+                return e.message if hasattr(e, "message") else str(e)
+    return None
+
+
+def _mapped_verdict(path: Path) -> str | None:
+    try:
+        torchfile.check_crcs(path)
+    except BadInputError as e:
+        return e.message if hasattr(e, "message") else str(e)
+    return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)), min_size=1, max_size=3),
+       header=st.booleans(), stdlib=st.booleans())
+def test_the_in_place_check_gives_zipfiles_own_verdict_on_any_damage(tmp_path_factory, flips, header, stdlib):
+    # check_crcs reads stored records in place; zipfile reads them through its own header checks.
+    # Wherever the damage lands (record bytes, a local header's name or lengths, the central
+    # directory), both must name the same record, or both none; with zlib-ng or stdlib zlib alike.
+    d = tmp_path_factory.mktemp("crc")
+    torch.manual_seed(1)
+    torch.save({"weight": torch.randn(16, 8), "bias": torch.randn(16), "step": 3}, d / "ok.pt")
+    raw = bytearray((d / "ok.pt").read_bytes())
+    starts = sorted(s for s, _ in _records(d / "ok.pt").values())
+    for frac, bit in flips:  # `header`: aim at the bytes just before a record (its local header)
+        at = (max(0, starts[int(frac * len(starts))] - 1 - int(frac * 40)) if header
+              else int(frac * len(raw)))
+        raw[at] ^= 1 << bit
+    (d / "bad.pt").write_bytes(bytes(raw))
+    import zlib
+    crc = torchfile._crc32
+    try:
+        if stdlib:
+            torchfile._crc32 = zlib.crc32
+        assert _mapped_verdict(d / "bad.pt") == _zipfile_verdict(d / "bad.pt")
+    finally:
+        torchfile._crc32 = crc
+
+
+def test_the_crc_is_zlib_ngs_when_installed_with_stdlibs_values():
+    import zlib
+    pytest.importorskip("zlib_ng")
+    data = bytes(range(256)) * 4099
+    assert torchfile._crc32 is not zlib.crc32
+    assert torchfile._crc32(memoryview(data)[7:]) & 0xFFFFFFFF == zlib.crc32(data[7:])
