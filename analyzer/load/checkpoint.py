@@ -17,6 +17,7 @@ import re
 import struct
 import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import MAX_NESTING
-from .torchfile import torch_load_safe
+from .torchfile import torch_load_deferred, torch_load_safe
 from .versions import check_format_version
 from .safetensors import load_safetensors, looks_like_safetensors
 
@@ -82,6 +83,9 @@ class Checkpoint:
     non_floating: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # files read briefly or skipped (an HF checkpoint directory)
+    # waits for the CRC-32 check of a file loaded with defer_crc=True (raises if a record is damaged);
+    # a no-op otherwise. NB: call it before reporting anything read from the tensors.
+    verify: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -319,8 +323,9 @@ def _refuse_archives(path: Path) -> None:
                         fix="torch.save(model.state_dict()) from the original model and inspect that")
 
 
-def _read(path: Path) -> tuple[Any, str]:
-    """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors."""
+def _read(path: Path, defer_crc: bool = False) -> tuple[Any, str, Callable[[], None] | None]:
+    """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors; and
+    the deferred CRC-32 check's ``verify`` (`defer_crc`, zip-format torch files only) or None."""
     if not path.is_file():
         raise BadInputError("no such file" if not path.exists() else "is not a regular file", path=path,
                             fix="check the path")
@@ -328,17 +333,20 @@ def _read(path: Path) -> tuple[Any, str]:
         magic = f.read(4)
     if magic == b"PK\x03\x04":
         _refuse_archives(path)
-        return torch_load_safe(path, mmap=True), "torch"
+        if defer_crc:
+            obj, verify = torch_load_deferred(path, mmap=True)
+            return obj, "torch", verify
+        return torch_load_safe(path, mmap=True), "torch", None
     if path.suffix == ".safetensors" or looks_like_safetensors(path):
         tensors, meta = load_safetensors(path)
-        return (tensors, meta), "safetensors"
+        return (tensors, meta), "safetensors", None
     if magic[:1] != b"\x80":  # a legacy torch file is a pickle stream, which starts with PROTO
         raise BadInputError(f"not a torch or safetensors file (starts with {magic!r})", path=path, fix=_FIX)
     # NB: mmap needs the zip format (torch >= 1.6 default); older files load into memory.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol ..." on garbage
-            return torch_load_safe(path, mmap=False), "torch-legacy"
+            return torch_load_safe(path, mmap=False), "torch-legacy", None
     except (KeyError, IndexError, TypeError, struct.error, UnicodeDecodeError) as e:
         # the weights-only unpickler raises these on garbage that torch_load_safe does not expect
         raise BadInputError(f"corrupt legacy torch file ({type(e).__name__}: {e})", path=path, fix=_FIX) from e
@@ -348,8 +356,11 @@ def _check_snapshot(obj: dict, path: Path) -> None:
     check_format_version(obj, path=path, what="snapshot")
 
 
-def load_checkpoint_file(path: str | os.PathLike) -> Checkpoint:
+def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False) -> Checkpoint:
     """Open the checkpoint file `path` and list its tensors by role (directories: ``load.checkpoints``). Raises BadInputError / VersionError with a fix.
+
+    `defer_crc`: the CRC-32 check of a zip-format torch file runs in a second thread while the
+    caller reads the tensors; ``ckpt.verify()`` waits for it and raises if a record is damaged.
 
     Example:
         >>> ckpt = load_checkpoint_file("ckpt.pt")  # doctest: +SKIP
@@ -357,8 +368,19 @@ def load_checkpoint_file(path: str | os.PathLike) -> Checkpoint:
         [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
     """
     path = Path(path)
-    obj, fmt = _read(path)
+    obj, fmt, verify = _read(path, defer_crc)
+    try:
+        return _checkpoint(path, obj, fmt, verify)
+    except BaseException:
+        if verify is not None:
+            verify()  # a damaged record explains whatever reading the object met: its error first
+        raise
+
+
+def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | None) -> Checkpoint:
     ckpt = Checkpoint(path=os.fspath(path), format=fmt, layout="training_checkpoint", nbytes=path.stat().st_size)
+    if verify is not None:
+        ckpt.verify = verify
     walker = _Walker(ckpt)
     if fmt == "safetensors":
         tensors, ckpt.metadata = obj

@@ -11,8 +11,11 @@ from .hf_checkpoint import is_hf_checkpoint_dir, load_hf_checkpoint
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False) -> Checkpoint:
     """Open `path` and list its tensors by role. Raises BadInputError / VersionError with a fix.
+
+    `defer_crc`: a checkpoint file's CRC-32 check runs beside the caller's reads; call
+    ``ckpt.verify()`` before reporting anything (``load_checkpoint_file``). Directories load checked.
 
     Example:
         >>> ckpt = load_checkpoint("ckpt.pt")  # doctest: +SKIP
@@ -25,4 +28,4 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             return load_hf_checkpoint(path)
         raise BadInputError("is a directory without model.safetensors, pytorch_model.bin or optimizer.pt",
                             path=path, fix="pass an HF checkpoint-N/ directory or one checkpoint file")
-    return load_checkpoint_file(path)
+    return load_checkpoint_file(path, defer_crc=defer_crc)

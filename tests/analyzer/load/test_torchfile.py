@@ -198,3 +198,73 @@ def test_the_crc_is_zlib_ngs_when_installed_with_stdlibs_values():
     data = bytes(range(256)) * 4099
     assert torchfile._crc32 is not zlib.crc32
     assert torchfile._crc32(memoryview(data)[7:]) & 0xFFFFFFFF == zlib.crc32(data[7:])
+
+
+@pytest.mark.parametrize("damaged", ["a", "b"])
+def test_inspect_of_a_pair_names_the_damaged_file_whichever_it_is(checkpoint, tmp_path, damaged):
+    # each file's check runs beside the scan; the verdict is the same as when it ran first
+    start, end = _records(checkpoint)["data/0"]
+    bad = flipped(checkpoint, tmp_path / "bad.pt", (start + end) // 2)
+    a, b = (bad, checkpoint) if damaged == "a" else (checkpoint, bad)
+    assert one_error(["inspect", str(a), str(b)]).startswith(
+        f"Error: {bad}: damaged: record 'ckpt/data/0' does not match the CRC-32")
+
+
+def test_the_deferred_check_warns_in_the_callers_thread_and_raises_on_a_damaged_record(tmp_path, monkeypatch):
+    torch.save({"big": torch.randn(300_000), "small": torch.randn(8)}, tmp_path / "ckpt.pt")
+    recs = _records(tmp_path / "ckpt.pt")
+    monkeypatch.setattr(torchfile, "CRC_FULL_BYTES", 1 << 20)
+    obj, verify = torchfile.torch_load_deferred(tmp_path / "ckpt.pt", mmap=True)
+    assert obj["small"].shape == (8,)
+    with pytest.warns(UserWarning, match=r"1 tensor record\(s\) over 1 MiB were not checked"):
+        verify()
+    start, end = recs["data/1"]
+    bad = flipped(tmp_path / "ckpt.pt", tmp_path / "bad.pt", (start + end) // 2)
+    obj, verify = torchfile.torch_load_deferred(bad, mmap=True)  # loads: the damage is in a tensor's bytes
+    with pytest.raises(BadInputError, match="record 'ckpt/data/1' does not match the CRC-32"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verify()
+
+
+def test_a_load_that_fails_on_damage_reports_the_damaged_record_not_the_unpickling_error(checkpoint, tmp_path):
+    start, end = _records(checkpoint)["data.pkl"]
+    broke = 0
+    for at in range(start, end, max(1, (end - start) // 16)):  # most flips break the pickle itself
+        bad = flipped(checkpoint, tmp_path / "bad.pt", at)
+        try:
+            torch.load(bad, mmap=True, weights_only=True)
+        except Exception:  # noqa: BLE001 - whatever torch raises on it
+            broke += 1
+        with pytest.raises(BadInputError, match="record 'ckpt/data.pkl' does not match the CRC-32"):
+            torchfile.torch_load_deferred(bad, mmap=True)[1]()
+    assert broke > 0
+
+
+def _evict(path: Path) -> bool:
+    """Drop `path`'s pages from the page cache; False where this file system keeps them (tmpfs)."""
+    import os
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return not torchfile._in_page_cache(path)
+
+
+def test_a_file_in_the_page_cache_is_checked_beside_the_caller_and_one_on_disk_before(checkpoint, tmp_path):
+    start, end = _records(checkpoint)["data/0"]
+    bad = flipped(checkpoint, tmp_path / "bad.pt", (start + end) // 2)
+    assert torchfile._in_page_cache(bad)  # just written
+    obj, verify = torchfile.torch_load_deferred(bad, mmap=True)  # returns: the check runs beside
+    with pytest.raises(BadInputError, match="record 'ckpt/data/0' does not match the CRC-32"):
+        verify()
+    del obj
+    if not _evict(bad):
+        pytest.skip("this file system keeps the file's pages in memory (tmpfs): nothing to read from disk")
+    with pytest.raises(BadInputError, match="record 'ckpt/data/0' does not match the CRC-32"):
+        torchfile.torch_load_deferred(bad, mmap=True)  # from disk: checked first, as torch_load_safe does
+    assert torchfile._in_page_cache(bad)  # the check's read brought it in
