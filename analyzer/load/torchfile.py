@@ -202,6 +202,13 @@ def _in_page_cache(path: Path, enough: float = 0.9, probes: int = 64, run: int =
         mincore = ctypes.CDLL(None).mincore  # NB: the process's own symbols: libc's, on Linux and macOS
     except (ImportError, OSError, AttributeError, TypeError):
         return True
+    try:
+        return _resident(path, mincore, np, ctypes, enough, probes, run)
+    except (OSError, ValueError, OverflowError):  # a file that cannot be mapped: torch.load reports it
+        return True
+
+
+def _resident(path: Path, mincore, np, ctypes, enough: float, probes: int, run: int) -> bool:
     page = mmap.PAGESIZE
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

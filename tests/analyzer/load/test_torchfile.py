@@ -268,3 +268,12 @@ def test_a_file_in_the_page_cache_is_checked_beside_the_caller_and_one_on_disk_b
     with pytest.raises(BadInputError, match="record 'ckpt/data/0' does not match the CRC-32"):
         torchfile.torch_load_deferred(bad, mmap=True)  # from disk: checked first, as torch_load_safe does
     assert torchfile._in_page_cache(bad)  # the check's read brought it in
+
+
+def test_the_page_cache_probe_never_raises_on_files_it_cannot_map(tmp_path):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert torchfile._in_page_cache(tmp_path / "empty.pt")  # nothing to read: as if cached
+    proc = Path("/proc/self/status")
+    if proc.exists():  # a file the kernel refuses to map
+        assert torchfile._in_page_cache(proc)
+    assert one_error(["inspect", str(tmp_path / "empty.pt")]).startswith(f"Error: {tmp_path / 'empty.pt'}")
