@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                               loss_fn="samples.models:gpt_loss", amp_dtype=torch.bfloat16,
                               device_type=args.device)
         path = write_snapshot(Path(tmp) / "snap.pt", snap)
-        ctx = _context(str(path), load_snapshot(path), args.device, None, None)
+        ctx = _context(str(path), load_snapshot(path), args.device, None, None, ())  # samples.models: always importable
     model.to(args.device)
     batch = {k: v.to(args.device) for k, v in batch.items()}
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name()

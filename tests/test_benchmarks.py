@@ -1,0 +1,40 @@
+"""Every benchmark script under bench/ runs its --quick smoke version to the end.
+
+The numbers a quick run prints mean nothing (docs/benchmarks.md); what this proves is that each
+script still works against the current code, so the documented commands can be rerun. A script
+that breaks on an internal API change otherwise goes unnoticed until someone measures.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# script -> a line its quick run prints once it has measured every variant
+QUICK = {
+    "recorder_overhead.py": "recorder's own time / one _foreach_norm",
+    "report_scale.py": "analyzer report --json against the first floor",
+    "inspect_throughput.py": "CRC-32 check (inside inspect)",
+    "replay_cost.py": "| float16 |",
+    "autopsy_time.py": "| autopsy |",
+    "fsdp_sync_cost.py": "synced / local",
+}
+
+
+def test_every_bench_script_with_a_quick_mode_is_listed():
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py") if "--quick" in p.read_text()}
+    assert scripts == set(QUICK)
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_the_bench_script_runs_its_quick_version_to_the_end(script, tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert QUICK[script] in res.stdout, res.stdout[-3000:]
