@@ -5,6 +5,8 @@ Every reader of a ``.pt`` file (snapshots, checkpoints) goes through ``torch_loa
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import io
 import mmap
 import os
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import BadInputError
@@ -192,32 +195,19 @@ def _crc_verdict(path: Path) -> tuple[BadInputError | None, int]:
 
 def _in_page_cache(path: Path, enough: float = 0.9, probes: int = 64, run: int = 16) -> bool:
     """Whether at least `enough` of the file's pages are in the page cache, judged on `probes` evenly
-    spaced runs of `run` pages (``mincore``, where libc has it; elsewhere: assumed so). NB: a sample:
-    asking for every page of a 0.5 GB file took half as long as reading it from the cache."""
-    try:
-        import ctypes
-
-        import numpy as np
-
-        mincore = ctypes.CDLL(None).mincore  # NB: the process's own symbols: libc's, on Linux and macOS
-    except (ImportError, OSError, AttributeError, TypeError):
+    spaced runs of `run` pages (``mincore``, where libc has it; elsewhere, or for a file that cannot
+    be mapped: assumed so). NB: a sample: asking for every page of a 0.5 GB file took half as long
+    as reading it from the cache."""
+    mincore = _mincore()
+    if mincore is None:
         return True
     try:
-        return _resident(path, mincore, np, ctypes, enough, probes, run)
-    except (OSError, ValueError, OverflowError):  # a file that cannot be mapped: torch.load reports it
-        return True
-
-
-def _resident(path: Path, mincore, np, ctypes, enough: float, probes: int, run: int) -> bool:
-    page = mmap.PAGESIZE
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        pages = (size + page - 1) // page
-        if pages == 0:
-            return True
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = np.frombuffer(m, dtype=np.uint8)  # NB: for its address; nothing is read
+        with open(path, "rb") as f, _mapped(f) as data:
+            if data is None:
+                return True
+            page = mmap.PAGESIZE
+            pages = (len(data) + page - 1) // page
+            view = np.frombuffer(data, dtype=np.uint8)  # NB: for its address; nothing is read
             try:
                 base, n = view.ctypes.data, min(run, pages)
                 vec = (ctypes.c_ubyte * n)()
@@ -228,10 +218,19 @@ def _resident(path: Path, mincore, np, ctypes, enough: float, probes: int, run: 
                     seen += n
                     resident += sum(b & 1 for b in bytes(vec))  # bit 0: resident
             finally:
-                del view
-        finally:
-            m.close()
+                del view  # NB: before _mapped releases the map (an exported buffer keeps it open)
+    except OSError:  # a file that cannot be opened: torch.load reports it
+        return True
     return resident >= enough * seen
+
+
+@functools.cache
+def _mincore():
+    """libc's ``mincore`` from the process's own symbols (Linux, macOS), or None."""
+    try:
+        return ctypes.CDLL(None).mincore
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 @contextlib.contextmanager
