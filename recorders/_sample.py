@@ -23,6 +23,7 @@ Example:
 """
 from __future__ import annotations
 
+import collections
 import math
 import operator
 from typing import NamedTuple
@@ -86,6 +87,9 @@ class _Group:
     Each parameter's sample fills the start of a row of ``_width(count)`` elements; rows of one
     width are contiguous, widest first, so every per-parameter sum is one row sum of a 2-d view
     (``segment_reduce`` measured ~5x slower on CPU). The padding stays zero in every buffer.
+    1-d parameters of at most ``SAMPLE`` elements whose size another shares get rows of exactly
+    that size, side by side: each such run is copied by one ``torch.cat`` (cache-cold after a
+    step, one copy per tensor costs 1-3 us each, mostly its metadata's cache misses).
 
     NB: a parameter of at most ``SAMPLE`` elements is its own sample: it and its gradient are
     copied whole, with no view (in logical order: each statistic of a whole sample is a sum over
@@ -97,8 +101,16 @@ class _Group:
 
     def __init__(self, tensors: list[torch.Tensor], index: list[int], out: torch.device):
         device, dtype = tensors[0].device, tensors[0].dtype
-        order = sorted(range(len(index)), key=lambda j: (-_width(min(tensors[j].numel(), SAMPLE)),
-                                                          tensors[j].numel() <= SAMPLE))
+        # 1-d tensors of at most SAMPLE elements whose size another shares (biases, norm weights) get
+        # rows of exactly their size, side by side: each size's run is copied by one torch.cat
+        sizes = collections.Counter(t.numel() for t in tensors if t.dim() == 1 and t.numel() <= SAMPLE)
+
+        def width(t: torch.Tensor) -> int:
+            n = t.numel()
+            return n if t.dim() == 1 and n <= SAMPLE and sizes[n] > 1 else _width(min(n, SAMPLE))
+
+        order = sorted(range(len(index)), key=lambda j: (-width(tensors[j]), tensors[j].numel() <= SAMPLE,
+                                                          tensors[j].numel(), tensors[j].dim() != 1))
         tensors = [tensors[j] for j in order]
         self.index = [index[j] for j in order]
         self.sampled = sum(t.numel() > SAMPLE for t in tensors)  # the first `sampled` go through views
@@ -106,7 +118,7 @@ class _Group:
         self.strided = [((b, n), (step, 1)) for b, n, step in blocks[:self.sampled]]  # a contiguous gradient's
         counts = [b * n for b, n, _ in blocks]
         shapes = [(b, n) for b, n, _ in blocks[:self.sampled]] + [t.shape for t in tensors[self.sampled:]]
-        widths = [_width(c) for c in counts]
+        widths = [width(t) for t in tensors]
         offsets = [sum(widths[:i]) for i in range(len(widths))]
         total = sum(widths)
         self.rows: list[tuple[int, int, int, int]] = []  # (offset, first tensor, tensors, width) per width
@@ -115,17 +127,35 @@ class _Group:
                 self.rows[-1] = self.rows[-1][:2] + (self.rows[-1][2] + 1, w)
             else:
                 self.rows.append((o, j, 1, w))
+        # runs (first, end) of 1-d tensors of one size that fill their rows: one torch.cat per run and buffer
+        runs: list[tuple[int, int]] = []
+        for j in range(self.sampled, len(tensors)):
+            if tensors[j].dim() == 1 and widths[j] == counts[j] and sizes[counts[j]] > 1:
+                if runs and runs[-1][1] == j and counts[runs[-1][0]] == counts[j]:
+                    runs[-1] = (runs[-1][0], j + 1)
+                else:
+                    runs.append((j, j + 1))
+        runs = [(a, b) for a, b in runs if b - a > 1]
+        in_runs = {j for a, b in runs for j in range(a, b)}
+        self.each = [j for j in range(len(tensors)) if j not in in_runs]  # copied one by one (_foreach_copy_)
+        self.each_small = [j for j in self.each if j >= self.sampled]
         # NB: views of the parameters' own storage, made once (UpdateSample rebuilds the groups when a
         # storage is replaced). A sampled parameter that is not dense is sampled afresh at every call.
         self.tensors = tensors
         self.dense = all(_memory_order(t).data_ptr() == t.data_ptr() for t in tensors[:self.sampled])
         self.sources = [sample_view(t) for t in tensors[:self.sampled]] + tensors[self.sampled:] \
             if self.dense else None
+        self.each_sources = [self.sources[j] for j in self.each] if self.dense else None
         # three zeroed buffers: the weights' samples now and at the previous call (swapped at
         # every call: no allocation per call), and the gradients'
         self.bufs = [torch.zeros(total, dtype=dtype, device=device) for _ in range(3)]
         self.dsts = [[buf[o:o + c].view(shape) for o, c, shape in zip(offsets, counts, shapes)] for buf in self.bufs]
-        self.both = [self.dsts[0] + self.dsts[2], self.dsts[1] + self.dsts[2]]  # weights now, then gradients
+        each = [[d[j] for j in self.each] for d in self.dsts]
+        self.each_dsts = each[:2]
+        self.both = [each[0] + each[2], each[1] + each[2]]  # weights now, then gradients
+        # (tensors, and the run's rows in each of the three buffers)
+        self.runs = [(tensors[a:b], a, b, [buf[offsets[a]:offsets[b - 1] + counts[b - 1]] for buf in self.bufs])
+                     for a, b in runs]
         self.pick = operator.itemgetter(*self.index) if len(self.index) > 1 else lambda s, i=self.index[0]: (s[i],)
         self.flip = 0
         self.filled = False
@@ -154,26 +184,35 @@ class _Group:
 
     def sample(self, grads: list[torch.Tensor | None] | None) -> list[int] | None:
         """Copy the weights' samples into this call's buffer and the gradients' into the gradient
-        buffer, in one ``_foreach_copy_``; returns the group positions of the missing gradients
-        (None: no gradients given)."""
-        dsts = self.dsts[self.flip]
-        srcs = self.sources if self.dense else \
-            [sample_view(t) for t in self.tensors[:self.sampled]] + self.tensors[self.sampled:]
+        buffer: one ``_foreach_copy_`` and one ``torch.cat`` per run of equal sizes; returns the group
+        positions of the missing gradients (None: no gradients given)."""
+        flip = self.flip
+        if self.dense:
+            srcs = self.each_sources
+        else:
+            srcs = [sample_view(t) for t in self.tensors[:self.sampled]] + self.tensors[self.sampled:]
+            srcs = [srcs[j] for j in self.each]
+        dsts = self.each_dsts[flip]
         missing = None
         if grads is not None:
             got = self.pick(grads)
             missing = [j for j, g in enumerate(got) if g is None]
-            k = self.sampled
             # NB: gradients are new tensors at every step (zero_grad(set_to_none=True)): views taken afresh
             if not missing:
-                dsts, srcs = self.both[self.flip], srcs + [
+                dsts, srcs = self.both[flip], srcs + [
                     g.as_strided(size, stride) if g.is_contiguous() else sample_view(g)
-                    for g, (size, stride) in zip(got, self.strided)] + list(got[k:])
+                    for g, (size, stride) in zip(got, self.strided)] + [got[j] for j in self.each_small]
+                for _, a, b, outs in self.runs:
+                    torch.cat(got[a:b], out=outs[2])
             elif len(missing) < len(got):
+                k = self.sampled
                 gsrcs = [_grad_sample(g, size, stride) for g, (size, stride) in zip(got, self.strided)] + list(got[k:])
                 torch._foreach_copy_([d for d, g in zip(self.dsts[2], gsrcs) if g is not None],
                                      [g for g in gsrcs if g is not None])
-        torch._foreach_copy_(dsts, srcs)
+        if dsts:  # (empty when every tensor is in a run)
+            torch._foreach_copy_(dsts, srcs)
+        for weights, _, _, outs in self.runs:
+            torch.cat(weights, out=outs[flip])
         return missing
 
     def missing_index(self, missing: list[int]) -> torch.Tensor:

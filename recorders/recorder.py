@@ -350,6 +350,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         devices = {p.device for p in self._params}
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._single_device = len(devices) <= 1
+        # the step's values are read one by one, without a stack, when every one is on the CPU
+        self._host_reads = devices <= {torch.device("cpu")}
         # one _foreach_norm of the gradients (a gradient has its parameter's dtype and device)
         self._fused_norms = self._single_device and all(p.dtype != torch.float64 for p in self._params)
         self.device_type = self._device.type

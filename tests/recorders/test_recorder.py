@@ -331,3 +331,34 @@ def test_a_late_end_step_after_scaler_step_still_records_unscaled_gradient_norms
     layers = read(tmp_path, "layers")
     for step, norms in enumerate(expected):
         assert layers.filter(pl.col("step") == step)["grad_norm"].to_list() == pytest.approx(norms, rel=1e-5)
+
+
+def _nan_loss_run(run, layer_every):
+    """FP16 + GradScaler; step 4's loss is NaN, its (scaled) gradients finite."""
+    model, scaler = build_mlp(), torch.amp.GradScaler("cpu", init_scale=256.0)
+    opt = sgd(model)
+    with Recorder(run, model, **REFS, scaler=scaler, amp_dtype=torch.float16, optimizer=opt,
+                  layer_every=layer_every) as rec:
+        for step, batch in enumerate(batches(6)):
+            rec.begin_step(step, batch)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = mse_loss(model, batch)
+            scaler.scale(loss).backward()
+            assert rec.end_step(loss * math.nan if step == 4 else loss) == ("nonfinite_loss" if step == 4 else None)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return run
+
+
+def test_a_failing_step_between_layer_rows_gets_the_same_layer_row_as_with_layer_every_1(tmp_path):
+    # with layer_every=3, step 4 fails off the cadence: on the CPU its values are read one by one,
+    # then its layer row is built from the same norms, divided by the scale
+    every, thinned = _nan_loss_run(tmp_path / "every", 1), _nan_loss_run(tmp_path / "thinned", 3)
+    assert read(every).drop("wall_time").equals(read(thinned).drop("wall_time"))
+    cols = ["step", "layer", "grad_norm", "grad_nonfinite", "grad_zero_frac", "param_norm"]
+    thinned_rows = read(thinned, "layers").select(cols)
+    assert sorted(thinned_rows["step"].unique()) == [0, 3, 4]
+    assert thinned_rows.filter(pl.col("step") == 4)["grad_norm"].is_finite().all()
+    every_rows = read(every, "layers").select(cols).filter(pl.col("step").is_in([0, 3, 4]))
+    assert every_rows.equals(thinned_rows)
