@@ -52,7 +52,7 @@ from ._batchfile import micro_batch_file
 from ._validate import check_dense
 from .safetensors import load_safetensors, looks_like_safetensors
 from .snapshot import Snapshot
-from .torchfile import torch_load_safe
+from .torchfile import is_zip, torch_load_safe
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointSnapshot", "checkpoint_instead", "load_checkpoint_snapshot"]
 
@@ -259,7 +259,7 @@ def _read_checkpoint(p: Path, *, factory: str | None, paths: tuple[str, ...]) ->
     if p.suffix == ".safetensors" or looks_like_safetensors(p):
         tensors, _ = load_safetensors(p)
         return _plain(p, tensors, "a safetensors state_dict", [])
-    obj = torch_load_safe(p, mmap=zipfile.is_zipfile(p))
+    obj = torch_load_safe(p, mmap=is_zip(p))
     if isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
         raise BadInputError("is a recorder snapshot: it holds its own batch", path=p,
                             fix=f"replay it without --batch: analyzer replay {p}")

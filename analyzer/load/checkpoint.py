@@ -310,7 +310,8 @@ def _find_step(obj: Any, ckpt: Checkpoint) -> None:
 def _refuse_archives(path: Path) -> None:
     """TorchScript and torch.export archives are zip files too, but programs, not checkpoints."""
     try:
-        names = zipfile.ZipFile(path).namelist()
+        with zipfile.ZipFile(path) as zf:  # (closed here, not whenever it is collected)
+            names = zf.namelist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):  # ValueError: bad names
         return  # torch_load_safe gives the one-line error
     if any(n.endswith("/constants.pkl") for n in names):

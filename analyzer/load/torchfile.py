@@ -27,7 +27,7 @@ import torch
 from ..errors import BadInputError
 from ._limits import ARCHIVE_RATIO_ENV, archive_budget, check_nesting, max_archive_ratio
 
-__all__ = ["torch_load_safe", "torch_load_deferred", "check_crcs"]
+__all__ = ["torch_load_safe", "torch_load_deferred", "check_crcs", "is_zip"]
 
 
 def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False, max_ratio: float | None = None) -> Any:
@@ -316,11 +316,25 @@ def _torch_load(path: Path, mmap: bool) -> Any:
 
 def _unreadable(path: Path) -> BadInputError:
     words = plain_words(path)
-    fix = "the file was cut short: copy it again" if words.startswith("truncated") else _FIX
+    fix = "the file was cut short: copy it again" if words.startswith("truncated") else \
+        "copy the file again from its source" if "zip index is damaged" in words else _FIX
     return BadInputError(words, path=path, fix=fix)
 
 
 _FIX = "pass a file written by torch.save or the amp-autopsy recorder"
+
+
+# NB: zipfile.is_zipfile catches only OSError; a damaged zip64 locator raises BadZipFile
+# ("zipfiles that span multiple disks are not supported") out of it
+_ZIP_INDEX_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error)
+
+
+def is_zip(path: Path) -> bool:
+    """``zipfile.is_zipfile(path)``, False where zipfile raises on a damaged index instead."""
+    try:
+        return zipfile.is_zipfile(path)
+    except _ZIP_INDEX_ERRORS:
+        return False
 
 
 def plain_words(path: Path) -> str:
@@ -338,7 +352,11 @@ def plain_words(path: Path) -> str:
     if size == 0:
         return "empty file (0 bytes): not a torch file"
     if head.startswith(b"PK\x03\x04"):
-        if not zipfile.is_zipfile(path):
+        try:
+            whole = zipfile.is_zipfile(path)
+        except _ZIP_INDEX_ERRORS as e:
+            return f"not a readable torch file: its zip index is damaged ({e})"
+        if not whole:
             return "truncated: the archive ends before its index"
         return ("not a readable torch file: a complete zip archive whose torch records are corrupt or foreign "
                 "(analyzer --debug shows torch's message)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from analyzer.cli import main
@@ -124,6 +124,7 @@ def test_past_the_budget_large_records_go_unchecked_with_a_warning_and_small_one
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frac=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+@example(frac=0.9892770657206668, bit=0)  # the zip64 locator's disk count: zipfile.is_zipfile raised
 def test_any_flipped_bit_is_refused_when_it_lands_in_a_record_and_never_crashes(tmp_path_factory, frac, bit):
     d = tmp_path_factory.mktemp("flip")
     torch.manual_seed(0)
@@ -276,3 +277,23 @@ def test_the_page_cache_probe_never_raises_on_files_it_cannot_map(tmp_path):
     if proc.exists():  # a file the kernel refuses to map
         assert torchfile._in_page_cache(proc)
     assert one_error(["inspect", str(tmp_path / "empty.pt")]).startswith(f"Error: {tmp_path / 'empty.pt'}")
+
+
+@pytest.mark.parametrize("command", ["inspect", "replay"])
+def test_a_damaged_zip64_locator_is_one_error_line_for_every_reader(tmp_path, command):
+    # the locator's "total number of disks" (its last 4 bytes) read as 2: zipfile.is_zipfile raises
+    # BadZipFile ("span multiple disks") instead of answering, in the message's and in replay's paths
+    torch.manual_seed(0)
+    torch.save({"weight": torch.randn(16, 8), "bias": torch.randn(16)}, tmp_path / "ok.pt")
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    locator = raw.rfind(b"PK\x06\x07")
+    assert locator > 0, "torch.save wrote no zip64 locator"
+    raw[locator + 16] ^= 3
+    (tmp_path / "ckpt.pt").write_bytes(bytes(raw))
+    with pytest.raises(zipfile.BadZipFile, match="multiple disks"):
+        zipfile.is_zipfile(tmp_path / "ckpt.pt")
+    res = CliRunner().invoke(main, [command, str(tmp_path / "ckpt.pt")])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert res.stderr.strip().splitlines() == [
+        f"Error: {tmp_path / 'ckpt.pt'}: not a readable torch file: its zip index is damaged (zipfiles that span "
+        "multiple disks are not supported) (copy the file again from its source)"]
