@@ -52,7 +52,7 @@ from ._batchfile import micro_batch_file
 from ._validate import check_dense
 from .safetensors import load_safetensors, looks_like_safetensors
 from .snapshot import Snapshot
-from .torchfile import is_zip, torch_load_safe
+from .torchfile import ZIP_ERRORS, is_zip, torch_load_safe
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointSnapshot", "checkpoint_instead", "load_checkpoint_snapshot"]
 
@@ -174,7 +174,7 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
             if pkl is None or pkl.file_size > _MAX_JSON:
                 return None
             head = zf.read(pkl)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError):
+    except (*ZIP_ERRORS, RuntimeError):
         return None
     if schema.SNAPSHOT_FORMAT.encode() in head:
         return None

@@ -28,7 +28,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import MAX_NESTING
-from .torchfile import torch_load_deferred, torch_load_safe
+from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
 from .versions import check_format_version
 from .safetensors import load_safetensors, looks_like_safetensors
 
@@ -312,7 +312,7 @@ def _refuse_archives(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as zf:  # (closed here, not whenever it is collected)
             names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):  # ValueError: bad names
+    except ZIP_ERRORS:
         return  # torch_load_safe gives the one-line error
     if any(n.endswith("/constants.pkl") for n in names):
         what = "a TorchScript archive (torch.jit.save): loading it would run its code"

@@ -27,7 +27,10 @@ import torch
 from ..errors import BadInputError
 from ._limits import ARCHIVE_RATIO_ENV, archive_budget, check_nesting, max_archive_ratio
 
-__all__ = ["torch_load_safe", "torch_load_deferred", "check_crcs", "is_zip"]
+__all__ = ["torch_load_safe", "torch_load_deferred", "check_crcs", "is_zip", "ZIP_ERRORS"]
+
+# what zipfile raises on a damaged or foreign archive (ValueError: bad names), opening it or its index
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError)
 
 
 def torch_load_safe(path: str | os.PathLike, *, mmap: bool = False, max_ratio: float | None = None) -> Any:
@@ -121,7 +124,7 @@ def _check_archive(path: Path, ratio: float) -> None:
     try:
         with zipfile.ZipFile(path) as zf:
             declared = sum(max(0, i.file_size) for i in zf.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+    except ZIP_ERRORS:
         return  # not a zip (or a broken one): torch.load reports it
     if declared > archive_budget(size, ratio):
         raise BadInputError(
@@ -173,7 +176,7 @@ def _crc_verdict(path: Path) -> tuple[BadInputError | None, int]:
     it can pin on the file (a file zipfile cannot open is torch.load's to report)."""
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+    except ZIP_ERRORS:
         return None, 0  # not a zip (or a broken one): torch.load reports it
     with zf:
         infos = [i for i in zf.infolist() if i.CRC != 0 and not i.is_dir()]
@@ -281,7 +284,7 @@ def _damaged(path: Path, info: zipfile.ZipInfo) -> BadInputError:
 def _check_record(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
     try:
         f = zf.open(info)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError):
+    except (*ZIP_ERRORS, RuntimeError):
         return  # a record zipfile cannot open: torch.load reports it
     try:
         with f:  # zipfile compares the CRC once the record is read to its end
@@ -324,16 +327,14 @@ def _unreadable(path: Path) -> BadInputError:
 _FIX = "pass a file written by torch.save or the amp-autopsy recorder"
 
 
-# NB: zipfile.is_zipfile catches only OSError; a damaged zip64 locator raises BadZipFile
-# ("zipfiles that span multiple disks are not supported") out of it
-_ZIP_INDEX_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error)
-
-
 def is_zip(path: Path) -> bool:
-    """``zipfile.is_zipfile(path)``, False where zipfile raises on a damaged index instead."""
+    """``zipfile.is_zipfile(path)``, False where zipfile raises on a damaged index instead.
+
+    NB: is_zipfile catches only OSError; a damaged zip64 locator raises BadZipFile ("zipfiles that
+    span multiple disks are not supported") out of it."""
     try:
         return zipfile.is_zipfile(path)
-    except _ZIP_INDEX_ERRORS:
+    except ZIP_ERRORS:
         return False
 
 
@@ -354,7 +355,7 @@ def plain_words(path: Path) -> str:
     if head.startswith(b"PK\x03\x04"):
         try:
             whole = zipfile.is_zipfile(path)
-        except _ZIP_INDEX_ERRORS as e:
+        except ZIP_ERRORS as e:
             return f"not a readable torch file: its zip index is damaged ({e})"
         if not whole:
             return "truncated: the archive ends before its index"
