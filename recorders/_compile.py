@@ -128,6 +128,7 @@ def compile_info(model: torch.nn.Module) -> dict[str, Any] | None:
     """
     opt = _optimized_module_type()
     entries: list[dict[str, Any]] = []
+    wrapped: set[tuple[int, str]] = set()  # (module, path) inside a wrapper seen so far (parents come first)
     for path, module in model.named_modules(remove_duplicate=False):
         clean = clean_name(path)
         if opt is not None and isinstance(module, opt):
@@ -136,7 +137,11 @@ def compile_info(model: torch.nn.Module) -> dict[str, Any] | None:
             except Exception:  # noqa: BLE001
                 info = {"backend": None, "mode": None, "options": None, "dynamic": None, "fullgraph": None}
             entries.append({"path": clean, "how": "torch.compile", **info})
-        else:
+            wrapped.add((id(getattr(module, ORIG_MOD, module)), clean))
+        elif (id(module), clean) not in wrapped:
+            # NB: a module compiled in place and also wrapped (accelerate 1.16's compile_regions does both to
+            # each block) runs as the wrapper's graph: Dynamo traces through the inner compile, whose backend
+            # never runs (tested). So only the wrapper is what ran.
             info = _in_place(module)
             if info is not None:
                 entries.append({"path": clean, "how": "module.compile", **info})

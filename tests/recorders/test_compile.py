@@ -57,6 +57,33 @@ def test_blocks_compiled_in_place_or_wrapped_keep_their_names_and_are_listed(tmp
     assert got == {"0": ("module.compile", "aot_eager", False), "3": ("torch.compile", "aot_eager", None)}
 
 
+def test_a_block_compiled_in_place_and_also_wrapped_is_listed_once_as_the_wrapper_that_runs():
+    # accelerate 1.16's compile_regions does both to each block: the in-place compile never runs under the
+    # wrapper (its backend is never called), so the record names only the wrapper, as for a plain wrapper
+    from recorders._compile import compile_info
+
+    calls = {"in place": 0, "wrapper": 0}
+
+    def backend(name):
+        def compile_fx(gm, example_inputs):
+            calls[name] += 1
+            return gm.forward
+        return compile_fx
+
+    model = build_mlp()
+    model[0].compile(backend=backend("in place"))
+    model[0] = torch.compile(model[0], backend=backend("wrapper"))
+    shared = build_mlp()[3]
+    shared.compile(backend="aot_eager")
+    model.add_module("again", shared)  # compiled in place and not wrapped: still listed
+    model[3] = torch.compile(shared, backend="aot_eager")  # the same module wrapped at another path
+    x = torch.randn(4, 8, requires_grad=True)
+    model[0](x).sum().backward()
+    assert calls == {"in place": 0, "wrapper": 1}
+    got = [(m["path"], m["how"]) for m in compile_info(model)["modules"]]
+    assert got == [("0", "torch.compile"), ("3", "torch.compile"), ("again", "module.compile")]
+
+
 def test_inductor_mode_dynamic_and_fullgraph_are_recorded_as_given(tmp_path):
     model = torch.compile(build_mlp(), mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
     Recorder(tmp_path, model, **REFS).close()  # nothing runs: compiling is lazy, meta.json is written at once
