@@ -7,11 +7,18 @@ machine slows all variants alike and no variant always follows the same one (a p
 made "plain" always follow detect_anomaly). Each variant's ratio is the median over rounds of
 (variant step / plain step of the same round). The recorder's own time inside its steps
 (begin_step + end_step) over the plain step of the same round is printed too: it is the
-steadier estimate of its overhead. On CPU, right after each recorder step's ``end_step`` (and
-outside the step's time), one ``torch._foreach_norm`` of the same gradients is timed just
-before and just after ``end_step``: the mean of the two is the floor, one read of the gradients. The recorder's own time over that floor is printed at
-``layer_every=1`` and, from the ``recorder/10`` variant, for the steps without a layer row
-(targets: at most 1.5x and 1.1x).
+steadier estimate of its overhead. On CPU the floor, one read of the gradients, is one
+``torch._foreach_norm`` of them, timed in a variant of its own (``plain + one _foreach_norm``):
+a plain step that runs it where ``end_step`` would run, right after the backward, so that it is
+the first read of the gradients after the backward, as the recorder's is. The recorder's own time
+over the floor of the same round is printed at ``layer_every=1`` and, from the ``recorder/10``
+variant, for the steps without a layer row (targets: at most 1.5x and 1.1x).
+
+NB: where the floor is read matters on a CPU whose last-level cache nearly holds the gradients
+(a Xeon with a large L3: five reads in a row of the same 68 MB took 4.8, 4.7, 4.1, 3.6 and
+3.2 ms). ``--floor beside`` times the floor just before and just after ``end_step`` in the
+recorder's own step instead (the mean of the two), as this script first did: the recorder's
+read then comes second, and the read after it third, faster.
 
     python bench/recorder_overhead.py              # 17M params, batch 8x64, 21 rounds (~1-2 min)
     python bench/recorder_overhead.py --batch 16   # longer steps: the recorder's share shrinks
@@ -258,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--accum", type=int, default=1,
                     help="micro-batches per step (gradient accumulation; each loss / N; default 1)")
     ap.add_argument("--sync-steps", type=int, default=8, help="healthy steps whose host syncs are counted (cuda)")
+    ap.add_argument("--floor", choices=["apart", "beside"], default="apart",
+                    help="CPU: time the floor in a variant of its own, right after its backward (default), "
+                    "or just before and after end_step in the recorder's steps")
     ap.add_argument("--rows", metavar="FILE", default=None,
                     help="append the results as Markdown rows (check | measured | target | result) to FILE")
     args = ap.parse_args(argv)
@@ -291,7 +301,11 @@ def main(argv: list[str] | None = None) -> None:
                          layer_every=1, flush_every=50, check_update=True)
     rec_check._hook.remove()  # NB: its step post hook runs only in its own variant's steps (below)
     recorders = {"recorder": rec, "recorder/10": rec10, "recorder + check_update": rec_check}
-    step_no = 0
+    step_no, round_no = 0, -1
+    apart = args.floor == "apart" and device.type == "cpu"
+    one_read = "plain + one _foreach_norm"
+    floor_of_round: dict[int, float] = {}  # apart: the one_read variant's read, by round
+    own_in_round: dict[str, list[tuple[int, float]]] = {"layer row": [], "no layer row": []}
     hot_path: list[float] = []  # begin_step + end_step inside the "recorder" steps
     # (own time, one _foreach_norm of the same gradients) of the recorder (every step a layer row)
     # and of recorder/10's steps without one
@@ -305,12 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         marks: dict[str, float] = {}
 
         def before():
+            tb = time.perf_counter()  # (the own time is the recorder's calls alone, not this harness's)
             if r is not None:
                 r.begin_step(step_no, batch)
             if variant == "buffer copy":
                 tracker.begin()
-                copy_time.append(time.perf_counter() - t0)
-            marks["begun"] = time.perf_counter()
+                copy_time.append(time.perf_counter() - tb)
+            marks["begun"] = time.perf_counter() - tb
 
         def floor() -> float:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -319,19 +334,24 @@ def main(argv: list[str] | None = None) -> None:
             return time.perf_counter() - t
 
         def after_backward(loss):
+            if variant == one_read:  # the floor, where end_step would run (in this step's time)
+                floor_of_round[round_no] = floor()
+                return
             kind = {"recorder": "layer row", "recorder/10": "no layer row" if step_no % 10 else None}.get(variant)
             timed = kind is not None and device.type == "cpu"
             t1 = time.perf_counter()
-            before = floor() if timed else 0.0
+            before = floor() if timed and not apart else 0.0
             t2 = time.perf_counter()
             if r is not None:
                 r.end_step(loss)
             t3 = time.perf_counter()
-            own = (marks["begun"] - t0) + (t3 - t2)
+            own = marks["begun"] + (t3 - t2)
             if variant == "recorder":
                 hot_path.append(own)
-            if timed:
-                # the floor just before and just after end_step: their mean follows the machine's load
+            if timed and apart:
+                own_in_round[kind].append((round_no, own))
+            elif timed:
+                # --floor beside: just before and just after end_step, their mean
                 vs_floor[kind].append((own, (before + floor()) / 2))
                 marks["floor"] = (t2 - t1) + (time.perf_counter() - t3)  # taken out of the step's time below
             if variant == "naive .item()":
@@ -351,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         step_no += 1
         return dt
 
-    variants = ["plain", "buffer copy", "recorder", "recorder + check_update", "recorder/10", "naive .item()",
-                "detect_anomaly"]
+    variants = ["plain", *([one_read] if apart else []), "buffer copy", "recorder", "recorder + check_update",
+                "recorder/10", "naive .item()", "detect_anomaly"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # detect_anomaly warns on every entry
@@ -360,14 +380,16 @@ def main(argv: list[str] | None = None) -> None:
             step(v)
         hot_path.clear()
         copy_time.clear()
-        for v in vs_floor.values():
+        for v in [*vs_floor.values(), *own_in_round.values()]:
             v.clear()
         shuffle = random.Random(0).shuffle  # Python's RNG: torch's stream stays the model's
-        for _ in range(rounds):
+        for round_no in range(rounds):
             order = list(variants)
             shuffle(order)
             for v in order:
                 times[v].append(step(v))
+    for kind, owns in own_in_round.items():  # apart: each against the floor of its own round
+        vs_floor[kind] += [(own, floor_of_round[n]) for n, own in owns if n in floor_of_round]
     for r in recorders.values():
         r.close()
     run_dir.cleanup()
