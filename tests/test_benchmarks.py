@@ -38,3 +38,15 @@ def test_the_bench_script_runs_its_quick_version_to_the_end(script, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert QUICK[script] in res.stdout, res.stdout[-3000:]
+
+
+@pytest.mark.parametrize("floor, row", [("apart", "| plain + one _foreach_norm |"), ("beside", None)])
+def test_the_recorder_bench_prints_both_floor_ratios_with_either_floor_placement(floor, row, tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "recorder_overhead.py"), "--quick", "--floor", floor],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    for kind in ("steps with layer row", "steps with no layer row"):
+        assert f"one _foreach_norm of the same gradients, {kind}" in res.stdout, res.stdout[-3000:]
+    # the floor's own variant runs only when the floor is timed apart from the recorder's steps
+    assert (row in res.stdout) if row else ("| plain + one _foreach_norm |" not in res.stdout)
