@@ -50,3 +50,12 @@ def test_the_recorder_bench_prints_both_floor_ratios_with_either_floor_placement
         assert f"one _foreach_norm of the same gradients, {kind}" in res.stdout, res.stdout[-3000:]
     # the floor's own variant runs only when the floor is timed apart from the recorder's steps
     assert (row in res.stdout) if row else ("| plain + one _foreach_norm |" not in res.stdout)
+
+
+def test_the_inspect_bench_cold_run_compares_both_check_orders_against_a_read(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_throughput.py"), "--quick", "--cold"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("vs a read() of the file")), "")
+    assert "analyzer inspect (cpu) " in line and "inspect, check beside the scan " in line, res.stdout[-3000:]
