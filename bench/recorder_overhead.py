@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
                 return
             kind = {"recorder": "layer row", "recorder/10": "no layer row" if step_no % 10 else None}.get(variant)
             timed = kind is not None and device.type == "cpu"
+            beside = timed and not apart  # --floor beside: read just before and just after end_step
             t1 = time.perf_counter()
-            before = floor() if timed and not apart else 0.0
+            before = floor() if beside else 0.0
             t2 = time.perf_counter()
             if r is not None:
                 r.end_step(loss)
@@ -348,12 +349,11 @@ def main(argv: list[str] | None = None) -> None:
             own = marks["begun"] + (t3 - t2)
             if variant == "recorder":
                 hot_path.append(own)
-            if timed and apart:
-                own_in_round[kind].append((round_no, own))
-            elif timed:
-                # --floor beside: just before and just after end_step, their mean
+            if beside:  # the mean of the two reads
                 vs_floor[kind].append((own, (before + floor()) / 2))
                 marks["floor"] = (t2 - t1) + (time.perf_counter() - t3)  # taken out of the step's time below
+            elif timed:  # against the one_read variant's floor of this round, after the rounds
+                own_in_round[kind].append((round_no, own))
             if variant == "naive .item()":
                 naive_monitor(model)
             if variant == "buffer copy":

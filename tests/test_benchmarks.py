@@ -31,31 +31,31 @@ def test_every_bench_script_with_a_quick_mode_is_listed():
     assert scripts == set(QUICK)
 
 
-@pytest.mark.parametrize("script", sorted(QUICK))
-def test_the_bench_script_runs_its_quick_version_to_the_end(script, tmp_path):
+def _quick(script: str, tmp_path: Path, *args: str) -> str:
+    """stdout of `bench/<script> --quick *args`, run to the end (exit status 0) with TMPDIR in `tmp_path`."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick"], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert QUICK[script] in res.stdout, res.stdout[-3000:]
+    return res.stdout
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_the_bench_script_runs_its_quick_version_to_the_end(script, tmp_path):
+    out = _quick(script, tmp_path)
+    assert QUICK[script] in out, out[-3000:]
 
 
 @pytest.mark.parametrize("floor, row", [("apart", "| plain + one _foreach_norm |"), ("beside", None)])
 def test_the_recorder_bench_prints_both_floor_ratios_with_either_floor_placement(floor, row, tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "recorder_overhead.py"), "--quick", "--floor", floor],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    out = _quick("recorder_overhead.py", tmp_path, "--floor", floor)
     for kind in ("steps with layer row", "steps with no layer row"):
-        assert f"one _foreach_norm of the same gradients, {kind}" in res.stdout, res.stdout[-3000:]
+        assert f"one _foreach_norm of the same gradients, {kind}" in out, out[-3000:]
     # the floor's own variant runs only when the floor is timed apart from the recorder's steps
-    assert (row in res.stdout) if row else ("| plain + one _foreach_norm |" not in res.stdout)
+    assert (row in out) if row else ("| plain + one _foreach_norm |" not in out)
 
 
 def test_the_inspect_bench_cold_run_compares_both_check_orders_against_a_read(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_throughput.py"), "--quick", "--cold"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("vs a read() of the file")), "")
-    assert "analyzer inspect (cpu) " in line and "inspect, check beside the scan " in line, res.stdout[-3000:]
+    out = _quick("inspect_throughput.py", tmp_path, "--cold")
+    line = next((ln for ln in out.splitlines() if ln.startswith("vs a read() of the file")), "")
+    assert "analyzer inspect (cpu) " in line and "inspect, check beside the scan " in line, out[-3000:]
