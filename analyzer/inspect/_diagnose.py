@@ -15,6 +15,7 @@ from ..errors import BadInputError
 from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry
 from ..load.checkpoints import load_checkpoint
+from ..load.torchfile import LayoutMismatch
 from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
@@ -165,7 +166,16 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
                if (eb := by_b.get(e.name)) is not None and eb.tensor.shape == e.tensor.shape}
     alone_b = [eb for eb in by_b.values() if eb.name not in partner]
     items = [(e.tensor, partner[e.name].tensor if e.name in partner else None) for e in cka.entries]
-    results = scan_all(items + [(eb.tensor, None) for eb in alone_b], device, prog)
+    work = items + [(eb.tensor, None) for eb in alone_b]
+
+    def wait(i: int) -> None:  # the bytes of item i, read by its file's stream (a pair's B: B's)
+        a, b = work[i]
+        (cka.wait if i < len(items) else ckb.wait)(a)
+        if b is not None:
+            ckb.wait(b)
+
+    streamed = cka.stream is not None or (ckb is not None and ckb.stream is not None)
+    results = scan_all(work, device, prog, wait=wait if streamed else None)
     prog.close()
     rep_a, rep_b, changes = [], {}, []
     for e, (sa, sb, ch) in zip(cka.entries, results):
@@ -180,9 +190,6 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
     files = [FileReport(cka, tuple(rep_a))]
     if ckb is not None:
         files.append(FileReport(ckb, tuple(rep_b[e.name] for e in ckb.entries)))
-    for ck in (cka, ckb):  # the result keeps statistics, not tensors: let the file mappings go
-        if ck is not None:
-            ck.entries.clear()
     return files, changes
 
 
@@ -312,22 +319,35 @@ def inspect_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike | N
         ['nonfinite_optimizer_state', 'dead_optimizer_state']
     """
     device = resolve_device(device)
-    # NB: each file's CRC-32 check runs in a second thread during the scan, and is waited for before
-    # any finding is made: a damaged file is refused exactly as before, about the scan's time sooner
-    cka = load_checkpoint(path_a, defer_crc=True)
     try:
-        ckb = load_checkpoint(path_b, defer_crc=True) if path_b is not None else None
+        return _inspect(path_a, path_b, progress, device, stream=True)
+    except LayoutMismatch:  # a file torch.save did not lay out: read again, each record from its header
+        return _inspect(path_a, path_b, progress, device, stream=False)
+
+
+def _inspect(path_a, path_b, progress: bool, device: str, stream: bool) -> InspectResult:
+    # NB: each file's CRC-32 check runs in a second thread during the scan, and is waited for before
+    # any finding is made: a damaged file is refused exactly as before, about the scan's time sooner.
+    # A large file not in the page cache is read once, front to back, and the scan follows the read
+    # (each tensor after its bytes are in); a pair's second file is read after the first.
+    cka = load_checkpoint(path_a, defer_crc=True, stream=stream)
+    try:
+        ckb = (load_checkpoint(path_b, defer_crc=True, stream=stream, after=cka.stream)
+               if path_b is not None else None)
     except BaseException:
         cka.verify()
         raise
     checks = [ck.verify for ck in (cka, ckb) if ck is not None]
     try:
-        later = ckb or cka  # NB: optimizer checks look at the later file, before the scan lets tensors go
-        findings = optimizer_findings(later, f"{Path(later.path).name}: " if ckb is not None else "")
         files, changes = _scan(cka, ckb, progress, device)
     finally:  # also when the scan failed: a damaged record is the cause to name
         for verify in checks:
             verify()
+    later = ckb or cka  # NB: optimizer checks look at the later file, after its read, before the tensors go
+    findings = optimizer_findings(later, f"{Path(later.path).name}: " if ckb is not None else "")
+    for ck in (cka, ckb):  # the result keeps statistics, not tensors: let the file mappings go
+        if ck is not None:
+            ck.entries.clear()
     pair = len(files) == 2
     finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
     for i, fr in enumerate(files):

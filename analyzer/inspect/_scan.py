@@ -320,10 +320,12 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: str = "cpu",
-             on_bytes: Callable[[int], None] | None = None, threads: int | None = None) -> list[Result]:
+             on_bytes: Callable[[int], None] | None = None, threads: int | None = None,
+             wait: Callable[[int], None] | None = None) -> list[Result]:
     """For each (A, None): (A's stats, None, None); for each (A, B): A's and B's stats and the change
     (None when the two cannot be paired). On the CPU, items run side by side on ``threads`` threads
     (default ``torch.get_num_threads()``), each scanning whole tensors; the results do not depend on it.
+    `wait(i)` is called before item i (or a part of it) is read: a file's reader catching up.
 
     Example:
         >>> [r[0].abs_max for r in scan_all([(torch.ones(3), None), (torch.full((2,), -4.0), None)])]
@@ -340,7 +342,9 @@ def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: 
 
     local = threading.local()
 
-    def one(item: tuple[torch.Tensor, torch.Tensor | None]) -> Result:
+    def one(item: tuple[torch.Tensor, torch.Tensor | None], i: int) -> Result:
+        if wait is not None:
+            wait(i)
         scanner = getattr(local, "scanner", None)
         if scanner is None:
             scanner = local.scanner = Scanner(device)
@@ -351,19 +355,19 @@ def scan_all(items: Sequence[tuple[torch.Tensor, torch.Tensor | None]], device: 
         return scanner.pair(a, b, cb) or (scanner.tensor(a, cb), scanner.tensor(b, cb), None)
 
     if threads <= 1:
-        return [one(item) for item in items]
+        return [one(item, i) for i, item in enumerate(items)]
     # a large lone tensor is cut into `threads` parts of its flat view, so one embedding does not leave
     # the other threads idle; its parts' statistics are merged back (exact: counts add, extremes compare)
     work, owner = [], []
     for i, (a, b) in enumerate(items):
         parts = _parts(a, threads) if b is None else [a]
-        work += [(p, b) for p in parts]
+        work += [(p, b, i) for p in parts]
         owner += [i] * len(parts)
     # NB: one task per batch of small tensors, not per tensor: 100k empty tensors made 100k futures
     # (~2 KiB each, and a lock round trip), so memory and time grew with the count, not the bytes
     batches = _batches(work, threads)
     with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="amp-autopsy-scan") as pool:
-        done = [r for batch in pool.map(lambda batch: [one(item) for item in batch], batches) for r in batch]
+        done = [r for batch in pool.map(lambda batch: [one((a, b), i) for a, b, i in batch], batches) for r in batch]
     out: list[list[Result]] = [[] for _ in items]
     for i, r in zip(owner, done):
         out[i].append(r)
@@ -375,7 +379,7 @@ def _batches(work: list, threads: int, most: int = 512) -> list[list]:
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None or t.numel() == 0 else distinct(t).numel() * t.element_size()
 
-    sizes = [nbytes(a) + nbytes(b) for a, b in work]
+    sizes = [nbytes(item[0]) + nbytes(item[1]) for item in work]
     target = max(1, sum(sizes) // (4 * threads))
     out, cur, held = [], [], 0
     for item, size in zip(work, sizes):

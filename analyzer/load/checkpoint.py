@@ -28,7 +28,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import MAX_NESTING
-from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
+from .torchfile import ZIP_ERRORS, storage_end, torch_load_deferred, torch_load_safe, torch_load_streamed
 from .versions import check_format_version
 from .safetensors import load_safetensors, looks_like_safetensors
 
@@ -86,6 +86,13 @@ class Checkpoint:
     # waits for the CRC-32 check of a file loaded with defer_crc=True (raises if a record is damaged);
     # a no-op otherwise. NB: call it before reporting anything read from the tensors.
     verify: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+    # stream=True, a file not in the page cache: the thread reading it front to back (``Stream``);
+    # ``wait(t)`` returns once tensor t's bytes are read. NB: verify() may then raise LayoutMismatch.
+    stream: Any = field(default=None, repr=False, compare=False)
+
+    def wait(self, t: torch.Tensor) -> None:
+        if self.stream is not None:
+            self.stream.wait(storage_end(self.stream, t))
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -324,9 +331,11 @@ def _refuse_archives(path: Path) -> None:
                         fix="torch.save(model.state_dict()) from the original model and inspect that")
 
 
-def _read(path: Path, defer_crc: bool = False) -> tuple[Any, str, Callable[[], None] | None]:
-    """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors; and
-    the deferred CRC-32 check's ``verify`` (`defer_crc`, zip-format torch files only) or None."""
+def _read(path: Path, defer_crc: bool = False, stream: bool = False,
+          after: Any = None) -> tuple[Any, str, Callable[[], None] | None, Any]:
+    """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors; the
+    deferred CRC-32 check's ``verify`` (`defer_crc`, zip-format torch files only) or None; and the
+    ``Stream`` reading the file (`stream`, a large zip-format file not in the page cache) or None."""
     if not path.is_file():
         raise BadInputError("no such file" if not path.exists() else "is not a regular file", path=path,
                             fix="check the path")
@@ -334,20 +343,23 @@ def _read(path: Path, defer_crc: bool = False) -> tuple[Any, str, Callable[[], N
         magic = f.read(4)
     if magic == b"PK\x03\x04":
         _refuse_archives(path)
+        if stream and (streamed := torch_load_streamed(path, after)) is not None:
+            obj, verify, reader = streamed
+            return obj, "torch", verify, reader
         if defer_crc:
             obj, verify = torch_load_deferred(path, mmap=True)
-            return obj, "torch", verify
-        return torch_load_safe(path, mmap=True), "torch", None
+            return obj, "torch", verify, None
+        return torch_load_safe(path, mmap=True), "torch", None, None
     if path.suffix == ".safetensors" or looks_like_safetensors(path):
         tensors, meta = load_safetensors(path)
-        return (tensors, meta), "safetensors", None
+        return (tensors, meta), "safetensors", None, None
     if magic[:1] != b"\x80":  # a legacy torch file is a pickle stream, which starts with PROTO
         raise BadInputError(f"not a torch or safetensors file (starts with {magic!r})", path=path, fix=_FIX)
     # NB: mmap needs the zip format (torch >= 1.6 default); older files load into memory.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol ..." on garbage
-            return torch_load_safe(path, mmap=False), "torch-legacy", None
+            return torch_load_safe(path, mmap=False), "torch-legacy", None, None
     except (KeyError, IndexError, TypeError, struct.error, UnicodeDecodeError) as e:
         # the weights-only unpickler raises these on garbage that torch_load_safe does not expect
         raise BadInputError(f"corrupt legacy torch file ({type(e).__name__}: {e})", path=path, fix=_FIX) from e
@@ -357,11 +369,16 @@ def _check_snapshot(obj: dict, path: Path) -> None:
     check_format_version(obj, path=path, what="snapshot")
 
 
-def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False) -> Checkpoint:
+def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, stream: bool = False,
+                         after: Any = None) -> Checkpoint:
     """Open the checkpoint file `path` and list its tensors by role (directories: ``load.checkpoints``). Raises BadInputError / VersionError with a fix.
 
     `defer_crc`: the CRC-32 check of a zip-format torch file runs in a second thread while the
     caller reads the tensors; ``ckpt.verify()`` waits for it and raises if a record is damaged.
+    `stream` (with `defer_crc`): a large zip-format file not in the page cache is read front to back
+    by one thread (``torchfile.torch_load_streamed``), which `after` (another file's ``ckpt.stream``)
+    lets finish first; read each tensor after ``ckpt.wait(tensor)``, and reload the file unstreamed
+    if ``verify()`` raises ``LayoutMismatch``.
 
     Example:
         >>> ckpt = load_checkpoint_file("ckpt.pt")  # doctest: +SKIP
@@ -369,9 +386,11 @@ def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False) ->
         [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
     """
     path = Path(path)
-    obj, fmt, verify = _read(path, defer_crc)
+    obj, fmt, verify, reader = _read(path, defer_crc, stream, after)
     try:
-        return _checkpoint(path, obj, fmt, verify)
+        ckpt = _checkpoint(path, obj, fmt, verify)
+        ckpt.stream = reader
+        return ckpt
     except BaseException:
         if verify is not None:
             verify()  # a damaged record explains whatever reading the object met: its error first

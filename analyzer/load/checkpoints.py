@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import BadInputError
 from .checkpoint import Checkpoint, load_checkpoint_file
@@ -11,11 +12,13 @@ from .hf_checkpoint import is_hf_checkpoint_dir, load_hf_checkpoint
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False, stream: bool = False,
+                    after: Any = None) -> Checkpoint:
     """Open `path` and list its tensors by role. Raises BadInputError / VersionError with a fix.
 
     `defer_crc`: a checkpoint file's CRC-32 check runs beside the caller's reads; call
-    ``ckpt.verify()`` before reporting anything (``load_checkpoint_file``). Directories load checked.
+    ``ckpt.verify()`` before reporting anything (``load_checkpoint_file``, also for `stream` and
+    `after`). Directories load checked.
 
     Example:
         >>> ckpt = load_checkpoint("ckpt.pt")  # doctest: +SKIP
@@ -28,4 +31,4 @@ def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False) -> Chec
             return load_hf_checkpoint(path)
         raise BadInputError("is a directory without model.safetensors, pytorch_model.bin or optimizer.pt",
                             path=path, fix="pass an HF checkpoint-N/ directory or one checkpoint file")
-    return load_checkpoint_file(path, defer_crc=defer_crc)
+    return load_checkpoint_file(path, defer_crc=defer_crc, stream=stream, after=after)

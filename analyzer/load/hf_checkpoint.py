@@ -76,7 +76,7 @@ def _weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]
     metadata: dict[str, str] = {}
     fmt = "safetensors"
     for f in files:
-        obj, fmt, _ = _read(f)  # read checked: no deferred CRC here
+        obj, fmt, _, _ = _read(f)  # read checked: no deferred CRC, no stream here
         if fmt == "safetensors":
             part, meta = obj
             metadata.update(meta)
