@@ -24,8 +24,10 @@ back, map in few page faults, while pages first read through mmap faults cost th
 again in faults; ``--reread mmap|read`` evicts the file and reads it back that way first.
 ``--cold`` evicts this one file's pages (``posix_fadvise(DONTNEED)`` after ``fsync``, nothing else)
 before every run of every variant, so both read from disk, as they do for a checkpoint written hours
-ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed, and inspect with its check
-forced beside the scan (the page-cache path) instead of first, the other order a cold file could take.
+ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed, and inspect taking the
+two other orders a cold file could take instead of streaming it (``load/_stream.py``: one reader,
+the scan following it): the check first and then the scan, or the check forced beside the scan (the
+page-cache path).
 """
 from __future__ import annotations
 
@@ -99,6 +101,16 @@ def inspect_check_beside(paths: list[Path], threads: int) -> None:
         inspect(paths, threads)
     finally:
         torchfile._in_page_cache = probe
+
+
+def inspect_check_first(paths: list[Path], threads: int) -> None:
+    """--cold: inspect with the CRC-32 check first, then the scan, instead of streaming the file."""
+    least = torchfile.STREAM_MIN_BYTES
+    torchfile.STREAM_MIN_BYTES = 1 << 62
+    try:
+        inspect(paths, threads)
+    finally:
+        torchfile.STREAM_MIN_BYTES = least
 
 
 def inspect_cuda(paths: list[Path], threads: int) -> None:
@@ -183,6 +195,7 @@ def main() -> None:
         variants["CRC-32 check (inside inspect)", 1] = crc_check
         if args.cold:
             variants["read() of the file", 1] = read_file
+            variants["inspect, check first, then scan", 1] = inspect_check_first
             variants["inspect, check beside the scan", 1] = inspect_check_beside
         times: dict[tuple[str, int], list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
@@ -203,7 +216,7 @@ def main() -> None:
             disk = times["read() of the file", 1]
             print("vs a read() of the file, 1 thread (medians of per-round ratios): " + ", ".join(
                 f"{name} {statistics.median(t / d for t, d in zip(times[name, 1], disk)):.2f}x"
-                for name in ("analyzer inspect (cpu)", "inspect, check beside the scan",
+                for name in ("analyzer inspect (cpu)", "inspect, check first, then scan", "inspect, check beside the scan",
                              "scan alone: load(mmap) + scan", floor_name)))
     finally:
         shutil.rmtree(tmp)
