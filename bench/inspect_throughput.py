@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from analyzer.inspect import _scan, inspect_checkpoints
-from analyzer.load import torchfile
+from analyzer.load import _stream, torchfile
 from analyzer.load.torchfile import check_crcs
 
 TENSOR_ELEMS = 8 << 20  # 32 MiB of float32 per tensor
@@ -105,12 +105,12 @@ def inspect_check_beside(paths: list[Path], threads: int) -> None:
 
 def inspect_check_first(paths: list[Path], threads: int) -> None:
     """--cold: inspect with the CRC-32 check first, then the scan, instead of streaming the file."""
-    least = torchfile.STREAM_MIN_BYTES
-    torchfile.STREAM_MIN_BYTES = 1 << 62
+    least = _stream.STREAM_MIN_BYTES
+    _stream.STREAM_MIN_BYTES = 1 << 62
     try:
         inspect(paths, threads)
     finally:
-        torchfile.STREAM_MIN_BYTES = least
+        _stream.STREAM_MIN_BYTES = least
 
 
 def inspect_cuda(paths: list[Path], threads: int) -> None:
@@ -216,12 +216,12 @@ def main() -> None:
             disk = times["read() of the file", 1]
             # NB: a virtual disk can switch between two speeds for seconds at a time (3x apart, seen
             # here), which moves a median of ratios; the fastest run of each is the other view
-            print("vs a read() of the file, 1 thread (medians of per-round ratios; fastest run against fastest read): "
-                  + ", ".join(
+            print("vs a read() of the file, 1 thread (medians of per-round ratios; "
+                  "fastest run against fastest read): " + ", ".join(
                 f"{name} {statistics.median(t / d for t, d in zip(times[name, 1], disk)):.2f}x"
                 f" ({min(times[name, 1]) / min(disk):.2f}x)"
-                for name in ("analyzer inspect (cpu)", "inspect, check first, then scan", "inspect, check beside the scan",
-                             "scan alone: load(mmap) + scan", floor_name)))
+                for name in ("analyzer inspect (cpu)", "inspect, check first, then scan",
+                             "inspect, check beside the scan", "scan alone: load(mmap) + scan", floor_name)))
     finally:
         shutil.rmtree(tmp)
 

@@ -15,7 +15,7 @@ from ..errors import BadInputError
 from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry
 from ..load.checkpoints import load_checkpoint
-from ..load.torchfile import LayoutMismatch
+from ..load._stream import LayoutMismatch
 from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats

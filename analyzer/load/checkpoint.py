@@ -28,7 +28,8 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import MAX_NESTING
-from .torchfile import ZIP_ERRORS, storage_end, torch_load_deferred, torch_load_safe, torch_load_streamed
+from ._stream import storage_end, torch_load_streamed
+from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
 from .versions import check_format_version
 from .safetensors import load_safetensors, looks_like_safetensors
 
@@ -376,7 +377,7 @@ def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, st
     `defer_crc`: the CRC-32 check of a zip-format torch file runs in a second thread while the
     caller reads the tensors; ``ckpt.verify()`` waits for it and raises if a record is damaged.
     `stream` (with `defer_crc`): a large zip-format file not in the page cache is read front to back
-    by one thread (``torchfile.torch_load_streamed``), which `after` (another file's ``ckpt.stream``)
+    by one thread (``_stream.torch_load_streamed``), which `after` (another file's ``ckpt.stream``)
     lets finish first; read each tensor after ``ckpt.wait(tensor)``, and reload the file unstreamed
     if ``verify()`` raises ``LayoutMismatch``.
 

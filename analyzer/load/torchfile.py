@@ -25,11 +25,9 @@ import numpy as np
 import torch
 
 from ..errors import BadInputError
-from ._stream import Stream, record_start
 from ._limits import ARCHIVE_RATIO_ENV, archive_budget, check_nesting, max_archive_ratio
 
-__all__ = ["torch_load_safe", "torch_load_deferred", "torch_load_streamed", "check_crcs", "is_zip", "ZIP_ERRORS",
-           "LayoutMismatch"]
+__all__ = ["torch_load_safe", "torch_load_deferred", "check_crcs", "is_zip", "record_start", "ZIP_ERRORS"]
 
 # what zipfile raises on a damaged or foreign archive (ValueError: bad names), opening it or its index
 ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError)
@@ -89,138 +87,6 @@ def _load(path, mmap: bool, max_ratio: float | None, defer: bool) -> tuple[Any, 
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return obj, verify
-
-
-STREAM_MIN_BYTES = 64 << 20  # smaller files gain little from following the read: loaded as before
-
-
-class LayoutMismatch(Exception):
-    """``torch_load_streamed``'s object did not map the bytes torch.load maps: load it again unstreamed."""
-
-
-def torch_load_streamed(path: str | os.PathLike, after: Any = None) -> tuple[Any, Callable[[], None], Any] | None:
-    """``torch_load_deferred(path, mmap=True)`` for a zip-format file of at least ``STREAM_MIN_BYTES``
-    that is not in the page cache: (the object, ``verify``, the ``Stream`` reading the file), or None
-    for any other file (load it with ``torch_load_deferred``).
-
-    One thread reads the file front to back at the disk's speed and checks every stored record's
-    CRC-32 as it passes; call ``stream.wait(end)`` before reading a tensor whose storage ends at byte
-    `end` of the file (``storage_end``), so the reads follow it instead of racing it. The object is
-    loaded with each record's offset computed from torch.save's layout
-    (``calculate_storage_offsets``), since reading every record's local header first would scatter
-    reads ahead of the reader. ``verify()`` waits for the read, raises for a damaged record as
-    ``check_crcs`` does, then loads the file again the usual way (from the page cache now) and
-    raises ``LayoutMismatch`` if any tensor maps other bytes: then everything read from the object
-    must be thrown away and the file loaded with ``torch_load_deferred``. `after`: a Stream to let
-    finish before this one starts reading (two files on one disk).
-    """
-    path = Path(path)
-    try:
-        st = path.stat()
-        if not path.is_file() or st.st_size < STREAM_MIN_BYTES or not is_zip(path) or _in_page_cache(path):
-            return None
-        _check_archive(path, max_archive_ratio())
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-    except (*ZIP_ERRORS, BadInputError):
-        return None  # torch_load_deferred says what is wrong with it
-    stream = Stream(path, infos, _crc32, after)
-
-    def outcome() -> tuple[BadInputError | None, int]:
-        damaged, later = stream.result()
-        if damaged is not None:
-            return _damaged(path, damaged), 0
-        return _crc_verdict(path, names={i.filename for i in later}) if later else (None, 0)
-
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                with _offsets_from_layout():
-                    obj = _torch_load(path, True)
-            except BadInputError:  # not torch.save's layout (its records moved): each from its header
-                obj = _torch_load(path, True)
-        check_nesting(obj, path=path, what="the file's content")
-    except BaseException:
-        _act_on(path, *outcome(), stacklevel=3)  # a damaged record is the cause: its error first
-        raise
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    stream.base = _base(path, infos, obj)
-
-    def verify() -> None:
-        _act_on(path, *outcome(), stacklevel=3)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already shown for the first load
-            again = _torch_load(path, True)
-        if not _same_bytes(obj, again):
-            raise LayoutMismatch(str(path))
-
-    return obj, verify, stream
-
-
-def storage_end(stream: Any, t: torch.Tensor) -> int:
-    """The file offset where the bytes of `t`'s storage end, in ``torch_load_streamed``'s object
-    (a tensor not mapped from that file gives 0 or a number past its end: waiting on it is safe)."""
-    s = t.untyped_storage()
-    return s.data_ptr() - stream.base + s.nbytes() if stream.base is not None else 0
-
-
-@contextlib.contextmanager
-def _offsets_from_layout():
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    if config is None or not hasattr(getattr(config, "load", None), "calculate_storage_offsets"):
-        yield  # an older torch: every record's header is read (slower, the same object)
-        return
-    with config.patch("load.calculate_storage_offsets", True):
-        yield
-
-
-def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor of a loaded object tree, depth first in its own order (bounded by check_nesting)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-    return out
-
-
-def _base(path: Path, infos: list[zipfile.ZipInfo], obj: Any) -> int | None:
-    """The address of the file's byte 0 in the object's mapping: the first storage torch.load lays
-    out is record data/0, whose offset it (and so this) reads from its local header."""
-    ptrs = [t.untyped_storage().data_ptr() for t in _tensors(obj, []) if t.device.type == "cpu"]
-    first = next((i for i in infos if i.filename.endswith("/data/0") or i.filename == "data/0"), None)
-    if not ptrs or first is None:
-        return None
-    with open(path, "rb") as f:
-        start = record_start(first, os.fstat(f.fileno()).st_size, lambda at, n: os.pread(f.fileno(), n, at))
-    return None if start is None else min(ptrs) - start
-
-
-def _same_bytes(a: Any, b: Any) -> bool:
-    """Whether two loads of one file map every tensor to the same bytes of it: the same tensors in
-    the same order, each at one fixed distance between the two mappings (data/0, the first record,
-    is found from its header in both loads, so one fixed distance means every offset agrees)."""
-    ta, tb = _tensors(a, []), _tensors(b, [])
-    if len(ta) != len(tb):
-        return False
-    shift = None
-    for x, y in zip(ta, tb):
-        if (x.dtype, x.shape, x.stride(), x.storage_offset()) != (y.dtype, y.shape, y.stride(), y.storage_offset()):
-            return False
-        sx, sy = x.untyped_storage(), y.untyped_storage()
-        if sx.nbytes() != sy.nbytes():
-            return False
-        d = sy.data_ptr() - sx.data_ptr()
-        if shift is None:
-            shift = d
-        elif d != shift:
-            return False
-    return True
 
 
 def _checked_now(path: Path) -> Callable[[], None]:
@@ -385,6 +251,30 @@ def _mapped(f):
     finally:
         view.release()  # NB: before close: an exported buffer keeps the map open (BufferError)
         m.close()
+
+
+LOCAL_HEADER = struct.Struct("<4s2xH18xHH")  # a zip local file header: signature, flags, name and extra lengths
+_UNREADABLE = 0x1 | 0x20 | 0x40  # encrypted, patched, strongly encrypted: zipfile refuses to read these
+
+
+def record_start(info: zipfile.ZipInfo, size: int, read: Callable[[int, int], bytes]) -> int | None:
+    """Where a stored record's bytes start in a file of `size` bytes, from its local header
+    (``read(offset, n) -> bytes``), checked as ``zipfile.ZipFile.open`` checks it before reading;
+    None for a compressed record or one whose header or extent does not fit (zipfile then reads it,
+    and reports it, so both ways give the same verdict)."""
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size \
+            or info.flag_bits & _UNREADABLE or info.header_offset < 0:
+        return None
+    head = read(info.header_offset, LOCAL_HEADER.size)
+    if len(head) < LOCAL_HEADER.size:
+        return None
+    magic, flags, name_len, extra_len = LOCAL_HEADER.unpack(head)
+    name_at = info.header_offset + LOCAL_HEADER.size
+    begin = name_at + name_len + extra_len
+    if magic != zipfile.stringFileHeader or begin + info.file_size > size:
+        return None
+    name = bytes(read(name_at, name_len)).decode("utf-8" if flags & 0x800 else "cp437", "replace")
+    return begin if name == info.orig_filename else None
 
 
 def _stored_crc(data: memoryview, info: zipfile.ZipInfo) -> int | None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from analyzer.errors import BadInputError
 from analyzer.inspect import _diagnose, inspect_checkpoints
 from analyzer.load import _stream, torchfile
+from analyzer.load.checkpoints import load_checkpoint
 
 from .test_torchfile import _evict, _records, flipped
 
@@ -53,7 +54,7 @@ def _summary(result) -> list:
 @pytest.fixture
 def small_streams(monkeypatch):
     """Stream files of any size, in blocks of 4 KiB (many boundaries inside records and headers)."""
-    monkeypatch.setattr(torchfile, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(_stream, "STREAM_MIN_BYTES", 0)
     monkeypatch.setattr(_stream, "BLOCK", 4096)
 
 
@@ -66,11 +67,23 @@ def _cold(path: Path) -> Path:
 def test_a_streamed_inspect_of_a_cold_file_matches_the_inspect_of_a_cached_one(tmp_path, small_streams):
     path = _save(tmp_path / "ckpt.pt")
     cached = inspect_checkpoints(path)
-    streamed = torchfile.torch_load_streamed(_cold(path))
+    streamed = _stream.torch_load_streamed(_cold(path))
     assert streamed is not None  # cold, a zip: streamed
     streamed[1]()  # the read ends, the CRCs and the layout agree
     assert inspect_checkpoints(_cold(path)).files[0].tensors
     assert _summary(inspect_checkpoints(_cold(path))) == _summary(cached)
+
+
+def test_each_tensor_waits_for_the_end_of_its_own_record(tmp_path, small_streams):
+    path = _save(tmp_path / "ckpt.pt")
+    ends = {end for name, (_, end) in _records(path).items() if name.startswith("data/")}
+    ckpt = load_checkpoint(_cold(path), defer_crc=True, stream=True)
+    assert ckpt.stream is not None
+    for e in ckpt.entries:
+        assert _stream.storage_end(ckpt.stream, e.tensor) in ends, e.name
+        ckpt.wait(e.tensor)
+        assert ckpt.stream._read >= _stream.storage_end(ckpt.stream, e.tensor)
+    ckpt.verify()
 
 
 def test_a_streamed_pair_matches_the_cached_pair(tmp_path, small_streams):
@@ -82,13 +95,13 @@ def test_a_streamed_pair_matches_the_cached_pair(tmp_path, small_streams):
 
 def test_files_in_the_page_cache_small_or_not_zip_are_not_streamed(tmp_path, monkeypatch):
     path = _save(tmp_path / "ckpt.pt")
-    monkeypatch.setattr(torchfile, "STREAM_MIN_BYTES", 0)
-    assert torchfile.torch_load_streamed(path) is None  # just written: in the page cache
-    monkeypatch.setattr(torchfile, "STREAM_MIN_BYTES", path.stat().st_size + 1)
-    assert torchfile.torch_load_streamed(_cold(path)) is None  # under the size worth streaming
+    monkeypatch.setattr(_stream, "STREAM_MIN_BYTES", 0)
+    assert _stream.torch_load_streamed(path) is None  # just written: in the page cache
+    monkeypatch.setattr(_stream, "STREAM_MIN_BYTES", path.stat().st_size + 1)
+    assert _stream.torch_load_streamed(_cold(path)) is None  # under the size worth streaming
     (tmp_path / "x.pt").write_bytes(b"not a zip" * 100)
-    monkeypatch.setattr(torchfile, "STREAM_MIN_BYTES", 0)
-    assert torchfile.torch_load_streamed(_cold(tmp_path / "x.pt")) is None
+    monkeypatch.setattr(_stream, "STREAM_MIN_BYTES", 0)
+    assert _stream.torch_load_streamed(_cold(tmp_path / "x.pt")) is None
 
 
 def test_a_damaged_tensor_record_is_named_when_streamed(tmp_path, small_streams):
@@ -113,10 +126,10 @@ def test_a_load_from_the_wrong_bytes_is_caught_by_the_second_load(tmp_path, smal
     # unpadded records: torch.save's layout puts the last tensor at the wrong offset, and torch.load
     # with calculate_storage_offsets reads it from there in silence
     other = _rezipped(_save(tmp_path / "ckpt.pt"), tmp_path / "other.pt")
-    obj, verify, _ = torchfile.torch_load_streamed(_cold(other))
+    obj, verify, _ = _stream.torch_load_streamed(_cold(other))
     assert not torch.equal(obj["optimizer"]["state"][2]["exp_avg_sq"],
                            torch.load(other, weights_only=True)["optimizer"]["state"][2]["exp_avg_sq"])
-    with pytest.raises(torchfile.LayoutMismatch):
+    with pytest.raises(_stream.LayoutMismatch):
         verify()
 
 
