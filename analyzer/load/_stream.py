@@ -1,16 +1,18 @@
 """A torch zip file not in the page cache, read once front to back, with its reader's progress.
 
-From disk, the fastest way to bring a file in is one reader going front to back: pages faulted in
-through a mapping, or a second reader, come slower, and even a few scattered reads ahead of the
+From disk, the fastest way to bring a file in is one reader going front to back: a second reader
+at once, or reads in another order, come slower, and even a few scattered reads ahead of the
 reader (torch.load reading every record's local header) break the kernel's read-ahead. So
 ``torch_load_streamed`` loads the object without reading those headers and starts a ``Stream``:
-one thread reading the file in ``BLOCK``-byte ``readinto`` calls, which checks each stored
-record's CRC-32 on the bytes as they pass (no second read) and says how far it has got.
-``wait(end)`` returns once byte `end` is in the page cache, where the object's mapping finds it.
+one thread reading the file in order through a read-only map marked sequential, which checks
+each stored record's CRC-32 on the pages as they come in (no second read) and says how far it
+has got every ``BLOCK`` bytes. ``wait(end)`` returns once the records up to byte `end` are in the
+page cache, where the object's own mapping finds them.
 """
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import warnings
@@ -28,7 +30,7 @@ from .torchfile import (ZIP_ERRORS, _act_on, _check_archive, _crc32, _crc_verdic
 
 __all__ = ["torch_load_streamed", "storage_end", "Stream", "LayoutMismatch", "BLOCK", "STREAM_MIN_BYTES"]
 
-BLOCK = 8 << 20  # bytes per read
+BLOCK = 8 << 20  # bytes read between two reports of progress
 STREAM_MIN_BYTES = 64 << 20  # smaller files gain little from following the read: loaded as before
 
 
@@ -36,7 +38,7 @@ class Stream:
     """Read `path` front to back in a daemon thread (after `after` has finished, if given: one
     reader per disk at a time), checking the CRC-32 of every stored record of `infos` on the way.
 
-    ``wait(end)`` blocks until the first `end` bytes are read (or the read stopped);
+    ``wait(end)`` blocks until the records in the first `end` bytes are read (or the read stopped);
     ``result()`` waits for the end and gives (the first record whose bytes do not match their
     CRC-32, or None; the records it could not check in passing, for the caller to check).
     """
@@ -82,45 +84,55 @@ class Stream:
                 self._cond.notify_all()
 
     def _stream(self) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
+        # NB: read through a read-only map of the file marked sequential (the kernel reads ahead of
+        # the faults), not readinto: no copy into a buffer, so the CRC reads each page where it lies,
+        # and the scan following the read competes for less memory bandwidth (measured: 1.02-1.07x
+        # a read() where readinto took 1.14-1.17x)
+        with open(self.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):
+                m.madvise(mmap.MADV_SEQUENTIAL)
+            data = memoryview(m)
+            try:
+                return self._check(data)
+            finally:
+                data.release()
+        finally:
+            with contextlib.suppress(BufferError):  # a slice held by a traceback: closed when collected
+                m.close()
+
+    def _check(self, data: memoryview) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
         damaged, later = None, []
         todo = iter(self._infos)
         nxt = next(todo, None)
         cur = None  # [info, data start, data end, crc so far] of the record being read
-        buf = bytearray(BLOCK)
-        view = memoryview(buf)
-        pos = 0
-        with open(self.path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        size = len(data)
+        for pos in range(0, size, BLOCK):
+            hi = min(size, pos + BLOCK)
             while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                hi = pos + n
-                while True:
-                    if cur is None:
-                        if nxt is None or nxt.header_offset >= hi:
-                            break
-                        # NB: its header is in this block or the next
-                        start = record_start(nxt, size, lambda at, k: os.pread(f.fileno(), k, at))
-                        if start is None or start < pos:  # odd, compressed, or overlapping: checked after
-                            later.append(nxt)
-                        else:
-                            cur = [nxt, start, start + nxt.file_size, 0]
-                        nxt = next(todo, None)
-                        continue
-                    info, s, e, crc = cur
-                    a, b = max(s, pos), min(e, hi)
-                    if a < b:
-                        cur[3] = crc = self._crc32(view[a - pos:b - pos], crc)
-                    if e > hi:
+                if cur is None:
+                    if nxt is None or nxt.header_offset >= hi:
                         break
-                    if crc & 0xFFFFFFFF != info.CRC and damaged is None:
-                        damaged = info
-                    cur = None
-                pos = hi
-                with self._cond:
-                    self._read = pos
-                    self._cond.notify_all()
+                    start = record_start(nxt, size, lambda at, k: data[at:at + k])  # NB: this block or the next
+                    if start is None or start < pos:  # odd, compressed, or overlapping: checked after
+                        later.append(nxt)
+                    else:
+                        cur = [nxt, start, start + nxt.file_size, 0]
+                    nxt = next(todo, None)
+                    continue
+                info, s, e, crc = cur
+                a, b = max(s, pos), min(e, hi)
+                if a < b:
+                    cur[3] = crc = self._crc32(data[a:b], crc)
+                if e > hi:
+                    break
+                if crc & 0xFFFFFFFF != info.CRC and damaged is None:
+                    damaged = info
+                cur = None
+            with self._cond:
+                self._read = hi
+                self._cond.notify_all()
         if cur is not None:  # the file ended inside it (it changed since its directory was read)
             later.append(cur[0])
         later += [nxt, *todo] if nxt is not None else []
