@@ -81,8 +81,12 @@ def floor(paths: list[Path], threads: int) -> None:
 
 
 def scan_alone(paths: list[Path], threads: int) -> None:
-    """The scan without inspect's loader (no CRC-32 check, no archive bounds) and without the diagnosis."""
+    """The scan without inspect's loader (no CRC-32 check, no archive bounds) and without the diagnosis;
+    with --pair, A's tensors against B's, as ``inspect A B`` scans them."""
     torch.set_num_threads(threads)
+    if len(paths) == 2:
+        _scan.scan_all(list(zip(tensors(paths[0]), tensors(paths[1]))))
+        return
     for path in paths:
         _scan.scan_all([(t, None) for t in tensors(path)])
 

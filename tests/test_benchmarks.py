@@ -60,3 +60,8 @@ def test_the_inspect_bench_cold_run_compares_the_streamed_inspect_and_both_check
     line = next((ln for ln in out.splitlines() if ln.startswith("vs a read() of the file")), "")
     for name in ("analyzer inspect (cpu) ", "inspect, check first, then scan ", "inspect, check beside the scan "):
         assert name in line, out[-3000:]
+
+
+def test_the_inspect_bench_pair_run_times_the_pair_scan_alone_beside_inspect(tmp_path):
+    out = _quick("inspect_throughput.py", tmp_path, "--pair")
+    assert "in 2 file(s)" in out and "scan alone: load(mmap) + scan" in out, out[-3000:]

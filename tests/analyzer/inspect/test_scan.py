@@ -264,6 +264,36 @@ def test_the_relative_change_is_the_float64_l2_ratio(dtype_b):
     assert c.rel_change == pytest.approx(want, rel=1e-12) and c.changed == int((a64 != b64).sum())
 
 
+_PAIR_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float64]
+
+
+@settings(max_examples=150, deadline=None)
+@given(da=st.sampled_from(_PAIR_DTYPES), db=st.sampled_from(_PAIR_DTYPES), data=st.data())
+def test_a_pair_counts_changes_and_sums_like_float64_compares_at_every_bit_pattern_and_step(da, db, data):
+    # any bit patterns: subnormals (whose differences square to exactly _ONE), +-0, NaN and inf, equal runs
+    # floats() draws +-0, subnormals, NaN, inf and huge values; B keeps each value, moves it to the next
+    # float up (at 0 in float32: 2**-149, whose difference squares to exactly _ONE), or takes another
+    n = data.draw(st.integers(1, 700))
+    junk = data.draw(st.booleans())  # NaN and inf, or none (then every step counts by clamped squares)
+    top = None if junk else min(torch.finfo(da).max, torch.finfo(db).max)  # nothing rounds up to inf
+    floats = st.floats(min_value=top and -top, max_value=top, allow_nan=junk, allow_infinity=junk)
+    a = torch.tensor(data.draw(st.lists(floats, min_size=n, max_size=n)), dtype=torch.float64).to(da)
+    how = torch.tensor(data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=n, max_size=n)))
+    other = torch.tensor(data.draw(st.lists(floats, min_size=n, max_size=n)), dtype=torch.float64)
+    up = torch.nextafter(a.double(), torch.tensor(math.inf)) if da == torch.float64 else \
+        torch.nextafter(a.float(), torch.tensor(math.inf)).to(da).double()
+    b = torch.where(how == 0, a.double(), torch.where(how == 1, up, other)).to(db)
+    chunk = data.draw(st.sampled_from([64, 100, 1 << 18]))  # whole rows, a ragged row, one chunk
+    _, _, c = scan_pair(a, b, chunk)
+    a64, b64 = a.double(), b.double()
+    assert c.changed == int((a64 != b64).sum())
+    aa, dd = a64.square().sum().item(), (b64 - a64).square().sum().item()
+    if torch.isfinite(a64).all() and torch.isfinite(b64).all() and aa > 0 and math.isfinite(aa + dd):
+        assert c.rel_change == pytest.approx(math.sqrt(dd) / math.sqrt(aa), rel=1e-12)
+    else:
+        assert c.rel_change is None
+
+
 def test_the_relative_change_of_huge_values_whose_float32_squares_overflow_is_finite():
     a = torch.randn(10_000) * 1e30  # squares near 1e60: inf in float32, fine in float64
     assert scan_pair(a, a * 1.5, 1000)[2].rel_change == pytest.approx(0.5, rel=1e-6)
