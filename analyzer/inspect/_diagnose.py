@@ -329,10 +329,10 @@ def _inspect(path_a, path_b, progress: bool, device: str, stream: bool) -> Inspe
     # NB: each file's CRC-32 check runs in a second thread during the scan, and is waited for before
     # any finding is made: a damaged file is refused exactly as before, about the scan's time sooner.
     # A large file not in the page cache is read once, front to back, and the scan follows the read
-    # (each tensor after its bytes are in); a pair's second file is read after the first.
+    # (each tensor after its bytes are in); a pair's two files are read in turns, a block each.
     cka = load_checkpoint(path_a, defer_crc=True, stream=stream)
     try:
-        ckb = (load_checkpoint(path_b, defer_crc=True, stream=stream, after=cka.stream)
+        ckb = (load_checkpoint(path_b, defer_crc=True, stream=stream, beside=cka.stream)
                if path_b is not None else None)
     except BaseException:
         cka.verify()

@@ -7,7 +7,8 @@ reader (torch.load reading every record's local header) break the kernel's read-
 one thread reading the file in order through a read-only map marked sequential, which checks
 each stored record's CRC-32 on the pages as they come in (no second read) and says how far it
 has got every ``BLOCK`` bytes. ``wait(end)`` returns once the records up to byte `end` are in the
-page cache, where the object's own mapping finds them.
+page cache, where the object's own mapping finds them. Two files inspected together are read by
+the same thread in turns, a block each, so that a pair of tensors comes in together.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 import threading
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,16 @@ STREAM_MIN_BYTES = 64 << 20  # smaller files gain little from following the read
 
 
 class Stream:
-    """Read `path` front to back in a daemon thread (after `after` has finished, if given: one
-    reader per disk at a time), checking the CRC-32 of every stored record of `infos` on the way.
+    """Read `path` front to back, checking the CRC-32 of every stored record of `infos` on the way: in
+    a daemon thread of its own, or, `beside` another Stream still reading, in that one's thread, the
+    two taking turns a block each (one reader per disk at a time, and a pair's tensors come in together).
 
     ``wait(end)`` blocks until the records in the first `end` bytes are read (or the read stopped);
     ``result()`` waits for the end and gives (the first record whose bytes do not match their
     CRC-32, or None; the records it could not check in passing, for the caller to check).
     """
 
-    def __init__(self, path: Path, infos: list[zipfile.ZipInfo], crc32, after: Stream | None = None):
+    def __init__(self, path: Path, infos: list[zipfile.ZipInfo], crc32, beside: Stream | None = None):
         self.path = path
         self.base: int | None = None  # the address of the file's byte 0 in the loaded object's mapping
         self._infos = sorted((i for i in infos if i.CRC != 0 and not i.is_dir()), key=lambda i: i.header_offset)
@@ -52,8 +54,10 @@ class Stream:
         self._finished = False
         self._cond = threading.Condition()
         self._outcome: tuple | BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(after,), name="amp-autopsy-read", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        self._turns = beside._turns if beside is not None else None
+        if self._turns is None or not self._turns.join(self):
+            self._turns = _Turns(self)
 
     def wait(self, end: int) -> None:
         if self._read >= end or self._finished:  # NB: read without the lock: both only grow
@@ -62,28 +66,25 @@ class Stream:
             while self._read < end and not self._finished:
                 self._cond.wait()
 
-    def join(self) -> None:
-        self._thread.join()
-
     def result(self) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
-        self._thread.join()
+        self._done.wait()
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
 
-    def _run(self, after: Stream | None) -> None:
+    def _blocks(self) -> Iterator[None]:
+        """Read and check one block per step; the outcome is set when the file is done."""
         try:
-            if after is not None:
-                after.join()
-            self._outcome = self._stream()
+            self._outcome = yield from self._stream()
         except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
             self._outcome = e
         finally:
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
+            self._done.set()
 
-    def _stream(self) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
+    def _stream(self) -> Iterator[None]:
         # NB: read through a read-only map of the file marked sequential (the kernel reads ahead of
         # the faults), not readinto: no copy into a buffer, so the CRC reads each page where it lies,
         # and the scan following the read competes for less memory bandwidth (measured: 1.02-1.07x
@@ -95,14 +96,14 @@ class Stream:
                 m.madvise(mmap.MADV_SEQUENTIAL)
             data = memoryview(m)
             try:
-                return self._check(data)
+                return (yield from self._check(data))
             finally:
                 data.release()
         finally:
             with contextlib.suppress(BufferError):  # a slice held by a traceback: closed when collected
                 m.close()
 
-    def _check(self, data: memoryview) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
+    def _check(self, data: memoryview) -> Iterator[None]:
         damaged, later = None, []
         todo = iter(self._infos)
         nxt = next(todo, None)
@@ -133,10 +134,43 @@ class Stream:
             with self._cond:
                 self._read = hi
                 self._cond.notify_all()
+            yield
         if cur is not None:  # the file ended inside it (it changed since its directory was read)
             later.append(cur[0])
         later += [nxt, *todo] if nxt is not None else []
         return damaged, later
+
+
+class _Turns:
+    """One reader thread for the streams of one inspect: each in turn reads a block, until all are done."""
+
+    def __init__(self, first: Stream):
+        self._lock = threading.Lock()
+        self._streams = [first._blocks()]
+        self._open = True
+        threading.Thread(target=self._run, name="amp-autopsy-read", daemon=True).start()
+
+    def join(self, stream: Stream) -> bool:
+        """Take `stream` into the turns; False when the thread has ended (start another)."""
+        with self._lock:
+            if self._open:
+                self._streams.append(stream._blocks())
+            return self._open
+
+    def _run(self) -> None:
+        i = 0
+        while True:
+            with self._lock:
+                if not self._streams:
+                    self._open = False
+                    return
+                i %= len(self._streams)
+                blocks = self._streams[i]
+            if next(blocks, StopIteration) is StopIteration:  # NB: _blocks catches every error itself
+                with self._lock:
+                    self._streams.remove(blocks)
+            else:
+                i += 1
 
 
 class LayoutMismatch(Exception):
@@ -144,7 +178,7 @@ class LayoutMismatch(Exception):
 
 
 def torch_load_streamed(path: str | os.PathLike,
-                        after: Stream | None = None) -> tuple[Any, Callable[[], None], Stream] | None:
+                        beside: Stream | None = None) -> tuple[Any, Callable[[], None], Stream] | None:
     """``torchfile.torch_load_deferred(path, mmap=True)`` for a zip-format file of at least ``STREAM_MIN_BYTES``
     that is not in the page cache: (the object, ``verify``, the ``Stream`` reading the file), or None
     for any other file (load that one with ``torch_load_deferred``).
@@ -157,8 +191,8 @@ def torch_load_streamed(path: str | os.PathLike,
     reads ahead of the reader. ``verify()`` waits for the read, raises for a damaged record as
     ``torchfile.check_crcs`` does, then loads the file again the usual way (from the page cache now) and
     raises ``LayoutMismatch`` if any tensor maps other bytes: then everything read from the object
-    must be thrown away and the file loaded with ``torch_load_deferred``. `after`: a Stream to let
-    finish before this one starts reading (two files on one disk).
+    must be thrown away and the file loaded with ``torch_load_deferred``. `beside`: another file's
+    Stream to take turns with, a block each (two files on one disk, read together).
     """
     path = Path(path)
     try:
@@ -170,7 +204,7 @@ def torch_load_streamed(path: str | os.PathLike,
             infos = zf.infolist()
     except (*ZIP_ERRORS, BadInputError):
         return None  # torch_load_deferred says what is wrong with it
-    stream = Stream(path, infos, _crc32, after)
+    stream = Stream(path, infos, _crc32, beside)
 
     def outcome() -> tuple[BadInputError | None, int]:
         try:

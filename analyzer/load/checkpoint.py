@@ -333,7 +333,7 @@ def _refuse_archives(path: Path) -> None:
 
 
 def _read(path: Path, defer_crc: bool = False, stream: bool = False,
-          after: Any = None) -> tuple[Any, str, Callable[[], None] | None, Any]:
+          beside: Any = None) -> tuple[Any, str, Callable[[], None] | None, Any]:
     """Load the object tree: mmap'd zip-format torch files, legacy torch files, or safetensors; the
     deferred CRC-32 check's ``verify`` (`defer_crc`, zip-format torch files only) or None; and the
     ``Stream`` reading the file (`stream`, a large zip-format file not in the page cache) or None."""
@@ -344,7 +344,7 @@ def _read(path: Path, defer_crc: bool = False, stream: bool = False,
         magic = f.read(4)
     if magic == b"PK\x03\x04":
         _refuse_archives(path)
-        if stream and (streamed := torch_load_streamed(path, after)) is not None:
+        if stream and (streamed := torch_load_streamed(path, beside)) is not None:
             obj, verify, reader = streamed
             return obj, "torch", verify, reader
         if defer_crc:
@@ -371,14 +371,14 @@ def _check_snapshot(obj: dict, path: Path) -> None:
 
 
 def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, stream: bool = False,
-                         after: Any = None) -> Checkpoint:
+                         beside: Any = None) -> Checkpoint:
     """Open the checkpoint file `path` and list its tensors by role (directories: ``load.checkpoints``). Raises BadInputError / VersionError with a fix.
 
     `defer_crc`: the CRC-32 check of a zip-format torch file runs in a second thread while the
     caller reads the tensors; ``ckpt.verify()`` waits for it and raises if a record is damaged.
     `stream` (with `defer_crc`): a large zip-format file not in the page cache is read front to back
-    by one thread (``_stream.torch_load_streamed``), which `after` (another file's ``ckpt.stream``)
-    lets finish first; read each tensor after ``ckpt.wait(tensor)``, and reload the file unstreamed
+    by one thread (``_stream.torch_load_streamed``), taking turns with `beside` (another file's
+    ``ckpt.stream``); read each tensor after ``ckpt.wait(tensor)``, and reload the file unstreamed
     if ``verify()`` raises ``LayoutMismatch``.
 
     Example:
@@ -387,7 +387,7 @@ def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, st
         [('model.fc.weight', 'weight'), ('model.fc.bias', 'weight')]
     """
     path = Path(path)
-    obj, fmt, verify, reader = _read(path, defer_crc, stream, after)
+    obj, fmt, verify, reader = _read(path, defer_crc, stream, beside)
     try:
         ckpt = _checkpoint(path, obj, fmt, verify)
         ckpt.stream = reader

@@ -13,12 +13,12 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False, stream: bool = False,
-                    after: Any = None) -> Checkpoint:
+                    beside: Any = None) -> Checkpoint:
     """Open `path` and list its tensors by role. Raises BadInputError / VersionError with a fix.
 
     `defer_crc`: a checkpoint file's CRC-32 check runs beside the caller's reads; call
     ``ckpt.verify()`` before reporting anything (``load_checkpoint_file``, also for `stream` and
-    `after`). Directories load checked.
+    `beside`). Directories load checked.
 
     Example:
         >>> ckpt = load_checkpoint("ckpt.pt")  # doctest: +SKIP
@@ -31,4 +31,4 @@ def load_checkpoint(path: str | os.PathLike, *, defer_crc: bool = False, stream:
             return load_hf_checkpoint(path)
         raise BadInputError("is a directory without model.safetensors, pytorch_model.bin or optimizer.pt",
                             path=path, fix="pass an HF checkpoint-N/ directory or one checkpoint file")
-    return load_checkpoint_file(path, defer_crc=defer_crc, stream=stream, after=after)
+    return load_checkpoint_file(path, defer_crc=defer_crc, stream=stream, beside=beside)

@@ -7,6 +7,8 @@ loaded again the usual way (``LayoutMismatch``), never scanned from the wrong by
 """
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -167,3 +169,35 @@ def test_the_stream_waits_until_the_bytes_are_read_and_never_hangs_after_the_end
     assert s._read == path.stat().st_size
     s.wait(10 * path.stat().st_size)  # past the end: returns once the read has stopped
     assert s.result() == (None, [])
+
+
+def test_two_streams_take_turns_a_block_each_on_one_reader_thread(tmp_path, small_streams):
+    paths = [_save(tmp_path / "a.pt"), _save(tmp_path / "b.pt", seed=1)]
+    log = []
+
+    def slow_crc(data, value):  # the first file's reads are slowed, so the second joins while it reads
+        time.sleep(0.002)
+        return torchfile._crc32(data, value)
+
+    class Logged(type(threading.Condition())):
+        def __init__(self, name, stream):
+            super().__init__()
+            self.name, self.stream = name, stream
+
+        def notify_all(self):  # called once per block read, with the new progress
+            log.append((self.name, self.stream._read, threading.get_ident()))
+            super().notify_all()
+
+    infos = [zipfile.ZipFile(p).infolist() for p in paths]
+    s_a = _stream.Stream(paths[0], infos[0], slow_crc)
+    s_a._cond = Logged("a", s_a)
+    s_b = _stream.Stream(paths[1], infos[1], torchfile._crc32, beside=s_a)
+    s_b._cond = Logged("b", s_b)
+    assert s_a.result() == (None, []) and s_b.result() == (None, [])
+    assert len({thread for *_, thread in log}) == 1  # one reader for both files
+    names = [name for name, *_ in log]
+    first_b = names.index("b")
+    a_left = [at for name, at, _ in log if name == "a"][-1] - log[first_b - 1][1]
+    assert log[first_b - 1][0] == "a" and a_left > 4 * _stream.BLOCK  # b joined while a was still reading
+    both = min(names[first_b:].count("a"), names[first_b:].count("b"))
+    assert names[first_b:first_b + 2 * both] == ["b", "a"] * both  # in turns, a block each
