@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ._change import PAIR_STEP, Change
 from ._pieces import distinct, pair_pieces, pieces, scanned_numel
 from ._stats import BITS, Bits, PairChange, TensorStats
 
@@ -33,9 +34,6 @@ __all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scan_a
 CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as many bytes): best or within
                       # noise of best on a 2 MiB-L2 Xeon and a 1 MiB-L2 Zen 4 (bench: --chunk)
 CUDA_CHUNK = 1 << 24  # per GPU chunk: large enough that each copy and kernel launch is cheap
-_SUM_COLS = 64        # float64 sums run down 64 columns, then math.fsum: the same on any SIMD width
-_PAIR_STEP = 1 << 15  # elements per float64 step of a pair on the CPU (three rows: 768 KiB, in L2)
-_ONE = 2.0 ** -298    # the least non-zero square of a difference of float32s: 2**-149 (float32's least), squared
 # NB: for these, torch.abs clears the sign bit (NaNs' too, tested on every kernel) faster than bitwise_and
 _ABS = (torch.float32, torch.float64)
 SPLIT_AT = 1 << 24    # elements: a lone tensor this large is cut into one part per thread
@@ -258,9 +256,9 @@ class Scanner:
         da = ta.dtype if ta.dtype in BITS else torch.float32
         db = tb.dtype if tb.dtype in BITS else torch.float32
         acc_a, acc_b = self._acc(da, n), self._acc(db, n)
-        # NB: the float64 work runs in steps of _PAIR_STEP on the CPU, so its three rows stay in L2
-        diff = _Diff(self, min(n, _PAIR_STEP) if self.device.type == "cpu" else n,
-                     narrow=torch.float64 not in (da, db))
+        # NB: the float64 work runs in steps of PAIR_STEP on the CPU, so its three rows stay in L2
+        diff = Change(min(n, PAIR_STEP) if self.device.type == "cpu" else n, torch.float64 not in (da, db),
+                      lambda k: self._buf("pair", torch.float64, k))
         for xa, xb in it:
             if self.device.type != "cpu":
                 xa, xb = xa.to(self.device), xb.to(self.device)
@@ -275,59 +273,6 @@ class Scanner:
         ok = sa.nonfinite == 0 and sb.nonfinite == 0 and aa_s > 0 and math.isfinite(dd_s) and math.isfinite(aa_s)
         rel = math.sqrt(dd_s) / math.sqrt(aa_s) if ok else None
         return sa, sb, PairChange(changed=changed, numel=sa.numel, rel_change=rel)
-
-
-class _Diff:
-    """Running float64 sums of a pair, in steps: sum(a**2), sum((b - a)**2), and _ONE per changed element.
-
-    NB: each row is summed down _SUM_COLS fixed columns, each in element order, into running column sums
-    (``math.fsum`` over them at the end): a plain ``sum`` would group by the SIMD width, and the last bits
-    would depend on the CPU. A difference of two finite float32 (or narrower) values is 0 exactly when
-    they are equal as floats (+0 and -0 included), and its square, when not 0, is at least _ONE, so
-    clamping the squares to _ONE counts the changes in the same pass as the sums. Where a side holds NaN
-    or inf, or is float64, the changes are counted by compares instead.
-    """
-
-    def __init__(self, scanner: Scanner, step: int, narrow: bool):
-        width = -(-step // _SUM_COLS) * _SUM_COLS
-        self.rows = scanner._buf("pair", torch.float64, 3 * width).view(3, width)
-        self.sums = torch.zeros(3, _SUM_COLS, dtype=torch.float64, device=scanner.device)
-        self.part = torch.empty_like(self.sums)
-        self.step, self.narrow, self.compared = step, narrow, 0
-        self.full = self._views(step, 3)  # the views of a whole step, made once
-
-    def _views(self, k: int, used: int) -> tuple[torch.Tensor, ...]:
-        """a, d, their squares, the clamped row, the summed view and its output, for a step of k elements."""
-        m = -(-k // _SUM_COLS) * _SUM_COLS
-        r = self.rows
-        return (r[0, :k], r[1, :k], r[:2, :k], r[2, :k], r[:used, :m].view(used, -1, _SUM_COLS),
-                self.part[:used], self.sums[:used])
-
-    def add(self, xa: torch.Tensor, xb: torch.Tensor, finite: bool) -> None:
-        """Fold in a chunk of A and the same of B, in steps."""
-        count = finite and self.narrow
-        for i in range(0, xa.numel(), self.step):
-            sa, sb = xa[i:i + self.step], xb[i:i + self.step]
-            k = sa.numel()
-            full = count and k == self.step and k % _SUM_COLS == 0
-            a, d, sq, ones, summed, part, sums = self.full if full else self._views(k, 3 if count else 2)
-            a.copy_(sa)
-            d.copy_(sb)
-            if not count:
-                self.compared += int((a != d).sum())
-            d.sub_(a)
-            sq.mul_(sq)
-            if count:
-                torch.clamp(d, max=_ONE, out=ones)
-            if summed.numel() > sq.numel():  # a ragged last row: zeros add nothing
-                self.rows[:summed.shape[0], k:summed.shape[1] * _SUM_COLS].zero_()
-            torch.sum(summed, 1, out=part)
-            sums.add_(part)
-
-    def result(self) -> tuple[float, float, int]:
-        """(sum(a**2), sum((b - a)**2), elements changed)."""
-        aa, dd, ones = (math.fsum(r) for r in self.sums.tolist())
-        return aa, dd, self.compared + round(ones / _ONE)  # exact: a sum of multiples of _ONE, < 2**53 of them
 
 
 def scan_tensor(t: torch.Tensor, chunk: int | None = None, device: str = "cpu") -> TensorStats:
