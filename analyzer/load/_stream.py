@@ -13,6 +13,7 @@ the same thread in turns, a block each, so that a pair of tensors comes in toget
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
@@ -54,7 +55,6 @@ class Stream:
         self._finished = False
         self._cond = threading.Condition()
         self._outcome: tuple | BaseException | None = None
-        self._done = threading.Event()
         self._turns = beside._turns if beside is not None else None
         if self._turns is None or not self._turns.join(self):
             self._turns = _Turns(self)
@@ -67,7 +67,7 @@ class Stream:
                 self._cond.wait()
 
     def result(self) -> tuple[zipfile.ZipInfo | None, list[zipfile.ZipInfo]]:
-        self._done.wait()
+        self.wait(math.inf)  # returns once the read has stopped
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
@@ -82,7 +82,6 @@ class Stream:
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
-            self._done.set()
 
     def _stream(self) -> Iterator[None]:
         # NB: read through a read-only map of the file marked sequential (the kernel reads ahead of
