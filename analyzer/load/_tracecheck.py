@@ -234,21 +234,51 @@ def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType], prese
                         fix=_PART_FIX) from first_error
 
 
-def check_part_ranks(streams: dict[tuple[int, int], list[tuple[int, Path]]]) -> None:
-    """Refuse steps parts whose rows name another rank than their file name (one small query: steps
-    parts hold one row per step). `streams`: ``{(rank, writer): [(index, part)]}`` from the names."""
+def check_part_ranks(streams: dict[tuple[int, int], list[tuple[int, Path]]],
+                     present: dict[Path, frozenset[str]] | None = None) -> None:
+    """Refuse a steps part whose rows name another rank than its file name (steps parts hold one
+    row per step). `streams`: ``{(rank, writer): [(index, part)]}`` from the names; `present`: each
+    part's columns (parts of older versions lack some), so that parts of one shape share a scan.
+
+    One streaming scan per shape of part, grouped by file: the cost does not grow with the number
+    of ranks (one scan per rank took 0.66 s for 1,000 ranks, where this takes 0.14 s).
+    """
     if not streams:
         return
-    keys = sorted(streams)
-    frames = [pl.scan_parquet([str(f) for _, f in sorted(streams[k])], glob=False)
-              .select(lo=pl.col("rank").min(), hi=pl.col("rank").max()) for k in keys]
-    with quiet_native_stderr():
-        found = pl.concat(frames, how="vertical").collect(engine="streaming")
-    for (rank, writer), lo, hi in zip(keys, found["lo"], found["hi"]):
-        if lo is None or (lo == rank and hi == rank):
-            continue
-        (_, first), *_ = sorted(streams[(rank, writer)])
+    owner = {str(f): (key, i, f) for key, parts in streams.items() for i, f in parts}
+    shapes: dict[frozenset[str] | None, list[str]] = {}
+    for name in owner:
+        shapes.setdefault(present.get(Path(name)) if present else None, []).append(name)
+    rank = pl.col("rank").cast(pl.Int64)
+    try:
+        with quiet_native_stderr():
+            found = pl.concat([pl.scan_parquet(names, glob=False, include_file_paths="_part").group_by("_part")
+                               .agg(lo=rank.min(), hi=rank.max()) for names in shapes.values()],
+                              how="vertical").collect(engine="streaming")
+    except READ_ERRORS:  # parts that cannot be scanned together (types differ, a page is damaged): one by one
+        found = _part_ranks_apart(streams)
+    wrong = sorted((owner[name], lo, hi) for name, lo, hi in found.iter_rows()
+                   if lo is not None and not lo == hi == owner[name][0][0])
+    if wrong:
+        ((named, _), _, part), lo, hi = wrong[0]  # the first part in the order the parts are read
         held = f"rank {lo}" if lo == hi else f"ranks {lo}..{hi}"
-        raise BadInputError(f"steps parts named rank {rank} hold rows of {held}", path=first,
+        raise BadInputError(f"steps parts named rank {named} hold rows of {held}", path=part,
                             fix="a part was renamed or copied from another rank's files; move the parts that do not "
                                 "belong out of trace/")
+
+
+def _part_ranks_apart(streams: dict[tuple[int, int], list[tuple[int, Path]]]) -> pl.DataFrame:
+    """(_part, lo, hi) of every part, one scan each: the slow way, taken when the parts cannot be read
+    together (their types differ, or a page does not decode: that part is named)."""
+    rows = []
+    for parts in streams.values():
+        for _, f in parts:
+            try:
+                with quiet_native_stderr():
+                    r = pl.scan_parquet(str(f), glob=False).select(
+                        lo=pl.col("rank").cast(pl.Int64).min(), hi=pl.col("rank").cast(pl.Int64).max()).collect()
+            except READ_ERRORS as e:  # as above
+                raise BadInputError(f"Parquet part's data is corrupt or out of range ({_detail(e)[:160]})", path=f,
+                                    fix=_PART_FIX) from e
+            rows.append((str(f), r["lo"][0], r["hi"][0]))
+    return pl.DataFrame(rows, schema={"_part": pl.String, "lo": pl.Int64, "hi": pl.Int64}, orient="row")

@@ -225,7 +225,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                         f"({total / 2**20:.1f} MiB) in {trace}")
     present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
     present.update({f: _check_part(f, "layers") for f in layer_files})
-    check_part_ranks(parts["steps"])  # rows of another rank under this rank's name would mix two streams
+    check_part_ranks(parts["steps"], present)  # rows of another rank under this rank's name would mix two streams
 
     def diagnose() -> None:
         """Decode every part (only after a query failed): a corrupt page or a null key is named."""

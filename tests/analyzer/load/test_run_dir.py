@@ -77,6 +77,35 @@ def test_a_damaged_meta_json_is_a_bad_input(run_dir):
         load_run(run_dir)
 
 
+def _ranks_run(root, ranks: int = 5, parts: int = 3):
+    for r in range(ranks):
+        Script(n=30, rank=r).write(root / "run", parts=parts, world_size=ranks)
+    return root / "run"
+
+
+def test_a_steps_part_copied_from_another_rank_among_many_is_named_at_load(tmp_path):
+    run = _ranks_run(tmp_path)
+    trace = run / schema.TRACE_DIR
+    moved = trace / schema.part_name("steps", 3, 1)
+    moved.write_bytes((trace / schema.part_name("steps", 1, 1)).read_bytes())  # rank 1's rows, rank 3's name
+    with pytest.raises(BadInputError) as e:
+        load_run(run)
+    assert str(e.value).startswith(f"{moved}: steps parts named rank 3 hold rows of rank 1 (a part was renamed")
+
+
+def test_parts_whose_rank_columns_differ_in_type_are_still_checked_one_by_one(tmp_path):
+    run = _ranks_run(tmp_path)
+    trace = run / schema.TRACE_DIR
+    for p in range(3):  # rank 2 wrote Int64 ranks: the parts cannot be scanned together, so each is read alone
+        part = trace / schema.part_name("steps", 2, p)
+        pl.read_parquet(part).with_columns(pl.col("rank").cast(pl.Int64)).write_parquet(part)
+    assert load_run(run).ranks == [0, 1, 2, 3, 4]
+    wrong = trace / schema.part_name("steps", 4, 2)
+    pl.read_parquet(wrong).with_columns(pl.lit(0, pl.Int64).alias("rank")).write_parquet(wrong)
+    with pytest.raises(BadInputError, match=r"steps-r00004-p000002\.parquet: steps parts named rank 4 hold rows of rank 0"):
+        load_run(run)
+
+
 def test_a_killed_run_is_analysed_up_to_its_last_complete_part_and_says_so(run_dir):
     # the writer died while writing part 3: its temporary file is left behind, part 2 has no layers
     (run_dir / "trace" / ".steps-r00000-p000003.parquet.4242.tmp").write_bytes(b"PAR1\x00")
