@@ -112,17 +112,14 @@ def _check_keys(run: Run, nulls: pl.DataFrame) -> None:
         run.diagnose()
 
 
-def _merged_steps(run: Run, lf: pl.LazyFrame, n_ranks: int) -> pl.DataFrame:
-    extra = [c for c in ("n_iter", "n_skipped") if c in lf.collect_schema().names()]
+def _merged_query(lf: pl.LazyFrame, n_ranks: int) -> pl.LazyFrame:
+    """The step table, lazy: one rank's rows as they are, or several ranks' merged per step."""
     if n_ranks == 1:
-        out = _collect(run, [lf.with_columns(scale_max=pl.col("scale"), n_ranks=pl.lit(1, pl.UInt32),
-                                             nonfinite_ranks=(~pl.col("loss").is_finite()).cast(pl.UInt32))
-                             .drop("rank")])[0]
-        # parts are read in order, so one rank's steps usually arrive sorted: checked on the collected
-        # column (a stable sort of sorted rows is those rows), which spares a sort's copy (~75 MB at 1M steps)
-        return out if out["step"].is_sorted() else out.sort("step", maintain_order=True)
+        return lf.with_columns(scale_max=pl.col("scale"), n_ranks=pl.lit(1, pl.UInt32),
+                               nonfinite_ranks=(~pl.col("loss").is_finite()).cast(pl.UInt32)).drop("rank")
+    extra = [c for c in ("n_iter", "n_skipped") if c in lf.collect_schema().names()]
     loss = pl.col("loss")
-    return _collect(run, [lf.group_by("step").agg(
+    return lf.group_by("step").agg(
         wall_time=pl.col("wall_time").max(),
         loss=loss.mean(),  # NaN on any rank makes the merged loss NaN, as it should
         loss_dtype=pl.col("loss_dtype").first(),
@@ -131,7 +128,17 @@ def _merged_steps(run: Run, lf: pl.LazyFrame, n_ranks: int) -> pl.DataFrame:
         lr=pl.col("lr").first(), nonfinite_grads=pl.col("nonfinite_grads").sum(),
         n_ranks=pl.len(), nonfinite_ranks=(~loss.is_finite()).sum(),
         *[pl.col(c).sum() for c in extra],
-    ).sort("step")])[0]
+    ).sort("step")
+
+
+def _in_order(out: pl.DataFrame) -> pl.DataFrame:
+    # parts are read in order, so one rank's steps usually arrive sorted: checked on the collected
+    # column (a stable sort of sorted rows is those rows), which spares a sort's copy (~75 MB at 1M steps)
+    return out if out["step"].is_sorted() else out.sort("step", maintain_order=True)
+
+
+def _merged_steps(run: Run, lf: pl.LazyFrame, n_ranks: int) -> pl.DataFrame:
+    return _in_order(_collect(run, [_merged_query(lf, n_ranks)])[0])
 
 
 def _rank_summary(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -213,16 +220,25 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
     NaN/Inf cells); the checks read the same frames either way.
     """
     sel = _step_filter(steps)
-    all_steps = run.steps.filter(sel)
-    progress_line(progress, "summarising ranks")
-    ranks, nulls = _collect(run, [_rank_summary(all_steps),
-                                  run.steps.select(pl.col("step").null_count(), pl.col("rank").null_count())])
-    _check_keys(run, nulls)
+    all_steps = run.steps if steps is None else run.steps.filter(sel)  # (the same plan: scans are shared)
     lf = all_steps if rank is None else all_steps.filter(pl.col("rank") == rank)
+    progress_line(progress, "summarising ranks")
+    queries = [_rank_summary(all_steps), run.steps.select(pl.col("step").null_count(), pl.col("rank").null_count())]
+    if run.layers is not None:  # the layer table's null ranks: a query of its own, so it is run here with these
+        queries.append(run.layers.select(pl.col("rank").null_count()))
+    # Several writers: the merged step table is a group-by, collected with the queries above, whose
+    # steps scan it shares (one pass over a part per rank, not two). One writer: it is the scan
+    # itself, collected after them (sharing would cache the whole step table once more).
+    together = rank is None and run.streams > 1
+    if together:
+        queries.append(_merged_query(lf, 2))
+    ranks, nulls, *rest = _collect(run, queries)
+    _check_keys(run, nulls)
+    layer_nulls = rest[0] if run.layers is not None else None
     n_ranks = ranks.height if rank is None else 1
     notes = []
     progress_line(progress, "aggregating steps")
-    merged = _merged_steps(run, lf, n_ranks)
+    merged = rest[-1] if together else _merged_steps(run, lf, n_ranks)
     rows = int(merged["n_ranks"].sum()) if merged.height else 0
     if merged.height and (merged["step"].diff().min() == 0 or int(merged["n_ranks"].max()) > n_ranks):
         # a reused run directory or a resumed run repeats step numbers; parts are read in order,
@@ -245,13 +261,12 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
             llf = llf.filter(pl.col("rank") == rank)
         progress_line(progress, f"aggregating per-layer gradient norms ({width} step(s) per bin)")
         version = run.meta.get("format_version")  # runs before format 3 have no change columns
-        # the bins, then the null keys the bins do not see (a null step or layer is a null key). NB: two
-        # collects, not one pl.collect_all: sharing the layer scan makes polars cache it for both, which
-        # cost 0.6-0.8 GB more peak memory and ~13% more CPU on 100M rows (the step queries share theirs)
+        # the bins; with the layer table's null ranks, counted with the step queries, the null keys (a null
+        # step or layer is a null key). NB: that count is not collected with the bins: sharing the layer scan
+        # makes polars cache it for both, which cost 0.6-0.8 GB more peak memory and ~13% more CPU on 100M rows
         out = _collect(run, [_layer_bins(llf, s0, s1, width, changes=not (isinstance(version, int) and version < 3),
                                          plots=plots)])[0]
-        nulls = _collect(run, [run.layers.select(pl.col("rank").null_count())])[0]
-        _check_keys(run, nulls.hstack([pl.Series("key", [out["key"].null_count()])]))
+        _check_keys(run, layer_nulls.hstack([pl.Series("key", [out["key"].null_count()])]))
         layer_bins = _finish_bins(out, s0, s1, width)
         if layer_bins.height == 0:
             layer_bins = None
