@@ -44,8 +44,14 @@ _PART_RE = schema.PART_RE
 _SNAP_RE = schema.SNAPSHOT_RE
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """Read and version-check one meta.json; raise a one-line error naming the file."""
+def read_meta(path: Path, like: _Known | None = None) -> dict[str, Any]:
+    """Read and version-check one meta.json; raise a one-line error naming the file.
+
+    `like`: a meta.json of the same run, already read (``_Known``). Ranks' meta files repeat most
+    of it (the parameters, the optimizer, the scaler): a value whose ``repr`` is one of its values'
+    is that value, checked already, and is taken from it instead of checked again. The others are
+    checked here. NB: ``repr`` tells ``1``, ``1.0`` and ``True`` apart, where ``==`` does not.
+    """
     try:
         meta = json.loads(path.read_text(), parse_int=json_int)
     except NumberTooLong as e:
@@ -63,8 +69,31 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise BadInputError(f"not an amp-autopsy meta file (no 'format': '{schema.META_FORMAT}')",
                             path=path, fix=RUN_HINT)
     check_format_version(meta, path=path, what="run")
-    validate_meta(meta, path)  # ranks, shapes, numels: integers in range, bounded nesting
-    return safe_strings(meta)  # a lone surrogate in a name would crash the checks that format it
+    known = like.values(meta) if like is not None else {}
+    rest = {k: v for k, v in meta.items() if k not in known}
+    validate_meta(rest, path)  # ranks, shapes, numels: integers in range, bounded nesting
+    safe_strings(rest)  # a lone surrogate in a name would crash the checks that format it
+    return {k: known[k] if k in known else rest[k] for k in meta}
+
+
+class _Known:
+    """A meta.json already read and checked, by the ``repr`` of each of its values (``read_meta``)."""
+
+    def __init__(self, meta: dict[str, Any]):
+        self.meta = meta
+        self.reprs = {k: _repr(v) for k, v in meta.items()}
+
+    def values(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """{key: the checked value} for each value of `meta` that is the same as this one's."""
+        return {k: self.meta[k] for k, v in meta.items()
+                if k in self.reprs and self.reprs[k] is not None and _repr(v) == self.reprs[k]}
+
+
+def _repr(v: Any) -> str | None:
+    try:
+        return repr(v)
+    except RecursionError:  # nested deeper than repr goes: checked (and refused) on its own
+        return None
 
 
 def _param_names(meta: dict[str, Any]) -> tuple[list[str], list[int | None]]:
@@ -147,13 +176,13 @@ def _listing(directory: Path) -> list[str]:
         return []
 
 
-def _read_metas(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """{(rank, writer): meta} from every meta file in the run directory."""
-    metas = {}
+def _read_metas(path: Path, first: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """{(rank, writer): meta} from every meta file in the run directory; `first`: its meta.json, read."""
+    metas, like = {}, _Known(first)
     for name in _listing(path):
         m = schema.META_RE.match(name)
         if m:
-            meta = read_meta(path / name)
+            meta = read_meta(path / name, like)
             rank = 0 if m[1] is None else int(m[1])
             recorded = meta.get("rank", rank)
             if recorded != rank:  # validated an int: a meta file copied or renamed from another rank
@@ -193,7 +222,7 @@ def _writer_notes(metas, shown: dict[tuple[int, int], int]) -> list[str]:
 
 def _load_run_dir(path: Path, progress: bool) -> Run:
     meta = read_meta(path / schema.META_FILE)
-    by_writer = _read_metas(path)
+    by_writer = _read_metas(path, meta)
 
     trace = path / schema.TRACE_DIR
     # parts[kind][(rank, writer)] = [(index, file)]

@@ -7,10 +7,13 @@ import sys
 
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from analyzer.errors import BadInputError, VersionError
+from analyzer.errors import AnalyzerError, BadInputError, VersionError
 from analyzer.report import build_report
-from analyzer.load import load_run
+from analyzer.load import load_run, read_meta
+from analyzer.load.run_dir import _Known
 from recorders import schema
 
 from ..report.report_models import Script
@@ -104,6 +107,72 @@ def test_parts_whose_rank_columns_differ_in_type_are_still_checked_one_by_one(tm
     pl.read_parquet(wrong).with_columns(pl.lit(0, pl.Int64).alias("rank")).write_parquet(wrong)
     with pytest.raises(BadInputError, match=r"steps-r00004-p000002\.parquet: steps parts named rank 4 hold rows of rank 0"):
         load_run(run)
+
+
+_META = Script(n=4, rank=1).meta(world_size=2) | {
+    "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.001, "betas": [0.9, 0.999], "params": [0, 1]}]},
+    "micro_batches": 1, "micro_batches_kept": True}
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                     max_leaves=8)
+
+
+def _twins(v):
+    """`v` with its numbers as other types that compare equal (1 -> 1.0, True; 1.0 -> 1; 0 -> -0.0)."""
+    if isinstance(v, bool):
+        return [int(v), float(v)]
+    if isinstance(v, int):
+        return [float(v)] + ([bool(v)] if v in (0, 1) else []) + ([-0.0] if v == 0 else [])
+    if isinstance(v, float):
+        return [int(v)] if v.is_integer() else []
+    if isinstance(v, list):
+        return [v[:i] + [t] + v[i + 1:] for i, x in enumerate(v) for t in _twins(x)][:4]
+    if isinstance(v, dict):
+        return [{**v, k: t} for k, x in v.items() for t in _twins(x)][:4]
+    return []
+
+
+@st.composite
+def _rank_meta_edits(draw):
+    key = draw(st.sampled_from(sorted(_META)))
+    twins = _twins(_META[key])
+    value = draw(st.sampled_from(twins) if twins and draw(st.booleans()) else _JSON)
+    return key, value
+
+
+def _outcome(read):
+    try:
+        return "read", repr(read())
+    except AnalyzerError as e:
+        return "refused", str(e)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edit=_rank_meta_edits())
+def test_a_ranks_meta_read_beside_the_first_is_read_or_refused_exactly_as_alone(tmp_path, edit):
+    # rank 0's meta.json is checked in full; a rank's values that repeat it are taken from it unchecked,
+    # so any value a rank's meta may hold, numbers equal to rank 0's but of another type included,
+    # must give what checking that meta alone gives
+    first = tmp_path / schema.META_FILE
+    first.write_text(json.dumps(_META | {"rank": 0}))
+    key, value = edit
+    rank1 = tmp_path / schema.meta_name(1)
+    rank1.write_text(json.dumps(_META | {key: value}))
+    like = _Known(read_meta(first))
+    assert _outcome(lambda: read_meta(rank1, like)) == _outcome(lambda: read_meta(rank1))
+
+
+def test_a_ranks_meta_repeating_the_first_shares_its_values_and_one_of_another_type_is_refused(tmp_path):
+    first = tmp_path / schema.META_FILE
+    first.write_text(json.dumps(_META | {"rank": 0}))
+    like = _Known(read_meta(first))
+    rank1 = tmp_path / schema.meta_name(1)
+    rank1.write_text(json.dumps(_META))
+    got = read_meta(rank1, like)
+    assert got == _META and got["params"] is like.meta["params"] and got["rank"] == 1
+    rank1.write_text(json.dumps(_META | {"world_size": 2.0}))  # equal to rank 0's 2, not an integer
+    with pytest.raises(BadInputError, match=r"world_size 2\.0 is not an integer"):
+        read_meta(rank1, like)
 
 
 def test_a_killed_run_is_analysed_up_to_its_last_complete_part_and_says_so(run_dir):
