@@ -33,7 +33,7 @@ import polars as pl
 from recorders import schema
 
 from ..errors import BadInputError
-from ._limits import NumberTooLong, json_int, safe_strings
+from ._limits import NumberTooLong, json_loads, safe_strings
 from ._logcheck import LOG_PROBLEMS, Problems, count, number_cell, scale_value, short
 from ._logcheck import to_float as _num
 from .run import Run, progress_line, step_frame
@@ -73,7 +73,7 @@ def _run(path: Path, fmt: str, rows: pl.DataFrame, *, amp_dtype=None, growth_int
 
 def _read_json(path: Path) -> Any:
     try:
-        return safe_strings(json.loads(path.read_bytes().decode("utf-8"), parse_int=json_int))
+        return safe_strings(json_loads(path.read_bytes().decode("utf-8")))
     except NumberTooLong as e:
         raise BadInputError(str(e), path=path, fix=RUN_HINT) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -210,7 +210,7 @@ def _import_jsonl(path: Path) -> Run:
         if not line.strip():
             continue
         try:
-            records.append((f"line {i}", safe_strings(json.loads(line, parse_int=json_int))))
+            records.append((f"line {i}", safe_strings(json_loads(line))))
         except NumberTooLong as e:
             raise BadInputError(f"line {i} {e}", path=path, fix="each line must be one JSON object with 'step' and "
                                 "'loss'") from e

@@ -28,7 +28,7 @@ import polars as pl
 from recorders import schema
 
 from ..errors import BadInputError, VersionError
-from ._limits import NumberTooLong, json_int, safe_strings
+from ._limits import NumberTooLong, json_loads, safe_strings
 from ._tracecheck import (READ_ERRORS, check_part_ranks, check_part_types, check_parts_decode, quiet_native_stderr,
                           validate_meta)
 from .logs import RUN_HINT, import_dir, import_file
@@ -53,7 +53,7 @@ def read_meta(path: Path, like: _Known | None = None) -> dict[str, Any]:
     checked here. NB: ``repr`` tells ``1``, ``1.0`` and ``True`` apart, where ``==`` does not.
     """
     try:
-        meta = json.loads(path.read_text(), parse_int=json_int)
+        meta = json_loads(path.read_text())
     except NumberTooLong as e:
         raise BadInputError(f"meta.json {e}", path=path,
                             fix="the run's meta.json is damaged; restore it from the training host") from e
