@@ -123,7 +123,9 @@ def _generate_rank(run: Path, n_steps: int, n_layers: int, chunk: int, rank: int
     for p, s0 in enumerate(range(0, n_steps, chunk)):
         n = min(chunk, n_steps - s0)
         step = np.arange(s0, s0 + n, dtype=np.int64)
-        skipped = rng.random(n) < 1 / 2000  # one overflow per growth interval: healthy
+        # one overflow per growth interval: healthy. The same steps on every rank, as in a real run
+        # (GradScaler all-reduces found_inf): independent draws would merge into a skip on most steps
+        skipped = np.random.default_rng([s0, n]).random(n) < 1 / 2000
         steps = pl.DataFrame({
             "step": step, "rank": np.full(n, rank, np.int32), "wall_time": 1.7e9 + step * 0.1,
             "loss": (3 * np.exp(-step / 2e5) + 1) * rng.lognormal(0, 0.03, n),
