@@ -109,6 +109,20 @@ def test_parts_whose_rank_columns_differ_in_type_are_still_checked_one_by_one(tm
         load_run(run)
 
 
+def test_a_steps_part_whose_rank_page_is_damaged_is_named_at_load(tmp_path):
+    run = _ranks_run(tmp_path, ranks=3, parts=2)
+    part = run / schema.TRACE_DIR / schema.part_name("steps", 1, 1)
+    df = pl.read_parquet(part)
+    df.select("rank", pl.exclude("rank")).write_parquet(part)  # rank first: its page header opens the file
+    data = bytearray(part.read_bytes())
+    for i in range(4, 40):  # that page header; the footer stays intact
+        data[i] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(BadInputError) as e:
+        load_run(run)
+    assert str(e.value).startswith(f"{part}: Parquet part's data is corrupt or out of range (")
+
+
 _META = Script(n=4, rank=1).meta(world_size=2) | {
     "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.001, "betas": [0.9, 0.999], "params": [0, 1]}]},
     "micro_batches": 1, "micro_batches_kept": True}
