@@ -80,8 +80,6 @@ class Run:
             not decode or holds a null key (step, rank, layer); returns when every part is sound.
             Load reads only footers, so a corrupt data page is found by the first query that
             reads it (``analyzer.report.checks.frames``). None for imported logs (read in full).
-        streams: how many writers' steps parts the trace holds (one per rank, one per extra
-            process); 1 for imported logs. More than one: step rows are merged across ranks.
     """
 
     path: Path
@@ -98,7 +96,6 @@ class Run:
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     shards: pl.DataFrame | None = None
     diagnose: Callable[[], None] | None = None
-    streams: int = 1
 
     @property
     def world_size(self) -> int:

@@ -295,7 +295,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                      "are left out of them)")
     return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
                layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
-               partial=partial, writers=writers, shards=shards, diagnose=diagnose, streams=len(parts["steps"]))
+               partial=partial, writers=writers, shards=shards, diagnose=diagnose)
 
 
 def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],

@@ -389,19 +389,3 @@ def test_a_rank_whose_parts_hold_its_steps_out_of_order_gets_a_sorted_step_table
     assert rep.frames.steps["step"].to_list() == list(range(400))
     assert rep.frames.steps.equals(ref.frames.steps)
     assert [f.to_dict() for f in rep.findings] == [f.to_dict() for f in ref.findings] and rep.findings
-
-
-@pytest.mark.parametrize("steps", [None, (20, 180)])
-def test_several_ranks_give_the_same_frames_with_the_step_table_collected_with_the_rank_summary_or_after(
-        tmp_path, steps):
-    from analyzer.load import load_run
-    from analyzer.report.checks import build_frames
-
-    run = _two_ranks(tmp_path, nan_rank=1, short_rank=0)
-    together = load_run(run)
-    apart = load_run(run)
-    apart.streams = 1  # as a one-writer run: the step table is collected after the rank summary
-    assert together.streams == 2
-    a, b = build_frames(together, steps=steps), build_frames(apart, steps=steps)
-    assert a.steps.height == (160 if steps else 200) and a.steps["n_ranks"].max() == 2
-    assert a.steps.equals(b.steps) and a.ranks.equals(b.ranks) and a.layer_bins.equals(b.layer_bins)
