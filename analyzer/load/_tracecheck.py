@@ -199,6 +199,11 @@ def _decode(files: list[Path], columns: dict[str, pl.DataType], present=None) ->
     return [c for c in _REQUIRED if c in nulls]
 
 
+def _corrupt(part: Path, e: BaseException) -> BadInputError:
+    return BadInputError(f"Parquet part's data is corrupt or out of range ({_detail(e)[:160]})", path=part,
+                         fix=_PART_FIX)
+
+
 def _detail(e: BaseException) -> str:
     if isinstance(e, pl.exceptions.PanicException):
         return "polars' Parquet decoder panicked on it"
@@ -223,9 +228,7 @@ def check_parts_decode(files: list[Path], columns: dict[str, pl.DataType], prese
         try:
             nulls = _decode([f], columns, present)
         except READ_ERRORS as e:  # as above
-            detail = _detail(e)
-            raise BadInputError(f"Parquet part's data is corrupt or out of range ({detail[:160]})", path=f,
-                                fix=_PART_FIX) from e
+            raise _corrupt(f, e) from e
         if nulls:
             raise BadInputError(f"Parquet part has null values in its key column(s) {nulls}", path=f,
                                 fix=_PART_FIX)
@@ -247,8 +250,8 @@ def check_part_ranks(streams: dict[tuple[int, int], list[tuple[int, Path]]],
         return
     owner = {str(f): (key, i, f) for key, parts in streams.items() for i, f in parts}
     shapes: dict[frozenset[str] | None, list[str]] = {}
-    for name in owner:
-        shapes.setdefault(present.get(Path(name)) if present else None, []).append(name)
+    for name, (_, _, part) in owner.items():
+        shapes.setdefault(present.get(part) if present else None, []).append(name)
     rank = pl.col("rank").cast(pl.Int64)
     try:
         with quiet_native_stderr():
@@ -278,7 +281,6 @@ def _part_ranks_apart(streams: dict[tuple[int, int], list[tuple[int, Path]]]) ->
                     r = pl.scan_parquet(str(f), glob=False).select(
                         lo=pl.col("rank").cast(pl.Int64).min(), hi=pl.col("rank").cast(pl.Int64).max()).collect()
             except READ_ERRORS as e:  # as above
-                raise BadInputError(f"Parquet part's data is corrupt or out of range ({_detail(e)[:160]})", path=f,
-                                    fix=_PART_FIX) from e
+                raise _corrupt(f, e) from e
             rows.append((str(f), r["lo"][0], r["hi"][0]))
     return pl.DataFrame(rows, schema={"_part": pl.String, "lo": pl.Int64, "hi": pl.Int64}, orient="row")

@@ -182,7 +182,7 @@ def _read_metas(path: Path, first: dict[str, Any]) -> dict[tuple[int, int], dict
     for name in _listing(path):
         m = schema.META_RE.match(name)
         if m:
-            meta = read_meta(path / name, like)
+            meta = first if name == schema.META_FILE else read_meta(path / name, like)  # (read once)
             rank = 0 if m[1] is None else int(m[1])
             recorded = meta.get("rank", rank)
             if recorded != rank:  # validated an int: a meta file copied or renamed from another rank
