@@ -259,13 +259,16 @@ class Scanner:
         # NB: the float64 work runs in steps of PAIR_STEP on the CPU, so its three rows stay in L2
         diff = Change(min(n, PAIR_STEP) if self.device.type == "cpu" else n, torch.float64 not in (da, db),
                       lambda k: self._buf("pair", torch.float64, k))
+        def nonfinite() -> int:
+            return acc_a.nan + acc_a.inf + acc_b.nan + acc_b.inf
+
         for xa, xb in it:
             if self.device.type != "cpu":
                 xa, xb = xa.to(self.device), xb.to(self.device)
-            bad = acc_a.nan + acc_a.inf + acc_b.nan + acc_b.inf
+            before = nonfinite()
             self._fold(acc_a, xa, da)
             self._fold(acc_b, xb, db)
-            diff.add(xa, xb, finite=acc_a.nan + acc_a.inf + acc_b.nan + acc_b.inf == bad)
+            diff.add(xa, xb, finite=nonfinite() == before)  # this chunk pair is finite: count by clamping
             if on_bytes is not None:
                 on_bytes(xa.numel() * xa.element_size() + xb.numel() * xb.element_size())
         sa, sb = acc_a.freeze(da), acc_b.freeze(db)
