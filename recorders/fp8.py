@@ -1,0 +1,157 @@
+"""FP8 and MX cast statistics: what one scaled cast to float8 saturates, flushes to zero and makes subnormal.
+
+One implementation for every reader of FP8 casts: the FP8 readiness of a BF16 run
+(``analyzer fp8-readiness``) and, later, the recorder's per-module FP8 statistics. Torch only.
+
+The scales follow torchao 0.18's training recipes (``torchao.float8``, ``torchao.prototype.mx_formats``):
+
+| granularity | scale |
+|---|---|
+| ``tensorwise`` | ``max / max(amax, 1e-12)``, in float64, then float32 (``amax_to_scale``) |
+| ``rowwise`` | the same per row (``amax`` along `dim`), rounded down to a power of 2 (the rowwise recipe) |
+| ``mxfp8`` | per block of 32 along `dim`: ``2 ** -ceil(log2(block amax / max))`` (e8m0, RCEIL: the MXFP8 training recipes) |
+| ``mxfp8_floor`` | per block of 32: ``2 ** (emax - floor(log2(block amax)))`` (FLOOR, ``to_mx``'s default; can saturate) |
+
+NB: a cast to ``float8_e4m3fn`` saturates on torch 2.13's CPU (464, 1e4 and inf become 448), other
+builds give NaN: saturation is counted on the scaled values *before* the clamp, never read from the
+cast's result. A value that passes the format's max only by the float32 rounding of its own scale
+(``amax * (max / amax)``) is not counted.
+
+Example:
+    >>> import torch
+    >>> x = torch.tensor([[20000.0] + [0.02] * 63])
+    >>> s = cast_stats(x, "e4m3", "tensorwise")
+    >>> round(s.flushed / s.nonzero, 3)   # 63 of 64 values are below e4m3's smallest subnormal once scaled
+    0.984
+    >>> cast_stats(x, "e4m3", "rowwise").flushed  # one row: the same amax, the same scale (rounded to 2**-6)
+    63
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["FORMATS", "GRANULARITIES", "MX_BLOCK", "CastStats", "cast_counts", "cast_stats", "fp8_dtype"]
+
+FORMATS = ("e4m3", "e5m2")
+GRANULARITIES = ("tensorwise", "rowwise", "mxfp8", "mxfp8_floor")
+MX_BLOCK = 32  # elements per MX scale block (the OCP MX spec's k)
+_EPS = 1e-12  # torchao's floor on amax: an all-zero tensor gets a finite scale
+_SAT_TOL = 1e-6  # relative: the float32 rounding of max / amax, not saturation
+
+
+def fp8_dtype(fmt: str) -> torch.dtype:
+    """The torch dtype of a format name (``"e4m3"`` -> ``float8_e4m3fn``)."""
+    if fmt == "e4m3":
+        return torch.float8_e4m3fn
+    if fmt == "e5m2":
+        return torch.float8_e5m2
+    raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CastStats:
+    """One cast's counts, on the host.
+
+    Attributes:
+        fmt, granularity: as passed to ``cast_stats``.
+        numel: elements cast; nonzero: those not exactly 0 before the cast.
+        amax: the largest |x| (NaN when x holds NaN).
+        saturated: elements whose scaled |x| passes the format's max (clamped, or NaN on other builds).
+        flushed: non-zero elements that become exactly 0.
+        subnormal: elements that become non-zero subnormals (precision lost, not yet zero).
+        scale_min, scale_max: the smallest and largest scale the cast used (one for tensorwise).
+    """
+
+    fmt: str
+    granularity: str
+    numel: int
+    nonzero: int
+    amax: float
+    saturated: int
+    flushed: int
+    subnormal: int
+    scale_min: float
+    scale_max: float
+
+    @property
+    def saturated_frac(self) -> float:
+        return self.saturated / self.numel if self.numel else 0.0
+
+    @property
+    def flushed_frac(self) -> float:
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def subnormal_frac(self) -> float:
+        return self.subnormal / self.numel if self.numel else 0.0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(saturated_frac=self.saturated_frac, flushed_frac=self.flushed_frac,
+                   subnormal_frac=self.subnormal_frac)
+        return out
+
+
+def _scales(x: torch.Tensor, fmt: str, granularity: str) -> torch.Tensor:
+    """The scale per element's group, broadcastable to `x` (2-D: the cast runs along its last dim)."""
+    fmax = torch.finfo(fp8_dtype(fmt)).max
+    if granularity.startswith("mxfp8"):  # x is (blocks, MX_BLOCK) here; e8m0 scales are powers of 2
+        amax = x.abs().amax(-1, keepdim=True)
+        if granularity == "mxfp8":
+            return torch.exp2(-torch.ceil(torch.log2(amax / fmax)).clamp(-127, 127))
+        emax = math.floor(math.log2(fmax))  # the largest power of 2 of the element format (8 for e4m3)
+        exp = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126)))
+        return torch.exp2((emax - exp).clamp(-127, 127))
+    amax = x.abs().amax() if granularity == "tensorwise" else x.abs().amax(-1, keepdim=True)
+    scale = (fmax / amax.double().clamp(min=_EPS)).float()
+    if granularity == "rowwise":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim: int = -1) -> torch.Tensor:
+    """``[numel, nonzero, amax, saturated, flushed, subnormal, scale_min, scale_max]`` as one float64 tensor.
+
+    Stays on `x`'s device and reads nothing back: a caller batching many casts moves them to the
+    host together (one sync). `dim` is the axis a rowwise or MX scale runs along (the reduction
+    axis of the matmul that consumes the cast); a tensor of more than 2 dims is flattened around it.
+    An MX cast pads a ragged last block with zeros (they count in no fraction).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    x = x.detach()
+    x = x.reshape(1, -1) if x.dim() == 0 else x.movedim(dim, -1)
+    x = x.reshape(-1, x.shape[-1]).float()
+    numel = x.numel()
+    if granularity.startswith("mxfp8"):
+        if x.shape[-1] % MX_BLOCK:
+            x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1] % MX_BLOCK))
+        x = x.reshape(-1, MX_BLOCK)
+    dtype = fp8_dtype(fmt)
+    fmax = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).tiny  # the smallest normal
+    scale = _scales(x, fmt, granularity)
+    xs = x * scale
+    q = xs.clamp(-fmax, fmax).to(dtype).float()
+    nz = x != 0
+    stats = [
+        torch.tensor(float(numel), device=x.device),
+        nz.sum(),
+        x.abs().amax() if numel else torch.zeros((), device=x.device),
+        (xs.abs() > fmax * (1 + _SAT_TOL)).sum(),
+        (nz & (q == 0)).sum(),
+        ((q != 0) & (q.abs() < tiny)).sum(),
+        scale.amin(), scale.amax(),
+    ]
+    return torch.stack([s.double() for s in stats])
+
+
+def cast_stats(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim: int = -1) -> CastStats:
+    """``cast_counts`` read to the host (one sync) as a ``CastStats``."""
+    v = cast_counts(x, fmt, granularity, dim).tolist()  # NB: a device-to-host sync
+    return CastStats(fmt, granularity, int(v[0]), int(v[1]), v[2], int(v[3]), int(v[4]), int(v[5]), v[6], v[7])
