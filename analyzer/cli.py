@@ -40,7 +40,7 @@ EXIT_INTERNAL = 3
 
 # what each command was doing, for the internal-error line; the first argument names the file
 _STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo",
-           "autopsy": "running the autopsy"}
+           "autopsy": "running the autopsy", "fp8_readiness": "measuring FP8 readiness"}
 _FILE_ARGS = ("snapshot", "run", "checkpoint", "out_dir")
 
 
@@ -397,6 +397,37 @@ def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
     status = result.exit_status(fail_on)  # 4: --fail-on matched, as for report
     if status:
         raise click.exceptions.Exit(status)
+
+
+@main.command("fp8-readiness")
+@click.argument("snapshot", type=click.Path(path_type=str))
+@_checkpoint_options
+@_json_option
+@_device_option
+@click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
+@click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
+@click.option("--path", "paths", multiple=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
+              help="Also import the factory and loss function from under DIR (repeatable).")
+@_one_line_errors
+def fp8_readiness(snapshot, batch, amp, accumulate, scale, as_json, device, factory, loss_fn, paths):
+    """What FP8 training would flush or saturate in a BF16 step, per Linear and operand, and which to keep in BF16.
+
+    SNAPSHOT is a recorder snapshot, or with --batch a checkpoint: the step is replayed once in its
+    own precision and every Linear's input, weight and grad_output is cast, in statistics only, as
+    torchao's tensorwise and rowwise recipes and MXFP8 would cast it.
+    """
+    from .render.fp8 import render_readiness_text
+    from .replay import Replay
+    from .replay.fp8.readiness import fp8_readiness as measure
+
+    target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
+                                paths=paths, accumulate=accumulate)
+    result = measure(Replay(target, device=device, factory=factory, loss_fn=loss_fn, paths=paths).context())
+    if as_json:
+        _print_json(result.to_dict())
+    else:
+        _echo(render_readiness_text(result, source=snapshot))
 
 
 @main.command()

@@ -1,0 +1,82 @@
+"""A tiny transformer whose SwiGLU w1/w3 rows align on one rare token (Fishman et al. 2024's mechanism).
+
+Channel ``OUTLIER`` of ``w1`` and ``w3`` points along the one embedding direction only token ``RARE``
+has, with norm ``GAIN``: on that token ``silu(w1 x) * (w3 x)`` is about ``(GAIN * sqrt(DIM))**2`` = 2e4,
+while the other channels and tokens stay near 0.01 (weights of std 0.03). One tensorwise e4m3 scale set
+by 2e4 flushes every value below about 0.04 to zero: most of w2's input. Rowwise scales isolate the rows
+of the rare token, which are 2 of 64 here. Everything else in the model is ordinary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REF = "tests.analyzer.replay.fp8.swiglu_models"
+VOCAB, DIM, HIDDEN, RARE, OUTLIER, GAIN = 64, 32, 64, 0, 5, 25.0
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int = 2):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(dim, elementwise_affine=False), nn.RMSNorm(dim)
+        self.mlp = SwiGLU(dim, hidden)
+        self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False), heads
+
+    def forward(self, x):
+        x = x + self.mlp(self.norm1(x))  # the MLP first: its input is the token's own embedding
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm2(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, aligned: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.block = Block(DIM, HIDDEN)
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        with torch.no_grad():
+            for lin in (self.block.mlp.w1, self.block.mlp.w3, self.block.mlp.w2):
+                lin.weight.normal_(0, 0.03)
+            self.emb.weight[:, DIM - 1] = 0.0  # the last direction is the rare token's alone
+            self.emb.weight[RARE] = 0.0
+            self.emb.weight[RARE, DIM - 1] = 1.0
+            if aligned:
+                for lin in (self.block.mlp.w1, self.block.mlp.w3):
+                    lin.weight[OUTLIER] = 0.0
+                    lin.weight[OUTLIER, DIM - 1] = GAIN
+
+    def forward(self, idx):
+        return self.head(self.norm(self.block(self.emb(idx))))
+
+
+def build(aligned: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return TinyLM(aligned)
+
+
+def lm_loss(model, batch):
+    logits = model(batch["idx"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+
+def batch(seed: int = 0) -> dict:
+    """64 tokens (4 x 16) of which exactly 2 are the rare token."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, VOCAB, (4, 16), generator=g)
+    idx[0, 3] = idx[2, 9] = RARE
+    return {"idx": idx, "y": torch.randint(0, VOCAB, (4, 16), generator=g)}
