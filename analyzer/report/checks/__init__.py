@@ -19,6 +19,7 @@ from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
 from .plausible import implausible_trace
+from .recorder_warnings import recorder_warning
 from .ranks import rank_divergence
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
@@ -48,6 +49,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "scaled_loss": scaled_loss,
     "autocast_inactive": autocast_inactive,
     "implausible_trace": implausible_trace,
+    "recorder_warning": recorder_warning,
 }
 
 
