@@ -62,7 +62,8 @@ REASON = "checkpoint"
 SEED = 0  # dropout and every other random op replay from torch.manual_seed(SEED)
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _AMP = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop, or with "
+RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop (with its RNG state: "
+          "torch.save({'batch': batch, 'rng': rng}, 'batch.pt')), or with "
           "callbacks=[recorders.integrations.hf.save_batch_on_nan('batch.pt')] under HF Trainer")
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
@@ -53,3 +56,34 @@ def test_autopsy_with_the_saved_rng_state_names_the_same_op_and_line(crashed):
     [replay] = json.loads(res.output)["replays"]
     assert (replay["verdict"], replay["culprit"]["op"], replay["culprit"]["source"]) == \
         ("overflow", "aten.reciprocal", _weight_line())
+
+
+def _readme_snippet() -> str:
+    """The python block of README.md's "After a crash" section."""
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = text.split("## After a crash", 1)[1].split("\n## ", 1)[0]
+    return textwrap.dedent(section.split("```python\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_readmes_after_a_crash_snippet_saves_what_replay_reads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = compile(_readme_snippet(), "README.md", "exec")
+    torch.manual_seed(0)
+    model, scaler = dm.build_denoiser(), torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(400):
+        scope = {"torch": torch, "model": model, "batch": dm.make_batch(step), "loss_fn": dm.denoiser_loss}
+        with torch.autocast("cpu", dtype=torch.float16):
+            exec(code, scope)  # noqa: S102 - the README's own lines, as a user pastes them into the loop
+        if not torch.isfinite(scope["loss"]):
+            torch.save(model.state_dict(), "ckpt.pt")
+            break
+        scaler.scale(scope["loss"]).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    res = CliRunner().invoke(main, ["replay", "ckpt.pt", "--batch", "batch.pt", *REFS, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert (out["verdict"], out["culprit"]["op"]) == ("overflow", "aten.reciprocal")
+    assert out["culprit"]["source"].endswith(_weight_line())  # absolute: replayed from another directory
