@@ -20,7 +20,7 @@ from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
 from .plausible import implausible_trace
 from .recorder_warnings import recorder_warning
-from .ranks import rank_divergence
+from .ranks import rank_divergence, repeated_rank_failure
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
 from .weights import weights_exploded
@@ -42,6 +42,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "grad_underflow": grad_underflow,
     "low_precision_loss": low_precision_loss,
     "rank_divergence": rank_divergence,
+    "repeated_rank_failure": repeated_rank_failure,
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
     "exception": exception,
