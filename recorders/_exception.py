@@ -163,5 +163,5 @@ def _warn(rec, e: Exception) -> None:
         return
     rec._warned = True
     rec._recorder_warning("exception_not_recorded", "amp-autopsy recorder could not record the training "
-                  f"exception in {rec.run_dir}: {type(e).__name__}: {e}. The training exception is raised as it is; the record of its "
-                  "step may be incomplete", RecorderWarning, stacklevel=4)
+                          f"exception in {rec.run_dir}: {type(e).__name__}: {e}. The training exception is raised "
+                          "as it is; the record of its step may be incomplete", RecorderWarning, stacklevel=4)

@@ -380,8 +380,9 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                 self._hook = register(self._after_optimizer_step)
             else:  # not a torch.optim.Optimizer: the rest of the record is still worth having
                 self._recorder_warning("no_step_hook", "amp-autopsy recorder: check_update=True needs a "
-                              f"torch.optim.Optimizer (its register_step_post_hook); {type(self.optimizer).__name__} has none, so optimizer "
-                              "steps are not checked", RecorderWarning, stacklevel=4)
+                                       "torch.optim.Optimizer (its register_step_post_hook); "
+                                       f"{type(self.optimizer).__name__} has none, so optimizer steps are not "
+                                       "checked", RecorderWarning, stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
         self._writer.write(rows, layers)

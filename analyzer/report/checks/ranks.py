@@ -184,7 +184,8 @@ def repeated_rank_failure(frames: Frames) -> list[Finding]:
                 default=None)
     ev = {"ranks": bad, "nonfinite_steps_per_rank": counts, "steps": steps[:20], "host": host,
           "hosts": {k: hosts[k] for k in bad if k in hosts}}
-    msg = (f"{who} while {others}: the fault follows {what}, not the model. Replay {'its' if len(bad) == 1 else 'their'} "
+    their = "its" if len(bad) == 1 else "their"
+    msg = (f"{who} while {others}: the fault follows {what}, not the model. Replay {their} "
            "snapshots on another device (analyzer replay SNAPSHOT --device ...) and compare with the other ranks'; "
            "check the data shard")
     return [Finding("repeated_rank_failure", "warning", first, msg, ev, rank=bad[0] if len(bad) == 1 else None)]
