@@ -266,6 +266,8 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     """
     if batch is not None and (show or rank is not None):
         raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
+    if show and (rng is not None or factory_kwargs is not None):
+        raise click.UsageError("--show prints what the snapshot names; --rng and --factory-kwargs go with a replay")
     if show:
         _show_imports(snapshot, rank, factory, loss_fn, paths, as_json)
         return

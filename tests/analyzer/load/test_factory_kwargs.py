@@ -88,3 +88,8 @@ def test_any_text_is_a_dict_or_one_bad_input_error(text):
         assert str(e).startswith("--factory-kwargs ") and "\n" not in str(e)
         return
     assert isinstance(out, dict) and out == json.loads(text)
+
+
+def test_show_with_factory_kwargs_is_a_usage_error_not_a_silent_ignore(wide):
+    res = _cli("replay", wide / "s.pt", "--show", "--factory-kwargs", '{"width": 16}')
+    assert res.exit_code == 2 and "--show prints what the snapshot names" in res.output, res.output
