@@ -168,10 +168,12 @@ def _checkpoint_options(fn):
                              "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
 
 
-def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths, accumulate=None):
+def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths, accumulate=None, rng=None):
     """The checkpoint and batch as a snapshot (``--batch``); without --batch, refuse a checkpoint clearly."""
     from .load.adhoc import checkpoint_instead, load_checkpoint_snapshot
 
+    if batch is None and rng is not None:
+        raise click.UsageError("--rng goes with --batch (a recorder snapshot holds its own RNG state)")
     if batch is None:
         if amp is not None or scale is not None or accumulate is not None:
             raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
@@ -180,7 +182,24 @@ def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, pat
             raise err
         return path
     return load_checkpoint_snapshot(path, batch, factory=factory, loss_fn=loss_fn, amp=amp, scale=scale,
-                                    device=device, paths=paths, accumulate=accumulate or "auto")
+                                    device=device, paths=paths, accumulate=accumulate or "auto", rng=rng)
+
+
+def _override_options(fn):
+    """``--rng FILE`` (with --batch) and ``--factory-kwargs JSON``: what the command line says over the files'."""
+    fn = click.option("--factory-kwargs", "factory_kwargs", default=None, metavar="JSON",
+                      help="Keyword arguments for the model factory, a JSON object merged over the recorded ones, "
+                           "e.g. '{\"width\": 64}'.")(fn)
+    return click.option("--rng", "rng", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+                        metavar="FILE", help="With --batch: the failing step's RNG state, saved at the step's start "
+                                             "by torch.save({'cpu': torch.get_rng_state(), 'cuda': "
+                                             "torch.cuda.get_rng_state_all()}, FILE).")(fn)
+
+
+def _factory_kwargs(text):
+    from .load.overrides import parse_factory_kwargs
+
+    return None if text is None else parse_factory_kwargs(text)
 
 
 def _fail_on_option(when: str, printed: str):
@@ -237,15 +256,18 @@ def _replay_options(*, culprit: str, snapshot: str):
 @click.option("--rank", type=click.IntRange(0, None), default=None,
               help="Replay this rank's snapshot of the same step: the file beside SNAPSHOT with the same "
                    "step and reason (FSDP and DDP runs write one per rank).")
+@_override_options
 @_one_line_errors
 def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
-           rank):
+           rank, rng, factory_kwargs):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf.
 
     SNAPSHOT is a recorder snapshot, or with --batch a checkpoint.
     """
     if batch is not None and (show or rank is not None):
         raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
+    if show and (rng is not None or factory_kwargs is not None):
+        raise click.UsageError("--show prints what the snapshot names; --rng and --factory-kwargs go with a replay")
     if show:
         _show_imports(snapshot, rank, factory, loss_fn, paths, as_json)
         return
@@ -255,8 +277,18 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
+    kwargs = _factory_kwargs(factory_kwargs)
     target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
-                                paths=paths, accumulate=accumulate)
+                                paths=paths, accumulate=accumulate, rng=rng)
+    if kwargs is not None:  # applied to the loaded snapshot: replay takes the value as it takes a file's
+        from .load import load_snapshot
+        from .load.dcp import sibling_snapshot
+        from .load.overrides import with_factory_kwargs
+
+        if isinstance(target, str):
+            target = load_snapshot(sibling_snapshot(target, rank) if rank is not None else target)
+            rank = None
+        target = with_factory_kwargs(target, kwargs)
     result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
                              loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
     if plot_path:
@@ -329,8 +361,10 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 @_device_option
 @_replay_options(culprit="each culprit", snapshot="the snapshots'")
 @_fail_on_option("the report has a finding of this severity or worse", "the autopsy")
+@_override_options
 @_one_line_errors
-def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on):
+def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on,
+            rng, factory_kwargs):
     """One answer: report the run, replay its first failing snapshots, try each fix on them.
 
     RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
@@ -349,9 +383,17 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
         raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
+    if batch is None and (rng is not None or factory_kwargs is not None):
+        raise click.UsageError("--rng and --factory-kwargs go with --batch here; for a run directory's snapshot: "
+                               "analyzer replay SNAPSHOT --factory-kwargs JSON")
+    kwargs = _factory_kwargs(factory_kwargs)
     target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
                                                           loss_fn=loss_fn, device=device, paths=paths,
-                                                          accumulate=accumulate)
+                                                          accumulate=accumulate, rng=rng)
+    if kwargs is not None:
+        from .load.overrides import with_factory_kwargs
+
+        target = with_factory_kwargs(target, kwargs)
     result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
     run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log

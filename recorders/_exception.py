@@ -27,7 +27,6 @@ import functools
 import json
 import os
 import traceback
-import warnings
 
 import torch
 
@@ -163,6 +162,6 @@ def _warn(rec, e: Exception) -> None:
     if rec._warned:
         return
     rec._warned = True
-    warnings.warn(f"amp-autopsy recorder could not record the training exception in {rec.run_dir}: "
-                  f"{type(e).__name__}: {e}. The training exception is raised as it is; the record of its "
-                  "step may be incomplete", RecorderWarning, stacklevel=4)
+    rec._recorder_warning("exception_not_recorded", "amp-autopsy recorder could not record the training "
+                          f"exception in {rec.run_dir}: {type(e).__name__}: {e}. The training exception is raised "
+                          "as it is; the record of its step may be incomplete", RecorderWarning, stacklevel=4)

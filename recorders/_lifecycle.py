@@ -11,6 +11,9 @@ the pieces that make it so, kept apart from the API and the per-step statistics:
   recording and releases everything; training goes on with its numerics untouched.
 - ``_release``: drop references and device memory, remove the optimizer hook, give back the
   writer claim and the atexit registration (also on close).
+- ``_recorder_warning``: every RecorderWarning goes through it: it is kept in meta.json's ``warnings``
+  (``schema.WARNING_KEYS``: a stable kind, the step, the text; at most ``schema.MAX_WARNINGS``), written
+  atomically before the warning is issued, so that ``analyzer report`` repeats it after the run.
 
 ``strict=True`` re-raises in ``_guard`` and ``_stop`` instead of warning.
 """
@@ -57,7 +60,8 @@ class Lifecycle:
                           device_type=self.device_type, amp_dtype=self.amp_dtype, scaler=self.scaler,
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
                           config=self.config, fsdp=self._fsdp,
-                          optimizer=optimizer_meta(self.optimizer, self._params), compile=self.compile)
+                          optimizer=optimizer_meta(self.optimizer, self._params), compile=self.compile,
+                          warnings=self.__dict__.get("_warnings_kept"))
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
         self._meta = meta
@@ -66,8 +70,8 @@ class Lifecycle:
         self._writer = TraceWriter(self.run_dir, self.rank, self.writer)
         if others:
             who = ", ".join(f"pid {o.get('pid')} on host {o.get('host')}" for o in others)
-            warnings.warn(
-                f"amp-autopsy recorder: rank {self.rank} of {self.run_dir} is already being recorded by "
+            self._recorder_warning(
+                "shared_rank", f"amp-autopsy recorder: rank {self.rank} of {self.run_dir} is already being recorded by "
                 f"{who}; this process (pid {os.getpid()}) records it as writer {self.writer} (its files "
                 f"are named *-r{self.rank:05d}-w{self.writer}-*). If these are processes of one "
                 "multi-GPU launch, initialise torch.distributed before building the Recorder so each "
@@ -79,19 +83,22 @@ class Lifecycle:
         self.write_errors += 1
         if self.strict:
             raise error
+        stop_msg = None
+        if not self._stop_warned:
+            msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+            stop_msg = (f"amp-autopsy recorder stopped recording {self.run_dir} after an internal error in "
+                        f"{where}: {msg}. Training continues, unchanged; the record ends here (please report "
+                        "this with the message)")
+            self._keep_warning("stopped", stop_msg)  # while meta.json is still written
         self.stopped = True
         if where != "flush":
             try:  # keep the complete steps buffered so far
                 self._flush()
             except Exception:  # noqa: BLE001 - best effort: the warning below says the record ends
                 pass
-        if not self._stop_warned:
+        if stop_msg is not None:
             self._stop_warned = True
-            msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-            warnings.warn(
-                f"amp-autopsy recorder stopped recording {self.run_dir} after an internal error in "
-                f"{where}: {msg}. Training continues, unchanged; the record ends here (please report "
-                "this with the message)", RecorderWarning, stacklevel=3)
+            warnings.warn(stop_msg, RecorderWarning, stacklevel=3)
         self._release()
 
     def _update_meta(self, **fields) -> None:
@@ -104,9 +111,34 @@ class Lifecycle:
         self._guard("update meta.json", atomic_write, self.run_dir / schema.meta_name(self.rank, self.writer),
                     lambda f: f.write(data))
 
-    def _misuse_warning(self, message: str) -> None:
+    def _misuse_warning(self, kind: str, message: str, step: int | None = None) -> None:
         """A misuse of the API the recorder noticed (``_mistakes``): one RecorderWarning, training goes on."""
-        warnings.warn(message, RecorderWarning, stacklevel=4)
+        self._recorder_warning(kind, message, stacklevel=4, step=step)
+
+    def _recorder_warning(self, kind: str, message: str, category: type[Warning] = RecorderWarning,
+                          stacklevel: int = 3, step: int | None = None) -> None:
+        """Issue a RecorderWarning of `kind` (a key of ``schema.WARNING_KINDS``), kept in meta.json first.
+
+        `stacklevel` counts from the caller, as for ``warnings.warn``. `step`: the step the warning is
+        about (default: the step ``begin_step`` last named).
+        """
+        self._keep_warning(kind, message, step)
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+    def _keep_warning(self, kind: str, message: str, step: int | None = None) -> None:
+        """Append the warning to meta.json's ``warnings`` (host values only: no device sync); never raises."""
+        try:
+            kept = self.__dict__.setdefault("_warnings_kept", [])
+            if len(kept) >= schema.MAX_WARNINGS:
+                return
+            if step is None:
+                step = self.__dict__.get("_step")
+            kept.append({"kind": kind, "step": step if isinstance(step, int) else None,
+                         "message": str(message)[:schema.MAX_WARNING_CHARS]})
+            if getattr(self, "_meta", None) is not None:  # before _start: build_meta takes them
+                self._update_meta(warnings=list(kept))
+        except Exception:  # noqa: BLE001 - keeping a warning must never take training down
+            pass
 
     def _release(self) -> None:
         """Drop references and device memory; unregister from atexit and the writer claims."""
@@ -137,8 +169,9 @@ class Lifecycle:
             if self.strict:
                 raise
             if not self._warned:
-                self._warned = True
-                warnings.warn(
+                self._warned = True  # NB: set first: keeping the warning rewrites meta.json through _guard
+                self._recorder_warning(
+                    "write_error",
                     f"amp-autopsy recorder could not {what} in {self.run_dir}: {type(e).__name__}: {e}. "
                     "Training continues but the record is incomplete (further write errors are "
                     "counted in rec.write_errors, not warned again; strict=True raises instead)",

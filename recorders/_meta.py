@@ -104,12 +104,14 @@ def current_cwd() -> str | None:
 def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_type: str,
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
                factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig,
-               fsdp: dict | None = None, optimizer: dict | None = None, compile: dict | None = None) -> dict:
+               fsdp: dict | None = None, optimizer: dict | None = None, compile: dict | None = None,
+               warnings: list[dict] | None = None) -> dict:
     """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order.
 
     `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
     `optimizer`: ``recorders._update.optimizer_meta`` (class, hyperparameters per group) or None.
     `compile`: ``recorders._compile.compile_info`` (how it was torch.compile'd) or None.
+    `warnings`: the RecorderWarnings issued before meta.json was first written (``schema.WARNING_KEYS`` dicts).
     """
     from . import __version__
 
@@ -143,6 +145,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
         "compile": compile,  # recorders/_compile.compile_info of the model the loop passed
         "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/_micro.py)
+        "warnings": list(warnings or []),  # rewritten at each RecorderWarning (recorders/_lifecycle.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

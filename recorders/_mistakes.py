@@ -50,11 +50,12 @@ def observe_autocast(device_type: str) -> dict:
 
 
 class MistakeWatch:
-    """The Recorder's watch for misuse. ``warn(message)`` issues a RecorderWarning; ``update_meta(**fields)``
-    rewrites meta.json with new values (both supplied by the Recorder)."""
+    """The Recorder's watch for misuse. ``warn(kind, message, step)`` issues a RecorderWarning of `kind` (a key
+    of ``schema.WARNING_KINDS``, kept in meta.json); ``update_meta(**fields)`` rewrites meta.json with new
+    values (both supplied by the Recorder)."""
 
     def __init__(self, model: torch.nn.Module, *, amp_dtype: torch.dtype | None, device_type: str,
-                 scaler: torch.amp.GradScaler | None, warn: Callable[[str], None],
+                 scaler: torch.amp.GradScaler | None, warn: Callable[[str, str, int | None], None],
                  update_meta: Callable[..., None], sharded: bool = False):
         self.begun = 0
         self.ended = 0
@@ -80,9 +81,10 @@ class MistakeWatch:
         """begin_step(`step`); `open_step`: the previous step, if it began and never ended."""
         self.begun += 1  # NB: the observation is kept: HF's callback begins the step from a pre-hook of its own
         if open_step is not None and self._once("end_step"):
-            self._warn(f"amp-autopsy recorder: begin_step({step}) came before end_step() of step {open_step}, "
+            self._warn("end_step_missing",
+                       f"amp-autopsy recorder: begin_step({step}) came before end_step() of step {open_step}, "
                        f"so step {open_step} was not recorded. Call rec.end_step(loss) with the unscaled loss "
-                       "after backward and before optimizer.step() on every step")
+                       "after backward and before optimizer.step() on every step", open_step)
             self._update_meta(steps_begun=self.begun)
 
     def end(self, step: int, loss, row: dict | None) -> None:
@@ -92,14 +94,15 @@ class MistakeWatch:
             self._autocast_seen(step, loss)
         if self._scaler is not None and isinstance(loss, torch.Tensor) and row is not None \
                 and "scaled_loss" not in self._warned:
-            self._check_scaled(loss, row)
+            self._check_scaled(step, loss, row)
 
     def close(self) -> None:
         self.release()
         if self.begun and not self.ended and not self.manual and self._once("end_step"):
-            self._warn(f"amp-autopsy recorder: begin_step ran {self.begun} time(s) but end_step() never did, so "
+            self._warn("end_step_missing",
+                       f"amp-autopsy recorder: begin_step ran {self.begun} time(s) but end_step() never did, so "
                        "the run directory records no steps. Call rec.end_step(loss) with the unscaled loss after "
-                       "backward and before optimizer.step() on every step")
+                       "backward and before optimizer.step() on every step", None)
         self._update_meta(steps_begun=self.begun)
 
     def release(self) -> None:
@@ -159,16 +162,19 @@ class MistakeWatch:
                      f"does nothing for a model on {dt}" if others else
                      f"no autocast region was active for {dt} (torch.autocast on another device type does "
                      "nothing here, and torch.autocast(\"cuda\") without CUDA disables itself)")
-            self._warn(f"amp-autopsy recorder: amp_dtype={self._amp} but autocast was not active on {dt} during "
+            self._warn("autocast_inactive",
+                       f"amp-autopsy recorder: amp_dtype={self._amp} but autocast was not active on {dt} during "
                        f"the forward of step {step}, so this run trains in FP32: {cause}. Run the forward under "
                        f"torch.autocast(device_type={dt!r}, dtype=torch.{self._amp}), with device_type taken from "
-                       "the model (next(model.parameters()).device.type), or pass amp_dtype=None for an FP32 run")
+                       "the model (next(model.parameters()).device.type), or pass amp_dtype=None for an FP32 run",
+                       step)
         elif seen["dtype"] is not None and seen["dtype"] != self._amp:
-            self._warn(f"amp-autopsy recorder: amp_dtype={self._amp} but autocast on {dt} runs in {seen['dtype']} "
+            self._warn("autocast_dtype",
+                       f"amp-autopsy recorder: amp_dtype={self._amp} but autocast on {dt} runs in {seen['dtype']} "
                        f"(step {step}): pass amp_dtype=torch.{seen['dtype']} so that the report and replay use the "
-                       "precision this run trains in")
+                       "precision this run trains in", step)
 
-    def _check_scaled(self, loss: torch.Tensor, row: dict) -> None:
+    def _check_scaled(self, step: int, loss: torch.Tensor, row: dict) -> None:
         node = loss.grad_fn
         if node is None or node.name() != "MulBackward0":
             return
@@ -193,10 +199,11 @@ class MistakeWatch:
             if abs(moved - factor) >= 0.5 * abs(factor):  # the loss did not follow the scale
                 return
         self._warned.add("scaled_loss")
-        self._warn(f"amp-autopsy recorder: end_step() was given the scaled loss (loss x the GradScaler's scale"
+        self._warn("scaled_loss",
+                   f"amp-autopsy recorder: end_step() was given the scaled loss (loss x the GradScaler's scale"
                    + (f", {value:.4g} at scale {scale:g}" if isinstance(value, float) and isinstance(scale, float)
                       else "") + "), so the trace records loss x scale. Pass the unscaled loss: "
-                   "scaler.scale(loss).backward(); rec.end_step(loss)")
+                   "scaler.scale(loss).backward(); rec.end_step(loss)", step)
 
 
 def _casts_parameters(loss: torch.Tensor, most: int = 100_000) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib as _contextlib
 import contextvars as _contextvars
 import dataclasses as _dataclasses
+import difflib as _difflib
 import importlib as _importlib
 import importlib.machinery as _machinery
 import os as _os
@@ -66,7 +67,8 @@ _ROOTS: _contextvars.ContextVar[tuple[str, ...]] = _contextvars.ContextVar("amp_
 
 
 class ImportRuleError(ValueError):
-    """A reference the rule refuses (``kind``: "form", "refused", "missing" or "mismatch")."""
+    """A reference the rule refuses (``kind``: "form", "refused", "missing" or "mismatch"), or one that names
+    nothing its module defines (``kind`` "undefined": a typo, worded as one, with "did you mean")."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -288,6 +290,25 @@ def plan_ref(ref, roots=(), *, explicit: bool = False, libraries=(), what: str =
     return plan(True, f"under {root}", "ok")
 
 
+def _safe_dir(mod: _types.ModuleType) -> list[str]:
+    """``dir(mod)``, which names a lazy module's attributes too (transformers'), importing nothing more."""
+    try:
+        return list(dir(mod))
+    except Exception:  # noqa: BLE001 - a module whose own __dir__ fails: its namespace
+        return list(vars(mod))
+
+
+def _undefined(what: str, name: str, mod: _types.ModuleType) -> str:
+    """``no function 'buld_model' in samples.models; did you mean 'build_model'?``: the closest of the
+    module's top-level functions and classes defined there (difflib), if any is close."""
+    defined = [k for k, v in vars(mod).items() if isinstance(v, (_types.FunctionType, type))
+               and getattr(v, "__module__", None) == mod.__name__ and not k.startswith("__")]
+    kind = "class" if what.endswith("class") else "function"
+    close = _difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (it defines {len(defined)} functions and classes)"
+    return f"no {kind} {name!r} in {mod.__name__}{hint}"
+
+
 def import_ref(ref, roots=(), *, explicit: bool = False, base: type | None = None, libraries=(),
                what: str = "factory"):
     """Import the function or class `ref` names, if the rule allows it; raise ImportRuleError if not.
@@ -307,6 +328,8 @@ def import_ref(ref, roots=(), *, explicit: bool = False, base: type | None = Non
         raise ImportRuleError(f"refusing {what} {ref!r}: importing {plan.module!r} loaded "
                               f"{getattr(mod, '__file__', None)}, not {plan.file}", "refused")
     obj = vars(mod).get(plan.name)
+    if obj is None and plan.name not in _safe_dir(mod):  # a typo, not a refusal: the module has no such name
+        raise ImportRuleError(_undefined(what, plan.name, mod), "undefined")
     if not isinstance(obj, (_types.FunctionType, type)) or obj.__module__ != plan.module \
             or obj.__qualname__ != plan.name:
         found = "nothing" if obj is None else f"{type(obj).__name__} {getattr(obj, '__module__', '?')}:" \

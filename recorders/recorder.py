@@ -10,7 +10,6 @@ import atexit
 import functools
 import json
 import os
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -380,9 +379,10 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             if callable(register):
                 self._hook = register(self._after_optimizer_step)
             else:  # not a torch.optim.Optimizer: the rest of the record is still worth having
-                warnings.warn(f"amp-autopsy recorder: check_update=True needs a torch.optim.Optimizer (its "
-                              f"register_step_post_hook); {type(self.optimizer).__name__} has none, so optimizer "
-                              "steps are not checked", RecorderWarning, stacklevel=4)
+                self._recorder_warning("no_step_hook", "amp-autopsy recorder: check_update=True needs a "
+                                       "torch.optim.Optimizer (its register_step_post_hook); "
+                                       f"{type(self.optimizer).__name__} has none, so optimizer steps are not "
+                                       "checked", RecorderWarning, stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
         self._writer.write(rows, layers)
@@ -419,9 +419,9 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         optim = optimizer_entry(self.optimizer, self._param_names)
         if missed and not self._warned:
             self._warned = True
-            warnings.warn(
-                f"amp-autopsy recorder: step {self._step} wrote buffers in place that no earlier step "
-                f"wrote ({', '.join(missed[:4])}); snapshot {path.name} holds their post-forward values",
+            self._recorder_warning(
+                "post_forward_buffers", f"amp-autopsy recorder: step {self._step} wrote buffers in place that no "
+                f"earlier step wrote ({', '.join(missed[:4])}); snapshot {path.name} holds their post-forward values",
                 RecorderWarning, stacklevel=4)
 
         fsdp = None

@@ -47,6 +47,8 @@ mode, dynamic, fullgraph, which submodules); names never carry ``_orig_mod.`` (o
 6 adds ``micro_batches`` to snapshots: a step that accumulated gradients keeps every micro-batch (``batch``
 is their list) and how their losses were combined (``MICRO_BATCH_KEYS``); and ``micro_batches_kept`` to
 meta.json: True once the run's snapshots hold every micro-batch of their step (older runs: None).
+7 adds ``warnings`` to meta.json: every RecorderWarning the recorder issued, by kind (``WARNING_KINDS``) and step
+(``WARNING_KEYS``; older runs: None, nothing known).
 """
 from __future__ import annotations
 
@@ -87,10 +89,11 @@ __all__ = [
     "EXCEPTION_KEYS",
     "MICRO_BATCH_KEYS",
     "MICRO_BATCH_COMBINES",
+    "WARNING_KEYS", "WARNING_KINDS", "MAX_WARNINGS", "MAX_WARNING_CHARS",
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
 ]
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -160,6 +163,8 @@ META_KEYS = (
     "compile",  # since version 5: None (nothing compiled) | how the model was torch.compile'd (see "compile" after KEYS_ADDED)
     "micro_batches_kept",  # since version 6: True when snapshots hold every micro-batch of their step (the
                            #   callbacks from the start; a loop once a snapshot held a list of them); else None
+    "warnings",  # since version 7: [WARNING_KEYS dicts], the RecorderWarnings issued so far, oldest first (at
+                 #   most MAX_WARNINGS; rewritten when one is issued); [] when none
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -179,6 +184,25 @@ META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with step
 META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
 META_KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older runs: None
 META_KEYS_ADDED["micro_batches_kept"] = 6  # snapshots hold every micro-batch (recorders/_micro.py); older runs: None
+META_KEYS_ADDED["warnings"] = 7  # the RecorderWarnings issued (recorders/_lifecycle.py); older runs: None
+# One entry of meta.json's "warnings", in this order: kind (a key of WARNING_KINDS: a stable name, never the text),
+# step (the step begin_step last named, None before the first), message (the warning's text, at most
+# MAX_WARNING_CHARS characters).
+WARNING_KEYS = ("kind", "step", "message")
+MAX_WARNINGS = 32  # each kind warns about once per run: a cap, not a budget
+MAX_WARNING_CHARS = 1000
+WARNING_KINDS: dict[str, str] = {
+    "scaled_loss": "end_step was given scaler.scale(loss): the trace holds loss x scale",
+    "end_step_missing": "begin_step ran without end_step: a step (or every step) was not recorded",
+    "autocast_inactive": "amp_dtype said FP16/BF16 but autocast was not active during the forward",
+    "autocast_dtype": "autocast ran in another dtype than amp_dtype",
+    "shared_rank": "another live process already records this rank (a second writer)",
+    "write_error": "the recorder could not write part of its record (the disk); the record is incomplete",
+    "stopped": "an internal error stopped the recording; training went on",
+    "no_step_hook": "check_update=True without a torch.optim.Optimizer: optimizer steps were not checked",
+    "post_forward_buffers": "a snapshot holds buffers written in place by the forward (post-forward values)",
+    "exception_not_recorded": "the exception the loop raised could not be recorded completely",
+}
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"

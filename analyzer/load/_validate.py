@@ -117,28 +117,9 @@ def _check_model_state(state: Any, path) -> None:
 
 
 def _check_rng(rng: Any, path) -> None:
-    if not isinstance(rng, dict):
-        raise _bad("rng", "should be a dict with a 'cpu' generator state", path)
-    cpu = rng.get("cpu")
-    want = torch.get_rng_state().numel()
-    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.dim() != 1 or cpu.numel() != want:
-        got = f"{cpu.dtype} of shape {tuple(cpu.shape)}" if isinstance(cpu, torch.Tensor) else type(cpu).__name__
-        raise _bad("rng", f"'cpu' should be a uint8 tensor of {want} bytes (torch.get_rng_state()), got {got}",
-                   path)
-    check_dense(cpu, path=path, where="rng['cpu']")
-    try:
-        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
-            torch.set_rng_state(cpu)
-    except RuntimeError as e:  # "Invalid mt19937 state": bytes that no generator ever produced
-        raise _bad("rng", f"'cpu' is not a CPU generator state ({str(e).strip()[:80]})", path) from e
-    cuda = rng.get("cuda")
-    if cuda is None:
-        return
-    if not isinstance(cuda, (list, tuple)) or not all(
-            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 and c.dim() == 1 for c in cuda):
-        raise _bad("rng", "'cuda' should be None or a list of uint8 tensors (one per device)", path)
-    for i, c in enumerate(cuda):
-        check_dense(c, path=path, where=f"rng['cuda'][{i}]")
+    from .rngfile import check_rng_state  # one reader of the RNG format: snapshots and --rng files
+
+    check_rng_state(rng, path=path, what="snapshot 'rng'", fix=_REFIX)
 
 
 def _check_sdpa(sdpa: Any, path) -> None:

@@ -50,6 +50,7 @@ from ._ckpt import (_MAX_JSON, HF_BUILDER, HF_LOSS, PL_BUILDER, PL_LOSS, STATE_K
                     clean_state, read_json, state_dict_of)
 from ._batchfile import micro_batch_file
 from ._validate import check_dense
+from .rngfile import load_rng_file, split_batch_rng
 from .safetensors import load_safetensors, looks_like_safetensors
 from .snapshot import Snapshot
 from .torchfile import ZIP_ERRORS, is_zip, torch_load_safe
@@ -61,7 +62,8 @@ REASON = "checkpoint"
 SEED = 0  # dropout and every other random op replay from torch.manual_seed(SEED)
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _AMP = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop, or with "
+RECIPE = ("save the failing step's batch with torch.save(batch, 'batch.pt') in the loop (with its RNG state: "
+          "torch.save({'batch': batch, 'rng': rng}, 'batch.pt')), or with "
           "callbacks=[recorders.integrations.hf.save_batch_on_nan('batch.pt')] under HF Trainer")
 
 
@@ -86,7 +88,7 @@ class CheckpointSnapshot(Snapshot):
 def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, *, factory: str | None = None,
                              loss_fn: str | None = None, amp: str | None = None, scale: float | None = None,
                              device: str = "auto", paths: tuple[str, ...] = (),
-                             accumulate: str = "auto") -> CheckpointSnapshot:
+                             accumulate: str = "auto", rng: str | os.PathLike | None = None) -> CheckpointSnapshot:
     """Read a checkpoint and a ``torch.save``'d batch into a ``CheckpointSnapshot``.
 
     Args:
@@ -99,6 +101,8 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         device: where the replay will run (``auto``, ``cpu``, ``cuda``): the random state is made for it.
         paths: ``--path`` roots, where a Lightning module class is looked for.
         accumulate: ``--accumulate``: how a list of micro-batches is replayed (``_batchfile.ACCUMULATE``).
+        rng: ``--rng``: a file holding the failing step's RNG state (``rngfile``); else the batch file's ``rng``
+            entry, if it has one; else a fixed seed.
 
     Raises:
         BadInputError: an unreadable, pickled-class, foreign or incomplete file; FactoryError: no
@@ -121,26 +125,33 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         optimizer, note = _model_optimizer(path, ck["optimizer_sd"], refs["factory"], kwargs,
                                            explicit=factory is not None, paths=paths)
         ck["notes"].append(note)
-    data, batch_notes, micro = read_batch(batch, hf=ck["kind"] == "hf" and not loss_fn, accumulate=accumulate)
+    data, batch_notes, micro, batch_rng = read_batch_and_rng(batch, hf=ck["kind"] == "hf" and not loss_fn,
+                                                             accumulate=accumulate)
     low_scale, scale_note = _scale(amp_dtype, scale, ck.get("scaler_scale"))
+    dev = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    state_rng = load_rng_file(rng) if rng is not None else batch_rng
+    rng_from = (f"{os.fspath(rng)} (--rng)" if rng is not None else
+                f"the batch file's 'rng' entry" if batch_rng is not None else None)
     notes = [f"no recorder snapshot: the weights of {ck['what']} {path} and the batch {os.fspath(batch)}",
              f"AMP dtype {amp_dtype}" + (" (--amp)" if amp else " (the --amp default; pass --amp bf16 for a BF16 run)"),
              scale_note, *ck["notes"], *batch_notes,
-             f"no recorded loss scale, RNG state or pre-step buffers were available: buffers are the checkpoint's, "
-             f"and dropout and every other random op run with a fixed seed ({SEED}), not the failing step's masks"]
-    dev = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+             *([f"RNG state: {rng_from}, so random ops draw what the failing step drew"] if rng_from else []),
+             _missing_note(scale is None and ck.get("scaler_scale") is None, rng_from is None)]
     raw = {
         "format": CHECKPOINT_FORMAT, "format_version": schema.FORMAT_VERSION, "torch_version": torch.__version__,
         "amp_autopsy_version": None, "created": time.time(), "host": None, "rank": 0, "world_size": 1,
         "step": ck.get("step"), "reason": REASON, "device_type": dev, "amp_dtype": amp_dtype, "scale": low_scale,
         "scaler_state": None, "factory": refs["factory"], "factory_kwargs": kwargs, "loss_fn": refs["loss_fn"],
         "train_mode": True,
-        "model_state": ck["state"], "batch": data, "rng": _fixed_rng(dev), "loss": None, "loss_dtype": None,
+        "model_state": ck["state"], "batch": data, "rng": state_rng if state_rng is not None else _fixed_rng(dev),
+        "loss": None, "loss_dtype": None,
         "grad_norm": None, "cwd": None, "sdpa": None, "fsdp": None, "optimizer": optimizer, "update": None,
         "exception": None, "compile": None, "micro_batches": micro,  # a list of micro-batches: accumulation
     }
     source = {"checkpoint": path, "kind": ck["kind"], "batch": os.fspath(batch), "amp_dtype": amp_dtype,
-              "scale": 1.0 if low_scale is None else low_scale, "seed": SEED, "logs": ck.get("logs"), "notes": notes}
+              "scale": 1.0 if low_scale is None else low_scale, "seed": None if rng_from else SEED,
+              "rng": os.fspath(rng) if rng is not None else os.fspath(batch) if batch_rng is not None else None,
+              "logs": ck.get("logs"), "notes": notes}
     return CheckpointSnapshot(path=path, **{k: raw[k] for k in schema.SNAPSHOT_KEYS}, _raw=MappingProxyType(raw),
                               kind=ck["kind"], batch_path=os.fspath(batch), notes=tuple(notes), logs=ck.get("logs"),
                               source=source)
@@ -183,12 +194,34 @@ def checkpoint_instead(path: str | os.PathLike) -> BadInputError | None:
                                    "'analyzer inspect' checks a checkpoint's tensors")
 
 
+def _missing_note(no_scale: bool, no_rng: bool) -> str:
+    """What no file told, and what stood in for it (only what is missing: a scale from the checkpoint is not)."""
+    missing = [w for w, gone in (("loss scale", no_scale), ("RNG state", no_rng), ("pre-step buffers", True)) if gone]
+    listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " or " + missing[-1]
+    note = f"no recorded {listed} were available: buffers are the checkpoint's"  # buffers: always missing, plural
+    if no_rng:
+        note += (f", and dropout and every other random op run with a fixed seed ({SEED}), not the failing step's "
+                 "masks or draws (pass --rng FILE, or save {'batch': batch, 'rng': rng} as the batch file)")
+    return note
+
+
 # -- the batch -----------------------------------------------------------------------------------
+def read_batch_and_rng(path: str | os.PathLike, *, hf: bool = False,
+                       accumulate: str = "auto") -> tuple[Any, list[str], dict | None, dict | None]:
+    """``read_batch``, and the RNG state saved beside the batch (``{"batch": B, "rng": R}``), else None."""
+    obj = torch_load_safe(path)
+    batch, rng = split_batch_rng(obj, path)
+    return (*_read_batch(batch, path, hf=hf, accumulate=accumulate), rng)
+
+
 def read_batch(path: str | os.PathLike, *, hf: bool = False,
                accumulate: str = "auto") -> tuple[Any, list[str], dict | None]:
     """The batch in ``path`` (weights_only), notes, and the ``micro_batches`` entry of a list of micro-batches
     (``_batchfile``: replayed as accumulation, or joined with ``accumulate="join"``); an HF tensor made a dict."""
-    obj = torch_load_safe(path)
+    return _read_batch(torch_load_safe(path), path, hf=hf, accumulate=accumulate)
+
+
+def _read_batch(obj: Any, path: str | os.PathLike, *, hf: bool, accumulate: str) -> tuple[Any, list[str], dict | None]:
     fix = f"the batch the failing step's loss was computed on: {RECIPE}"
     obj, notes, micro = micro_batch_file(obj, path, accumulate, fix=fix)
     leaves = [(w, t) for w, t in _leaves(obj, "batch")]

@@ -76,6 +76,8 @@ def _ref_fix(kind: str, option: str) -> str:
                 f"yourself with {option} pkg.module:function, which is also found through PYTHONPATH")
     if kind == "form":
         return f"pass {option} pkg.module:function"
+    if kind == "undefined":
+        return f"check the name after the colon; pass {option} pkg.module:function to name another"
     return f"if you trust that code, name it yourself with {option} pkg.module:function"
 
 

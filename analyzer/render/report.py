@@ -73,9 +73,12 @@ def render_report_text(rep: Report) -> str:
             ev = _evidence_line(f)
             if ev:
                 lines.append(f"      evidence: {ev}")
+    last = f"last finite loss {_fmt(s.get('last_finite_loss'))}"
+    if s.get("loss_scaled"):  # the trace holds loss x scale (scaled_loss): never print it as the loss
+        last = (f"last finite loss {_fmt(s.get('last_finite_loss_unscaled'))} (recorded "
+                f"{_fmt(s.get('last_finite_loss'))} = loss x scale: scaled_loss)")
     lines += ["", f"steps: {s.get('count')} recorded, {s.get('skipped')} skipped, "
-              f"{s.get('nonfinite_loss')} non-finite loss, last finite loss {_fmt(s.get('last_finite_loss'))}, "
-              f"final scale {_fmt(s.get('final_scale'))}"]
+              f"{s.get('nonfinite_loss')} non-finite loss, {last}, final scale {_fmt(s.get('final_scale'))}"]
     if fr.n_ranks > 1:
         lines.append("ranks:")
         for row in fr.ranks.head(_MAX_LISTED).iter_rows(named=True):

@@ -101,7 +101,16 @@ class Report:
                 "final_scale": float(scale[-1]) if scale.len() else None,
                 "min_scale": float(scale.min()) if scale.len() else None,
                 "last_finite_loss": _last_finite(loss), "range": list(self.steps_range or (None, None)),
-                "usable_values": self.usable_values()}
+                "usable_values": self.usable_values(), **self._scaled_loss_summary()}
+
+    def _scaled_loss_summary(self) -> dict[str, Any]:
+        """When ``scaled_loss`` found the trace holds loss x scale: ``loss_scaled`` and the last finite
+        recorded value divided by its step's scale (the scale its ``scaler.scale(loss)`` multiplied by)."""
+        if not any(f.check == "scaled_loss" for f in self.findings):
+            return {"loss_scaled": False}
+        s = self.frames.steps.filter(pl.col("loss").is_finite() & pl.col("scale").is_finite() & (pl.col("scale") > 0))
+        return {"loss_scaled": True,
+                "last_finite_loss_unscaled": float(s["loss"][-1] / s["scale"][-1]) if s.height else None}
 
     @property
     def verdict(self) -> str:

@@ -192,10 +192,18 @@ def test_save_batch_on_nan_saves_the_failing_steps_inputs_and_they_replay_on_the
     cb = save_batch_on_nan(tmp_path / "nan_batch.pt")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        Trainer(model=_gpt2(), args=args, train_dataset=_Embeds(), callbacks=[cb]).train()
+        model = _gpt2()
+        states = []  # the CPU generator at each training forward's start (this hook runs before the callback's)
+        model.register_forward_pre_hook(lambda m, a: states.append(torch.get_rng_state()) if m.training else None)
+        Trainer(model=model, args=args, train_dataset=_Embeds(), callbacks=[cb]).train()
     assert cb.saved_step == NAN_STEP
     assert any("analyzer replay CHECKPOINT --batch" in str(w.message) for w in caught)
-    batch = torch.load(tmp_path / "nan_batch.pt", weights_only=True)
+    saved = torch.load(tmp_path / "nan_batch.pt", weights_only=True)
+    assert torch.equal(saved["rng"]["cpu"], states[NAN_STEP])  # one forward per step: the failing step's
+    assert set(saved) == {"batch", "rng"}  # the RNG state the failing forward started from, beside its inputs
+    assert saved["rng"]["cpu"].dtype == torch.uint8 and saved["rng"]["cpu"].numel() == torch.get_rng_state().numel()
+    assert saved["rng"]["cuda"] is None  # a CPU run
+    batch = saved["batch"]
     # the model's keyword inputs as the Trainer passed them (recent transformers adds num_items_in_batch)
     assert {"inputs_embeds", "labels"} <= set(batch) <= {"inputs_embeds", "labels", "num_items_in_batch"}
     assert batch["inputs_embeds"].shape == (BATCH, SEQ, EMBD)
@@ -210,3 +218,4 @@ def test_save_batch_on_nan_saves_the_failing_steps_inputs_and_they_replay_on_the
     got = json.loads(res.stdout)
     assert got["verdict"] == "nonfinite_input" and got["nonfinite_inputs"] == ["batch:inputs_embeds"]
     assert got["step"] == NAN_STEP  # trainer_state.json's global_step
+    assert got["checkpoint"]["rng"] == str(tmp_path / "nan_batch.pt") and got["checkpoint"]["seed"] is None

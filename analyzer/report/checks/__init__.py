@@ -19,7 +19,8 @@ from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
 from .plausible import implausible_trace
-from .ranks import rank_divergence
+from .recorder_warnings import recorder_warning
+from .ranks import rank_divergence, repeated_rank_failure
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
 from .updates import nonfinite_weights, stalled_updates
 from .weights import weights_exploded
@@ -41,6 +42,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "grad_underflow": grad_underflow,
     "low_precision_loss": low_precision_loss,
     "rank_divergence": rank_divergence,
+    "repeated_rank_failure": repeated_rank_failure,
     "nonfinite_weights": nonfinite_weights,
     "stalled_updates": stalled_updates,
     "exception": exception,
@@ -48,6 +50,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "scaled_loss": scaled_loss,
     "autocast_inactive": autocast_inactive,
     "implausible_trace": implausible_trace,
+    "recorder_warning": recorder_warning,
 }
 
 

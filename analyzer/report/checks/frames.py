@@ -62,6 +62,7 @@ class Frames:
     # shards held non-finite weights and at the first with non-finite gradients; None otherwise
     shard_faults: pl.DataFrame | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # rank 0's meta.json (optimizer, params' dtypes)
+    metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # every rank's meta.json (warnings, hosts)
     _derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def derived(self, name: str, build: Callable[[Frames], Any]) -> Any:
@@ -279,4 +280,4 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
                   layer_window=window, notes=notes, layer_rows=rows, shard_faults=shard_faults,
-                  meta=dict(run.meta or {}))
+                  meta=dict(run.meta or {}), metas=dict(run.metas or {}))

@@ -10,15 +10,24 @@ Real output (an FP16 run whose loop called ``rec.end_step(scaler.scale(loss))``)
         evidence: changes=14 followed=14 step=2 scale_before=6.554e+04 scale_after=1.311e+05 ...
 
 How to read it: the unscaled loss of a healthy run does not double when the scaler doubles its
-scale. ``autocast_inactive`` repeats what the recorder saw at the first step: ``amp_dtype`` said
+scale. A noisy loss can hide that; the recorder's own warning (kept in meta.json since format 7, kind
+``scaled_loss``) is then the evidence, and the finding says so::
+
+    scaled_loss @ step 3: during training the recorder warned at step 3 that end_step was given the scaled
+    loss (loss x the GradScaler's scale, 95.84 at scale 32): the trace holds loss x scale, so the loss values
+    in this report are scaled. Pass the unscaled loss (scaler.scale(loss).backward(); rec.end_step(loss))
+ ``autocast_inactive`` repeats what the recorder saw at the first step: ``amp_dtype`` said
 FP16/BF16 but no autocast region was active for the model's device, so the run trained in FP32.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import polars as pl
 
 from ...findings import Finding
 from .frames import Frames
+from .recorder_warnings import stored_warnings
 
 __all__ = ["scaled_loss", "autocast_inactive", "autocast_was_inactive"]
 
@@ -27,7 +36,29 @@ FOLLOW_FRAC = 0.8  # of those, the share at which the loss moved by the scale's 
 
 
 def scaled_loss(frames: Frames) -> list[Finding]:
-    """The loss changes by the scale's factor at (nearly) every scale change: it was recorded scaled."""
+    """The loss changes by the scale's factor at (nearly) every scale change, or the recorder warned that
+    end_step was given the scaled loss: it was recorded scaled."""
+    warned = stored_warnings(frames, "scaled_loss")
+    found = _scaled_by_trace(frames)
+    if found:
+        if warned:
+            return [dataclasses.replace(found[0], evidence={**found[0].evidence, "warned_step": warned[0]["step"]})]
+        return found
+    if not warned:
+        return []
+    w = warned[0]
+    said = w["message"].partition("(loss x the GradScaler's scale")[2].partition(")")[0]
+    at = f" at step {w['step']}" if w["step"] is not None else ""
+    msg = (f"during training the recorder warned{at} that end_step was given the scaled loss (loss x the "
+           f"GradScaler's scale{said}): the trace holds loss x scale, so the loss values in this report are "
+           "scaled. Pass the unscaled loss (scaler.scale(loss).backward(); rec.end_step(loss))")
+    ev = {"source": "recorder_warning", "warned_step": w["step"], "rank": w["rank"]}
+    return [Finding("scaled_loss", "warning", w["step"], msg, ev,
+                    rank=w["rank"] if frames.n_ranks > 1 else None)]
+
+
+def _scaled_by_trace(frames: Frames) -> list[Finding]:
+    """The statistical test: the recorded loss follows the scale's changes."""
     df = frames.steps.select("step", "loss", "scale").filter(
         pl.col("loss").is_finite() & (pl.col("loss") != 0) & pl.col("scale").is_finite() & (pl.col("scale") > 0))
     if df.height < 2:

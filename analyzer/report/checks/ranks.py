@@ -16,6 +16,17 @@ Findings (all with check ``rank_divergence``):
   so every rank's loss goes bad at the same step: only the shard statistics say whose piece
   broke (its optimizer step on its shard, or a write into it), and that rank's snapshot is the
   one to replay.
+
+``repeated_rank_failure`` (warning): a minority of ranks had a non-finite loss at two or more steps
+while every other rank had none (or at most a quarter as many). A fault that follows a rank, not
+the model: its hardware (a GPU with silent data corruption, a bad memory page), its host, or its
+data shard. When every failing rank is on one host of several (meta.json's ``host``), the host is
+named. Real output (four ranks, rank 2 fed a NaN sample at three steps)::
+
+    repeated_rank_failure @ step 5 (rank 2): rank 2 had a non-finite loss at 3 steps (5, 11, 17) while
+    the other 3 ranks had none: the fault follows that rank (its GPU or memory, its host node-b, or its
+    data shard), not the model. Replay its snapshots on another device (analyzer replay SNAPSHOT
+    --device ...) and compare with the other ranks'; check its data shard
 """
 from __future__ import annotations
 
@@ -24,7 +35,10 @@ import polars as pl
 from ...findings import Finding
 from .frames import Frames
 
-__all__ = ["rank_divergence"]
+__all__ = ["rank_divergence", "repeated_rank_failure"]
+
+MIN_REPEATS = 2  # non-finite loss steps that make a rank's failures repeated
+QUIET_SHARE = 4  # the other ranks' count at most 1/QUIET_SHARE of the failing ranks'
 
 
 def _nonfinite(frames: Frames) -> list[Finding]:
@@ -126,3 +140,52 @@ def rank_divergence(frames: Frames) -> list[Finding]:
     if frames.rank is not None or frames.n_ranks < 2:
         return []
     return _shards(frames) + _nonfinite(frames) + _scale(frames) + _ends(frames)
+
+
+def _hosts(frames: Frames) -> dict[int, str]:
+    return {int(rank): meta["host"] for rank, meta in (frames.metas or {}).items()
+            if isinstance(meta, dict) and isinstance(meta.get("host"), str)}
+
+
+def _listed(values, most: int = 8) -> str:
+    shown = ", ".join(map(str, values[:most]))
+    return shown + (f" and {len(values) - most} more" if len(values) > most else "")
+
+
+def repeated_rank_failure(frames: Frames) -> list[Finding]:
+    """A minority of ranks (or one host's) with non-finite losses at several steps while the others have none."""
+    if frames.rank is not None or frames.n_ranks < 2:
+        return []
+    r = frames.ranks
+    counts = {int(k): int(v or 0) for k, v in zip(r["rank"].to_list(), r["n_nonfinite"].to_list())}
+    bad = sorted(k for k, v in counts.items() if v >= MIN_REPEATS)
+    if not bad or 2 * len(bad) > len(counts):
+        return []
+    rest = max((v for k, v in counts.items() if k not in bad), default=0)
+    if rest * QUIET_SHARE > min(counts[k] for k in bad):
+        return []
+    steps = frames.steps.filter(pl.col("nonfinite_ranks") > 0)["step"].to_list() if rest == 0 else []
+    hosts = _hosts(frames)
+    bad_hosts = {hosts.get(k) for k in bad}
+    host = next(iter(bad_hosts)) if len(bad_hosts) == 1 and None not in bad_hosts \
+        and len(set(hosts.values())) > 1 else None
+    n_other = len(counts) - len(bad)
+    others = (f"the other {n_other} rank{'s' if n_other > 1 else ''} had none" if rest == 0 else
+              f"no other rank had more than {rest}")
+    at = f" ({_listed(steps)})" if steps else ""
+    if len(bad) == 1:
+        who = f"rank {bad[0]} had a non-finite loss at {counts[bad[0]]} steps{at}"
+        what = f"that rank (its GPU or memory{f', its host {host}' if host else ''}, or its data shard)"
+    else:
+        who = f"ranks {_listed(bad)} had non-finite losses at {', '.join(str(counts[k]) for k in bad)} steps{at}"
+        what = (f"host {host}, where they run (its GPUs, memory or interconnect), or their data shards" if host
+                else "those ranks (their GPUs or memory, or their data shards)")
+    first = min(frames.ranks.filter(pl.col("rank").is_in(bad))["first_nonfinite_step"].drop_nulls().to_list(),
+                default=None)
+    ev = {"ranks": bad, "nonfinite_steps_per_rank": counts, "steps": steps[:20], "host": host,
+          "hosts": {k: hosts[k] for k in bad if k in hosts}}
+    their = "its" if len(bad) == 1 else "their"
+    msg = (f"{who} while {others}: the fault follows {what}, not the model. Replay {their} "
+           "snapshots on another device (analyzer replay SNAPSHOT --device ...) and compare with the other ranks'; "
+           "check the data shard")
+    return [Finding("repeated_rank_failure", "warning", first, msg, ev, rank=bad[0] if len(bad) == 1 else None)]

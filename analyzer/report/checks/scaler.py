@@ -141,8 +141,8 @@ def calibration_end(frames: Frames) -> dict | None:
     with np.errstate(invalid="ignore"):  # an inf or NaN scale in a damaged trace: inf - inf is no backoff
         backoffs = int(np.sum(np.diff(scale[:n + 1] if settled else scale[:n]) < 0)) + (0 if settled else 1)
     return {"first_step": int(steps[0]), "last_step": int(steps[n - 1]), "skipped": n,
-            "scale_start": float(scale[0]), "settled_scale": end_scale, "settled": settled,
-            "backoffs": backoffs}
+            "scale_start": float(scale[0]), "last_skipped_scale": float(scale[n - 1]), "settled_scale": end_scale,
+            "settled": settled, "backoffs": backoffs}
 
 
 def startup_calibration(frames: Frames) -> list[Finding]:
@@ -158,8 +158,15 @@ def startup_calibration(frames: Frames) -> list[Finding]:
         how = f"backed off from {ev['scale_start']:g}, and the trace ends before its first finite step"
     return [Finding(
         "startup_calibration", "info", ev["first_step"],
-        f"{span} skipped while GradScaler {how}: GradScaler's start-up calibration, normal for FP16 (a default "
-        "init_scale of 65536 is above FP16's max); not a failure", ev)]
+        f"{span} skipped while GradScaler {how}: GradScaler's start-up calibration (this run's scaled "
+        f"gradients overflowed at {_scale_words(ev)}); normal for FP16, not a failure", ev)]
+
+
+def _scale_words(ev: dict) -> str:
+    """What was measured: the scales at which this run's first steps overflowed."""
+    if ev["last_skipped_scale"] == ev["scale_start"]:
+        return f"scale {ev['scale_start']:g}"
+    return f"every scale from {ev['scale_start']:g} down to {ev['last_skipped_scale']:g}"
 
 
 def _warmup_end(steps: np.ndarray, skipped: np.ndarray, clean: int = 10, cap: int = 50) -> int:

@@ -272,6 +272,9 @@ def test_the_start_up_skips_are_named_gradscaler_calibration_and_are_not_an_erro
     assert cal.evidence["backoffs"] == 2
     assert cal.message.startswith("steps 0-1 were skipped while GradScaler backed off from 65536 to 16384 in 2 "
                                   "backoffs before its first finite step: GradScaler's start-up calibration")
+    # what this run measured (steps 0 and 1 overflowed at 65536 and 32768), no claim about the default
+    assert "(this run's scaled gradients overflowed at every scale from 65536 down to 32768)" in cal.message
+    assert "above FP16's max" not in cal.message and cal.evidence["last_skipped_scale"] == 32768.0
     assert not [f for f in findings if f.severity != "info"]
 
 
