@@ -5,7 +5,7 @@ the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): n
 but the parts' footers until a query is collected. A data page that does not decode is found by
 the first query that reads it; ``Run.diagnose`` then names the part. Logs from other tools (HF Trainer,
 Lightning, DeepSpeed, Megatron, CSV, JSONL, TensorBoard) are mapped onto the same step
-columns by ``analyzer.load.logs``; they have no per-layer table.
+columns by ``analyzer.load.logs`` (one module per tool); they have no per-layer table.
 
 Every problem becomes a one-line ``BadInputError`` / ``VersionError`` naming the file and the
 fix. A run whose process was killed is read up to its last complete part; ``Run.notes`` says so.
