@@ -15,18 +15,48 @@ from ..errors import BadInputError
 from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
 from ..load.checkpoint import Checkpoint, Entry
 from ..load.checkpoints import load_checkpoint
+from ..load._limits import gc_paused
 from ..load._stream import LayoutMismatch
 from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
 from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device",
-           "EXIT_FAIL_ON"]
+           "EXIT_FAIL_ON", "JSON_TENSORS", "badness"]
 
 PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504 / 64 (see _range_risk)
 UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam/AdamW, AMSGrad, RMSprop
 _PROGRESS_MIN_BYTES = 64 << 20
+
+
+JSON_TENSORS = 500  # tensors (and changes) --json lists per file, worst first, unless asked for all
+_CAST = ("weight", "input")  # roles autocast casts to FP16/BF16; optimizer state and buffers stay FP32
+
+
+def badness(t: TensorReport) -> tuple:
+    """Sort key, worst first: non-finite share, then for tensors that autocast casts (weights, inputs)
+    the FP16 overflow share, flush-to-zero share and abs-max; optimizer state and buffers after."""
+    s = t.stats
+    if t.role not in _CAST:
+        return (-s.frac(s.nonfinite), 0.0, 0.0, 1, 0.0)
+    return (-s.frac(s.nonfinite), -s.frac(s.fp16_overflow), -s.frac(s.fp16_flush), 0, -(s.abs_max or 0.0))
+
+
+def _worst(items: tuple, limit: int | None, key) -> list:
+    """`items` if at most `limit` (None: no limit), else the `limit` worst by `key`, in their own order."""
+    if limit is None or len(items) <= limit:
+        return list(items)
+    keep = set(sorted(range(len(items)), key=lambda i: key(items[i]))[:limit])
+    return [x for i, x in enumerate(items) if i in keep]
+
+
+def _listed(out: dict, key: str, shown: list, total: int) -> dict:
+    """`out` with `key` listing `shown` and, when some were left out, ``<key>_total`` and ``<key>_omitted``."""
+    out[key] = shown
+    if len(shown) < total:
+        out[f"{key}_total"], out[f"{key}_omitted"] = total, total - len(shown)
+    return out
 
 
 @dataclass(frozen=True)
@@ -65,16 +95,18 @@ class FileReport:
     def label(self) -> str:
         return Path(self.ckpt.path).name
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, tensors: int | None = None) -> dict[str, Any]:
+        """`tensors`: list at most that many, the worst (``tensors_total``/``tensors_omitted`` then say
+        how many were left out); None lists every one."""
         c = self.ckpt
-        return {
+        shown = [t.to_dict() for t in _worst(self.tensors, tensors, badness)]
+        return _listed({
             "path": c.path, "format": c.format, "layout": c.layout, "bytes": c.nbytes,
             "step": c.step, "step_key": c.step_key, "models": c.model_paths,
             "optimizers": [{"path": o.path, "params": o.n_params, "mapping": o.mapping, "guess": o.mapping == "order",
                             "note": o.note, "stateless": list(o.stateless)} for o in c.optimizers],
             "scaler": c.scaler, "metadata": c.metadata, "non_floating_tensors": c.non_floating, "notes": list(c.notes),
-            "tensors": [t.to_dict() for t in self.tensors],
-        }
+        }, "tensors", shown, len(self.tensors))
 
 
 @dataclass(frozen=True)
@@ -107,17 +139,24 @@ class InspectResult:
         "warning") or worse is present, else 0 (also when `fail_on` is None)."""
         return exit_status(self.findings, fail_on)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``)."""
+    def to_dict(self, tensors: int | None = JSON_TENSORS) -> dict[str, Any]:
+        """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``).
+
+        `tensors`: each file's ``tensors`` and the diff's lists hold at most that many entries (the
+        worst tensors, the largest changes; ``<list>_total`` and ``<list>_omitted`` count the rest), so
+        a file of 300,000 tensors gives kilobytes, not hundreds of megabytes; None lists every one.
+        """
         diff = None
         if self.changes is not None:
-            diff = {"a": self.files[0].ckpt.path, "b": self.files[1].ckpt.path,
-                    "changes": [c.to_dict() for c in self.changes],
-                    "became_nonfinite": [c.name for c in self.changes if c.became_nonfinite],
-                    "stalled": [c.name for c in self.changes if c.change.stalled],
-                    "only_in_a": list(self.only_in_a), "only_in_b": list(self.only_in_b)}
+            diff = {"a": self.files[0].ckpt.path, "b": self.files[1].ckpt.path}
+            changes = _worst(self.changes, tensors, lambda c: (not c.became_nonfinite, -(c.change.rel_change or 0.0)))
+            _listed(diff, "changes", [c.to_dict() for c in changes], len(self.changes))
+            for key, names in (("became_nonfinite", [c.name for c in self.changes if c.became_nonfinite]),
+                               ("stalled", [c.name for c in self.changes if c.change.stalled]),
+                               ("only_in_a", list(self.only_in_a)), ("only_in_b", list(self.only_in_b))):
+                _listed(diff, key, names if tensors is None else names[:tensors], len(names))
         return json_safe({
-            "files": [f.to_dict() for f in self.files],
+            "files": [f.to_dict(tensors) for f in self.files],
             "findings": [f.to_dict() for f in self.findings],
             "diff": diff,
             "thresholds": {"fp16_max": FP16_MAX, "fp16_overflow_at": FP16_OVERFLOW,
@@ -148,6 +187,10 @@ class _Progress:
             sys.stderr.write(f"\rinspect: {self.total / 1e9:.2f} GB scanned\n")
 
 
+_EMPTY = (TensorStats(0), None, None)
+_EMPTY_PAIR = (TensorStats(0), TensorStats(0), PairChange(0, 0, None))
+
+
 def _report(e: Entry, stats: TensorStats) -> TensorReport:
     return TensorReport(e.name, e.role, tuple(e.tensor.shape), str(e.tensor.dtype).removeprefix("torch."),
                         stats, e.param, e.slot)
@@ -158,6 +201,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
+    with gc_paused():  # one report per tensor, and a file may list 300,000: no cycles among them to look for
+        return _scan_files(cka, ckb, progress, device)
+
+
+def _scan_files(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
     total = sum(_nbytes(e.tensor) for e in cka.entries) + sum(_nbytes(e.tensor) for e in by_b.values())
     prog = _Progress(total, progress)
@@ -175,7 +223,13 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
             ckb.wait(b)
 
     streamed = cka.stream is not None or (ckb is not None and ckb.stream is not None)
-    results = scan_all(work, device, prog, wait=wait if streamed else None)
+    # an empty tensor has nothing to scan: its result is a constant, shared (a file may list 300,000)
+    full = [i for i, (a, b) in enumerate(work) if a.numel() or (b is not None and b.numel())]
+    scanned = scan_all([work[i] for i in full], device, prog, wait=(lambda j: wait(full[j])) if streamed else None)
+    results: list = [_EMPTY_PAIR if b is not None else _EMPTY for _, b in work]
+    for i, r in zip(full, scanned):
+        results[i] = r
+    del scanned
     prog.close()
     rep_a, rep_b, changes = [], {}, []
     for e, (sa, sb, ch) in zip(cka.entries, results):
@@ -220,9 +274,10 @@ def _nonfinite(fr: FileReport, prefix: str, finite_before: set[str] | None) -> l
         label = [f"{t.name} ({t.stats.nonfinite} of {t.stats.numel} values)" for t in bad]
         noun = f"{what}s hold" if len(bad) > 1 else f"{what} holds"
         msg = f"{prefix}{len(bad)} {noun} NaN/Inf: {_names(label)}; {why}"
-        ev = {"file": fr.ckpt.path, "tensors": [
+        ev = _listed({"file": fr.ckpt.path}, "tensors", [
             {"name": t.name, "nan": t.stats.nan, "inf": t.stats.inf, "numel": t.stats.numel,
-             **({} if finite_before is None else {"finite_in_a": t.name in finite_before})} for t in bad]}
+             **({} if finite_before is None else {"finite_in_a": t.name in finite_before})}
+            for t in bad[:JSON_TENSORS]], len(bad))
         out.append(Finding(check, "error", fr.ckpt.step, msg, ev))
     return out
 
@@ -255,9 +310,9 @@ def _range_risk(fr: FileReport, prefix: str) -> list[Finding]:
     msg = (f"{prefix}{len(risks)} tensor{'s' if len(risks) > 1 else ''} at FP16 range risk (the weight's abs-max "
            f"is the first-order signal; products use abs-max*sqrt(fan_in) > {FP16_MAX / PRODUCT_HEADROOM:.0f}, "
            f"a heuristic): {_names([f'{t.name} ({why})' for t, _, _, why in risks])}")
-    ev = {"file": fr.ckpt.path, "tensors": [
+    ev = _listed({"file": fr.ckpt.path}, "tensors", [
         {"name": t.name, "reason": kind, "value": v, "abs_max": t.stats.abs_max, "shape": list(t.shape)}
-        for t, kind, v, _ in risks]}
+        for t, kind, v, _ in risks[:JSON_TENSORS]], len(risks))
     return [Finding("fp16_range_risk", "warning", fr.ckpt.step, msg, ev)]
 
 
@@ -274,7 +329,8 @@ def _dead_state(fr: FileReport, prefix: str) -> list[Finding]:
                      f"while others do (never stepped): {_names(stateless)}")
     if not parts:
         return []
-    ev = {"file": fr.ckpt.path, "zero_second_moment": [t.name for t in zero], "no_state": stateless}
+    ev = _listed(_listed({"file": fr.ckpt.path}, "zero_second_moment", [t.name for t in zero[:JSON_TENSORS]], len(zero)),
+                 "no_state", stateless[:JSON_TENSORS], len(stateless))
     hint = "frozen on purpose? then ignore, else check requires_grad and the optimizer's param groups"
     return [Finding("dead_optimizer_state", "warning", fr.ckpt.step, f"{prefix}{'; '.join(parts)}; {hint}", ev)]
 
@@ -292,7 +348,8 @@ def _stalled(changes: list[TensorChange], step: int | None) -> list[Finding]:
                "param groups, and whether GradScaler skipped every step")
     else:
         return []
-    return [Finding("dead_optimizer_state", "warning", step, msg, {"stalled": stalled, "compared": len(changes)})]
+    ev = _listed({}, "stalled", stalled[:JSON_TENSORS], len(stalled))
+    return [Finding("dead_optimizer_state", "warning", step, msg, {**ev, "compared": len(changes)})]
 
 
 def resolve_device(device: str) -> str:

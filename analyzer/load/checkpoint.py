@@ -27,7 +27,7 @@ import torch
 from recorders import schema
 
 from ..errors import BadInputError
-from ._limits import MAX_NESTING
+from ._limits import MAX_NESTING, gc_paused
 from ._stream import storage_end, torch_load_streamed
 from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
 from .versions import check_format_version
@@ -389,7 +389,8 @@ def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, st
     path = Path(path)
     obj, fmt, verify, reader = _read(path, defer_crc, stream, beside)
     try:
-        ckpt = _checkpoint(path, obj, fmt, verify)
+        with gc_paused():  # one Entry per tensor, and a small file may list 300,000
+            ckpt = _checkpoint(path, obj, fmt, verify)
         ckpt.stream = reader
         return ckpt
     except BaseException:
