@@ -282,6 +282,17 @@ def _nonfinite(fr: FileReport, prefix: str, finite_before: set[str] | None) -> l
     return out
 
 
+def _implausible(fr: FileReport) -> list[Finding]:
+    """Values no training run saves (``Checkpoint.implausible``): named, never dropped in silence."""
+    bad = fr.ckpt.implausible
+    if not bad:
+        return []
+    msg = (f"{fr.label}: {len(bad)} value{'s' if len(bad) > 1 else ''} no training run saves: " + "; ".join(bad[:8])
+           + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "") + " (was the file edited or written by other code?)")
+    return [Finding("implausible_checkpoint", "warning", fr.ckpt.step, msg,
+                    {"file": fr.ckpt.path, "values": bad[:JSON_TENSORS], "count": len(bad)})]
+
+
 def _range_risk(fr: FileReport, prefix: str) -> list[Finding]:
     """FP16 range risk from values alone. NB: the weight's abs-max is the first-order signal; the
     product estimate abs_max * sqrt(fan_in) is the output scale of a row whose every weight were as
@@ -409,6 +420,7 @@ def _inspect(path_a, path_b, progress: bool, device: str, stream: bool) -> Inspe
     finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
     for i, fr in enumerate(files):
         prefix = f"{fr.label}: " if pair else ""
+        findings += _implausible(fr)
         findings += _nonfinite(fr, prefix, finite_a if i == 1 else None)
         if i == len(files) - 1:  # NB: for a pair, range and dead-state checks look at B, the later one
             findings += _range_risk(fr, prefix)

@@ -12,6 +12,7 @@ non-parameters), ``optimizer`` (per-parameter optimizer state), ``input`` (a sna
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -84,6 +85,9 @@ class Checkpoint:
     non_floating: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # files read briefly or skipped (an HF checkpoint directory)
+    # values no training run saves, each "where: what" (a GradScaler scale that is not a positive
+    # finite number, a step of NaN or 2**100): not used, and named by inspect's implausible_checkpoint
+    implausible: list[str] = field(default_factory=list)
     # waits for the CRC-32 check of a file loaded with defer_crc=True (raises if a record is damaged);
     # a no-op otherwise. NB: call it before reporting anything read from the tensors.
     verify: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
@@ -117,8 +121,39 @@ def _number(v: Any, kind: type) -> int | float | None:
 
 
 def _is_scaler_state(d: Any) -> bool:
-    return (isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
-            and _number(d["scale"], float) is not None)
+    """A GradScaler state_dict, by its keys (whatever its scale holds: ``read_scaler`` judges that)."""
+    return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.dtype).removeprefix('torch.')} tensor of shape {list(v.shape)}"
+    return repr(v)[:40] if not isinstance(v, str) else repr(v[:40])
+
+
+def read_scaler(d: dict, where: str, ckpt: Checkpoint) -> None:
+    """A GradScaler state into ``ckpt.scaler``; a scale that is not a positive (or zero) finite number
+    (NaN, inf, a string, None, a tensor of several values) or a growth tracker that is not a count
+    goes to ``ckpt.implausible`` instead, naming the value."""
+    scale, tracker = _number(d.get("scale"), float), d.get("_growth_tracker")
+    if scale is None or not math.isfinite(scale) or scale < 0:  # 0: a scale halved to underflow, a real collapse
+        ckpt.implausible.append(f"{where}.scale {_shown(d.get('scale'))} is not a GradScaler scale (a positive "
+                                "finite number); the scale is not reported")
+        return
+    count = _number(tracker, int)
+    if tracker is not None and (count is None or count < 0):
+        ckpt.implausible.append(f"{where}._growth_tracker {_shown(tracker)} is not a count of steps")
+    ckpt.scaler = {"path": where, "scale": scale, "growth_tracker": count if count is not None and count >= 0 else None}
+
+
+def _read_step(v: Any, where: str, ckpt: Checkpoint) -> int | None:
+    """A step counter: a whole number in [0, 2**63) (an int, an integral float, a one-element tensor);
+    anything else is named in ``ckpt.implausible`` and read as unknown."""
+    n = _number(v, int)
+    if n is not None and 0 <= n < 2**63:
+        return n
+    ckpt.implausible.append(f"{where} {_shown(v)} is not a step number (a whole number from 0 to 2**63)")
+    return None
 
 
 def _is_tensor_dict(d: Any) -> bool:
@@ -153,8 +188,7 @@ class _Walker:
         elif _is_optimizer_state(obj):
             self.optims.append((path, obj))
         elif _is_scaler_state(obj):
-            self.ckpt.scaler = {"path": path, "scale": _number(obj["scale"], float),
-                                "growth_tracker": _number(obj.get("_growth_tracker"), int)}
+            read_scaler(obj, path, self.ckpt)
         elif _is_tensor_dict(obj) and role != "input":
             self.models.append((path, obj))
             self.ckpt.model_paths.append(path)
@@ -310,8 +344,11 @@ def _find_step(obj: Any, ckpt: Checkpoint) -> None:
         return
     for key in _STEP_KEYS:
         v = obj.get(key)
-        if isinstance(v, int) and not isinstance(v, bool):
-            ckpt.step, ckpt.step_key = v, key
+        if v is None or key == "epoch" and isinstance(v, float) and math.isfinite(v) and v >= 0:
+            continue  # a fractional epoch (2.5) is a real one, but no step count
+        step = _read_step(v, key, ckpt)
+        if step is not None:
+            ckpt.step, ckpt.step_key = step, key
             return
 
 
@@ -413,15 +450,16 @@ def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | Non
         walker.walk(obj, "")
     elif isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
         _check_snapshot(obj, path)
-        ckpt.layout, ckpt.step, ckpt.step_key = "snapshot", _number(obj.get("step"), int), "step"
+        ckpt.layout, ckpt.step_key = "snapshot", "step"
+        ckpt.step = _read_step(obj.get("step"), "step", ckpt)
         walker.walk(obj.get("model_state"), "model_state")
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
             walker.walk(obj["scaler_state"], "scaler_state")
         if isinstance(obj.get("optimizer"), dict) and _is_optimizer_state(obj["optimizer"].get("state_dict")):
             walker.optims.append(("optimizer", _named_state_dict(obj["optimizer"])))  # since format 3
-        if ckpt.scaler is None and _number(obj.get("scale"), float) is not None:
-            ckpt.scaler = {"path": "scale", "scale": _number(obj["scale"], float), "growth_tracker": None}
+        if ckpt.scaler is None and obj.get("scale") is not None:
+            read_scaler({"scale": obj["scale"]}, "scale", ckpt)
     else:
         if _is_tensor_dict(obj):
             ckpt.layout = "state_dict"
