@@ -33,7 +33,8 @@ by role; ``_scan`` (over ``_pieces`` and ``_stats``) is the one torch scan of th
 """
 from __future__ import annotations
 
-from ._diagnose import FileReport, InspectResult, TensorChange, TensorReport, inspect_checkpoints, resolve_device
+from ._diagnose import (JSON_TENSORS, FileReport, InspectResult, TensorChange, TensorReport, badness,
+                        inspect_checkpoints, resolve_device)
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints",
-           "resolve_device"]
+           "resolve_device", "badness", "JSON_TENSORS"]

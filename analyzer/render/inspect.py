@@ -8,7 +8,7 @@ __all__ = ["render_inspect_text", "badness"]
 
 def badness(t) -> tuple:
     """Sort key, worst first: ``analyzer.inspect.badness`` (imported on first use: it imports torch)."""
-    from ..inspect._diagnose import badness as key
+    from ..inspect import badness as key
     return key(t)
 
 
@@ -60,7 +60,7 @@ def _header(fr) -> list[str]:
 
 
 def _table(fr, top: int) -> list[str]:
-    from ..inspect._diagnose import badness as key
+    from ..inspect import badness as key
 
     rows = sorted(fr.tensors, key=key)[:top]
     if not rows:

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from analyzer.inspect._diagnose import JSON_TENSORS
+from analyzer.inspect import JSON_TENSORS
 
 
 def _inspect(*args) -> dict:

@@ -7,9 +7,12 @@ DeepSpeed/Megatron patterns these guard against took minutes on the same inputs.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from .test_logs import implausible, report, write
 
@@ -103,3 +106,46 @@ def test_an_hf_state_with_a_million_character_key_is_read_in_seconds(tmp_path):
     code, out, s = _timed(write(tmp_path, "trainer_state.json", json.dumps({"log_history": hist})))
     assert s < BOUND_S and code == 0, (s, out)
     assert implausible(out)["evidence"]["log_examples"] == [f"log_history[1]: loss {'a' * 40!r} is not a number"]
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"),
+                max_size=60)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tail=_TEXT)
+def test_any_text_after_a_deepspeed_overflow_is_a_skipped_step_read_or_named(tmp_path_factory, tail):
+    text = f"steps: 1 loss: 2.0\n[deepspeed] OVERFLOW! Rank 0 Skipping step.{tail}\nsteps: 3 loss: 1.0\n"
+    path = tmp_path_factory.mktemp("ds") / "train.log"
+    path.write_text(text, encoding="utf-8")
+    code, out = report(path)
+    assert code == 0 and out["steps"]["skipped"] == 1, out  # never dropped, whatever follows
+    sound = bool(re.fullmatch(r"\s*Attempted loss scale:\s*(\S+)\s*,\s*reducing to\s*(\S+)\s*", tail))
+    if not sound:  # a line not as DeepSpeed prints it: its problem is named
+        assert implausible(out)["evidence"]["log_examples"][0].startswith("line 2: ")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.lists(_TEXT.filter(lambda s: "|" not in s), max_size=4))
+def test_any_megatron_fields_give_a_report_or_one_error_line(tmp_path_factory, fields):
+    text = "iteration 1/ 10 | lm loss: 2.0 |" + "|".join(fields) + "|\niteration 2/ 10 | lm loss: 1.5 |\n"
+    path = tmp_path_factory.mktemp("meg") / "train.log"
+    path.write_text(text, encoding="utf-8")
+    code, out = report(path)
+    assert code in (0, 1), out
+    if code == 0:
+        assert out["source_format"] == "megatron_log" and out["steps"]["count"] == 2
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.lists(st.sampled_from(["step", "loss", "a", "b", "lr", ""]), min_size=1, max_size=30))
+def test_any_repeated_csv_header_names_are_counted_exactly(tmp_path_factory, header):
+    header = ["step", "loss", *header]
+    path = tmp_path_factory.mktemp("csv") / "log.csv"
+    path.write_text(",".join(header) + "\n" + ",".join(["1", "2.0"] + ["0"] * (len(header) - 2)) + "\n")
+    code, out = report(path)
+    assert code == 0, out
+    repeats = sorted((c, header.count(c)) for c in set(header) if header.count(c) > 1)
+    named = [e for e in (implausible(out) or {"evidence": {"log_examples": []}})["evidence"]["log_examples"]
+             if e.startswith("header: ")]
+    assert named == [f"header: column {c!r} appears {n} times (the last one is read)" for c, n in repeats][:8]
