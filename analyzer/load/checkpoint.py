@@ -28,6 +28,8 @@ import torch
 from recorders import schema
 
 from ..errors import BadInputError
+from ._ckvalues import number as _number
+from ._ckvalues import read_scaler, read_step
 from ._limits import MAX_NESTING, gc_paused
 from ._stream import storage_end, torch_load_streamed
 from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
@@ -108,52 +110,9 @@ def _is_optimizer_state(d: Any) -> bool:
     return isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
 
 
-def _number(v: Any, kind: type) -> int | float | None:
-    """v as a Python int/float if it is one (bools aside) or a one-element tensor, else None: values read
-    from a file are checked before ``int()``/``float()`` sees them."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.layout == torch.strided:
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    if kind is int and (isinstance(v, float) and not v.is_integer()):
-        return None
-    return kind(v) if kind is float or abs(v) < 2**63 else None
-
-
 def _is_scaler_state(d: Any) -> bool:
     """A GradScaler state_dict, by its keys (whatever its scale holds: ``read_scaler`` judges that)."""
     return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
-
-
-def _shown(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"a {str(v.dtype).removeprefix('torch.')} tensor of shape {list(v.shape)}"
-    return repr(v)[:40] if not isinstance(v, str) else repr(v[:40])
-
-
-def read_scaler(d: dict, where: str, ckpt: Checkpoint) -> None:
-    """A GradScaler state into ``ckpt.scaler``; a scale that is not a positive (or zero) finite number
-    (NaN, inf, a string, None, a tensor of several values) or a growth tracker that is not a count
-    goes to ``ckpt.implausible`` instead, naming the value."""
-    scale, tracker = _number(d.get("scale"), float), d.get("_growth_tracker")
-    if scale is None or not math.isfinite(scale) or scale < 0:  # 0: a scale halved to underflow, a real collapse
-        ckpt.implausible.append(f"{where}.scale {_shown(d.get('scale'))} is not a GradScaler scale (a positive "
-                                "finite number); the scale is not reported")
-        return
-    count = _number(tracker, int)
-    if tracker is not None and (count is None or count < 0):
-        ckpt.implausible.append(f"{where}._growth_tracker {_shown(tracker)} is not a count of steps")
-    ckpt.scaler = {"path": where, "scale": scale, "growth_tracker": count if count is not None and count >= 0 else None}
-
-
-def _read_step(v: Any, where: str, ckpt: Checkpoint) -> int | None:
-    """A step counter: a whole number in [0, 2**63) (an int, an integral float, a one-element tensor);
-    anything else is named in ``ckpt.implausible`` and read as unknown."""
-    n = _number(v, int)
-    if n is not None and 0 <= n < 2**63:
-        return n
-    ckpt.implausible.append(f"{where} {_shown(v)} is not a step number (a whole number from 0 to 2**63)")
-    return None
 
 
 def _is_tensor_dict(d: Any) -> bool:
@@ -346,7 +305,7 @@ def _find_step(obj: Any, ckpt: Checkpoint) -> None:
         v = obj.get(key)
         if v is None or key == "epoch" and isinstance(v, float) and math.isfinite(v) and v >= 0:
             continue  # a fractional epoch (2.5) is a real one, but no step count
-        step = _read_step(v, key, ckpt)
+        step = read_step(v, key, ckpt)
         if step is not None:
             ckpt.step, ckpt.step_key = step, key
             return
@@ -451,7 +410,7 @@ def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | Non
     elif isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
         _check_snapshot(obj, path)
         ckpt.layout, ckpt.step_key = "snapshot", "step"
-        ckpt.step = _read_step(obj.get("step"), "step", ckpt)
+        ckpt.step = read_step(obj.get("step"), "step", ckpt)
         walker.walk(obj.get("model_state"), "model_state")
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
