@@ -8,8 +8,11 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from analyzer.cli import main
+from analyzer.errors import BadInputError
 from analyzer.load import load_snapshot
 from recorders.snapshot import write_snapshot
 
@@ -79,3 +82,16 @@ def test_integer_weights_beside_float_ones_are_a_note(tmp_path):
 def test_a_recorded_snapshot_has_no_notes(tmp_path):
     snap = load_snapshot(write_snapshot(tmp_path / "s.pt", snapshot_dict(scale=65536.0)))
     assert snap.load_notes == () and snap.scale == 65536.0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(device=st.text(max_size=20), scale=st.one_of(st.none(), st.floats(), st.integers(-2**70, 2**70)))
+def test_any_device_type_and_scale_load_or_give_one_bad_input_error(tmp_path_factory, device, scale):
+    path = write_snapshot(tmp_path_factory.mktemp("s") / "s.pt", snapshot_dict(device_type=device, scale=scale))
+    try:
+        snap = load_snapshot(path)
+    except BadInputError as e:
+        assert str(path) in str(e) and ("'device_type'" in str(e) or "'scale'" in str(e)), e
+        return
+    torch.device(snap.device_type)  # what loads is a device torch knows
+    assert snap.scale is None or snap.scale >= 0
