@@ -423,9 +423,11 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to scan the tensors: cuda copies each chunk to the GPU (auto: cuda when present). "
                    "The results are the same.")
+@click.option("--all-tensors", is_flag=True, help="With --json: list every tensor (by default the 500 worst of "
+              "each file; tensors_total says how many there are).")
 @_fail_on_option("a finding of this severity or worse is present", "the output")
 @_one_line_errors
-def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
+def inspect(checkpoint, checkpoint_b, as_json, top, device, all_tensors, fail_on):
     """Check a checkpoint (or two) for NaN/Inf, FP16/BF16 range risk and optimizer-state damage."""
     from .inspect import inspect_checkpoints
     from .render import render_inspect_text
@@ -433,7 +435,7 @@ def inspect(checkpoint, checkpoint_b, as_json, top, device, fail_on):
     result = inspect_checkpoints(checkpoint, checkpoint_b, progress=sys.stderr.isatty() and not as_json,
                                  device=device)
     if as_json:
-        _print_json(result.to_dict())
+        _print_json(result.to_dict(tensors=None) if all_tensors else result.to_dict())
     else:
         _echo(render_inspect_text(result, top=top))
     status = result.exit_status(fail_on)  # 4: --fail-on matched, as for report

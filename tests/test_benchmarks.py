@@ -23,6 +23,7 @@ QUICK = {
     "replay_cost.py": "| float16 |",
     "autopsy_time.py": "| autopsy |",
     "fsdp_sync_cost.py": "synced / local",
+    "log_parse_time.py": "ratio: t(10 N) / t(N)",
 }
 
 

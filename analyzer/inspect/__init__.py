@@ -22,7 +22,8 @@ abs-max); ``fp16 inf`` / ``fp16 ->0`` / ``bf16 ->0`` are the fractions of values
 into inf or zero (thresholds in ``analyzer.inspect._stats``). With two checkpoints a change table
 follows: relative L2 change per tensor, the tensors that became non-finite, and the stalled ones.
 
-Findings (stable names): ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
+Findings (stable names): ``implausible_checkpoint`` (a GradScaler scale or a step no training run
+saves: NaN, a string, 2**100; the value is named, not used), ``nonfinite_weights``, ``nonfinite_optimizer_state``, ``nonfinite_buffers``,
 ``nonfinite_inputs`` (a snapshot's batch), ``fp16_range_risk``, ``dead_optimizer_state``,
 ``optimizer_eps_underflow`` and ``lost_updates`` (FP16/BF16 parameters and their optimizer, ``_optimizer``).
 
@@ -32,7 +33,8 @@ by role; ``_scan`` (over ``_pieces`` and ``_stats``) is the one torch scan of th
 """
 from __future__ import annotations
 
-from ._diagnose import FileReport, InspectResult, TensorChange, TensorReport, inspect_checkpoints, resolve_device
+from ._diagnose import (JSON_TENSORS, FileReport, InspectResult, TensorChange, TensorReport, badness,
+                        inspect_checkpoints, resolve_device)
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints",
-           "resolve_device"]
+           "resolve_device", "badness", "JSON_TENSORS"]

@@ -1,130 +1,31 @@
-"""The findings of ``analyzer inspect`` and the result objects that carry them (see the package docstring)."""
+"""The findings of ``analyzer inspect`` (see the package docstring); the values they return are in ``_result``."""
 from __future__ import annotations
 
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import BadInputError
-from ..findings import EXIT_FAIL_ON, Finding, exit_status, json_safe, sort_findings
+from ..findings import EXIT_FAIL_ON, Finding, sort_findings
 from ..load.checkpoint import Checkpoint, Entry
 from ..load.checkpoints import load_checkpoint
+from ..load._limits import gc_paused
 from ..load._stream import LayoutMismatch
 from ._optimizer import optimizer_findings
 from ._scan import scan_all, scanned_numel
-from ._stats import BF16_FLUSH, BF16_OVERFLOW, FP16_FLUSH, FP16_MAX, FP16_OVERFLOW, PairChange, TensorStats
+from ._result import (JSON_TENSORS, PRODUCT_HEADROOM, UNDERFLOW_FRAC, FileReport, InspectResult, TensorChange,
+                      TensorReport, badness, listed)
+from ._stats import FP16_MAX, PairChange, TensorStats
 
 __all__ = ["TensorReport", "FileReport", "TensorChange", "InspectResult", "inspect_checkpoints", "resolve_device",
-           "EXIT_FAIL_ON"]
+           "EXIT_FAIL_ON", "JSON_TENSORS", "badness"]
 
-PRODUCT_HEADROOM = 64.0   # fp16_range_risk flags abs_max * sqrt(fan_in) > 65504 / 64 (see _range_risk)
-UNDERFLOW_FRAC = 0.01     # fp16_range_risk flags a weight when >= 1% of its values flush to zero in FP16
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam/AdamW, AMSGrad, RMSprop
 _PROGRESS_MIN_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class TensorReport:
-    """One scanned tensor: where it sits, what it is, and its statistics."""
-
-    name: str
-    role: str
-    shape: tuple[int, ...]
-    dtype: str
-    stats: TensorStats
-    param: str | None = None
-    slot: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.stats
-        return {
-            "name": self.name, "role": self.role, "param": self.param, "slot": self.slot,
-            "shape": list(self.shape), "dtype": self.dtype, "numel": s.numel,
-            "nonfinite": s.nonfinite, "nan": s.nan, "inf": s.inf, "zeros": s.zeros,
-            "abs_max": s.abs_max, "min_nonzero_abs": s.min_nonzero,
-            "fp16_overflow": s.fp16_overflow, "fp16_overflow_frac": s.frac(s.fp16_overflow),
-            "fp16_flush": s.fp16_flush, "fp16_flush_frac": s.frac(s.fp16_flush),
-            "bf16_overflow": s.bf16_overflow, "bf16_flush": s.bf16_flush, "bf16_flush_frac": s.frac(s.bf16_flush),
-        }
-
-
-@dataclass(frozen=True)
-class FileReport:
-    """What one checkpoint file holds: its layout and every floating-point tensor's statistics."""
-
-    ckpt: Checkpoint
-    tensors: tuple[TensorReport, ...]
-
-    @property
-    def label(self) -> str:
-        return Path(self.ckpt.path).name
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.ckpt
-        return {
-            "path": c.path, "format": c.format, "layout": c.layout, "bytes": c.nbytes,
-            "step": c.step, "step_key": c.step_key, "models": c.model_paths,
-            "optimizers": [{"path": o.path, "params": o.n_params, "mapping": o.mapping, "guess": o.mapping == "order",
-                            "note": o.note, "stateless": list(o.stateless)} for o in c.optimizers],
-            "scaler": c.scaler, "metadata": c.metadata, "non_floating_tensors": c.non_floating, "notes": list(c.notes),
-            "tensors": [t.to_dict() for t in self.tensors],
-        }
-
-
-@dataclass(frozen=True)
-class TensorChange:
-    """How one tensor moved from checkpoint A to B."""
-
-    name: str
-    role: str
-    change: PairChange
-    became_nonfinite: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.change
-        return {"name": self.name, "role": self.role, "rel_change": c.rel_change, "changed": c.changed,
-                "numel": c.numel, "stalled": c.stalled, "became_nonfinite": self.became_nonfinite}
-
-
-@dataclass(frozen=True)
-class InspectResult:
-    """Everything ``analyzer inspect`` found. ``files[1]`` and ``changes`` exist only for a pair."""
-
-    files: tuple[FileReport, ...]
-    findings: tuple[Finding, ...]
-    changes: tuple[TensorChange, ...] | None = None
-    only_in_a: tuple[str, ...] = ()
-    only_in_b: tuple[str, ...] = ()
-
-    def exit_status(self, fail_on: str | None = None) -> int:
-        """The CLI's exit status: EXIT_FAIL_ON when a finding of severity `fail_on` ("error" or
-        "warning") or worse is present, else 0 (also when `fail_on` is None)."""
-        return exit_status(self.findings, fail_on)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Strict JSON: non-finite floats become "nan"/"inf" strings (``findings.json_safe``)."""
-        diff = None
-        if self.changes is not None:
-            diff = {"a": self.files[0].ckpt.path, "b": self.files[1].ckpt.path,
-                    "changes": [c.to_dict() for c in self.changes],
-                    "became_nonfinite": [c.name for c in self.changes if c.became_nonfinite],
-                    "stalled": [c.name for c in self.changes if c.change.stalled],
-                    "only_in_a": list(self.only_in_a), "only_in_b": list(self.only_in_b)}
-        return json_safe({
-            "files": [f.to_dict() for f in self.files],
-            "findings": [f.to_dict() for f in self.findings],
-            "diff": diff,
-            "thresholds": {"fp16_max": FP16_MAX, "fp16_overflow_at": FP16_OVERFLOW,
-                           "fp16_flush_at_or_below": FP16_FLUSH, "bf16_overflow_at": BF16_OVERFLOW,
-                           "bf16_flush_at_or_below": BF16_FLUSH, "product_headroom": PRODUCT_HEADROOM,
-                           "underflow_frac": UNDERFLOW_FRAC},
-        })
 
 
 class _Progress:
@@ -148,6 +49,10 @@ class _Progress:
             sys.stderr.write(f"\rinspect: {self.total / 1e9:.2f} GB scanned\n")
 
 
+_EMPTY = (TensorStats(0), None, None)
+_EMPTY_PAIR = (TensorStats(0), TensorStats(0), PairChange(0, 0, None))
+
+
 def _report(e: Entry, stats: TensorStats) -> TensorReport:
     return TensorReport(e.name, e.role, tuple(e.tensor.shape), str(e.tensor.dtype).removeprefix("torch."),
                         stats, e.param, e.slot)
@@ -158,6 +63,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
+    with gc_paused():  # one report per tensor, and a file may list 300,000: no cycles among them to look for
+        return _scan_files(cka, ckb, progress, device)
+
+
+def _scan_files(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
     by_b = {e.name: e for e in ckb.entries} if ckb else {}
     total = sum(_nbytes(e.tensor) for e in cka.entries) + sum(_nbytes(e.tensor) for e in by_b.values())
     prog = _Progress(total, progress)
@@ -175,7 +85,13 @@ def _scan(cka: Checkpoint, ckb: Checkpoint | None, progress: bool, device: str):
             ckb.wait(b)
 
     streamed = cka.stream is not None or (ckb is not None and ckb.stream is not None)
-    results = scan_all(work, device, prog, wait=wait if streamed else None)
+    # an empty tensor has nothing to scan: its result is a constant, shared (a file may list 300,000)
+    full = [i for i, (a, b) in enumerate(work) if a.numel() or (b is not None and b.numel())]
+    scanned = scan_all([work[i] for i in full], device, prog, wait=(lambda j: wait(full[j])) if streamed else None)
+    results: list = [_EMPTY_PAIR if b is not None else _EMPTY for _, b in work]
+    for i, r in zip(full, scanned):
+        results[i] = r
+    del scanned
     prog.close()
     rep_a, rep_b, changes = [], {}, []
     for e, (sa, sb, ch) in zip(cka.entries, results):
@@ -220,11 +136,23 @@ def _nonfinite(fr: FileReport, prefix: str, finite_before: set[str] | None) -> l
         label = [f"{t.name} ({t.stats.nonfinite} of {t.stats.numel} values)" for t in bad]
         noun = f"{what}s hold" if len(bad) > 1 else f"{what} holds"
         msg = f"{prefix}{len(bad)} {noun} NaN/Inf: {_names(label)}; {why}"
-        ev = {"file": fr.ckpt.path, "tensors": [
+        ev = listed({"file": fr.ckpt.path}, "tensors", [
             {"name": t.name, "nan": t.stats.nan, "inf": t.stats.inf, "numel": t.stats.numel,
-             **({} if finite_before is None else {"finite_in_a": t.name in finite_before})} for t in bad]}
+             **({} if finite_before is None else {"finite_in_a": t.name in finite_before})}
+            for t in bad[:JSON_TENSORS]], len(bad))
         out.append(Finding(check, "error", fr.ckpt.step, msg, ev))
     return out
+
+
+def _implausible(fr: FileReport) -> list[Finding]:
+    """Values no training run saves (``Checkpoint.implausible``): named, never dropped in silence."""
+    bad = fr.ckpt.implausible
+    if not bad:
+        return []
+    msg = (f"{fr.label}: {len(bad)} value{'s' if len(bad) > 1 else ''} no training run saves: " + "; ".join(bad[:8])
+           + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "") + " (was the file edited or written by other code?)")
+    return [Finding("implausible_checkpoint", "warning", fr.ckpt.step, msg,
+                    {"file": fr.ckpt.path, "values": bad[:JSON_TENSORS], "count": len(bad)})]
 
 
 def _range_risk(fr: FileReport, prefix: str) -> list[Finding]:
@@ -255,9 +183,9 @@ def _range_risk(fr: FileReport, prefix: str) -> list[Finding]:
     msg = (f"{prefix}{len(risks)} tensor{'s' if len(risks) > 1 else ''} at FP16 range risk (the weight's abs-max "
            f"is the first-order signal; products use abs-max*sqrt(fan_in) > {FP16_MAX / PRODUCT_HEADROOM:.0f}, "
            f"a heuristic): {_names([f'{t.name} ({why})' for t, _, _, why in risks])}")
-    ev = {"file": fr.ckpt.path, "tensors": [
+    ev = listed({"file": fr.ckpt.path}, "tensors", [
         {"name": t.name, "reason": kind, "value": v, "abs_max": t.stats.abs_max, "shape": list(t.shape)}
-        for t, kind, v, _ in risks]}
+        for t, kind, v, _ in risks[:JSON_TENSORS]], len(risks))
     return [Finding("fp16_range_risk", "warning", fr.ckpt.step, msg, ev)]
 
 
@@ -274,7 +202,8 @@ def _dead_state(fr: FileReport, prefix: str) -> list[Finding]:
                      f"while others do (never stepped): {_names(stateless)}")
     if not parts:
         return []
-    ev = {"file": fr.ckpt.path, "zero_second_moment": [t.name for t in zero], "no_state": stateless}
+    ev = listed(listed({"file": fr.ckpt.path}, "zero_second_moment", [t.name for t in zero[:JSON_TENSORS]], len(zero)),
+                 "no_state", stateless[:JSON_TENSORS], len(stateless))
     hint = "frozen on purpose? then ignore, else check requires_grad and the optimizer's param groups"
     return [Finding("dead_optimizer_state", "warning", fr.ckpt.step, f"{prefix}{'; '.join(parts)}; {hint}", ev)]
 
@@ -292,7 +221,8 @@ def _stalled(changes: list[TensorChange], step: int | None) -> list[Finding]:
                "param groups, and whether GradScaler skipped every step")
     else:
         return []
-    return [Finding("dead_optimizer_state", "warning", step, msg, {"stalled": stalled, "compared": len(changes)})]
+    ev = listed({}, "stalled", stalled[:JSON_TENSORS], len(stalled))
+    return [Finding("dead_optimizer_state", "warning", step, msg, {**ev, "compared": len(changes)})]
 
 
 def resolve_device(device: str) -> str:
@@ -352,6 +282,7 @@ def _inspect(path_a, path_b, progress: bool, device: str, stream: bool) -> Inspe
     finite_a = {t.name for t in files[0].tensors if not t.stats.nonfinite} if pair else None
     for i, fr in enumerate(files):
         prefix = f"{fr.label}: " if pair else ""
+        findings += _implausible(fr)
         findings += _nonfinite(fr, prefix, finite_a if i == 1 else None)
         if i == len(files) - 1:  # NB: for a pair, range and dead-state checks look at B, the later one
             findings += _range_risk(fr, prefix)

@@ -57,6 +57,8 @@ def distinct(t: torch.Tensor) -> torch.Tensor:
 
 def scanned_numel(t: torch.Tensor) -> int:
     """How many elements ``pieces(t)`` yields: t.numel() unless t's elements overlap."""
+    if t.is_contiguous():  # no broadcast dimension, no overlap: every element once (an empty tensor: 0)
+        return t.numel()
     return distinct(t).numel()
 
 

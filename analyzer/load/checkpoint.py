@@ -12,6 +12,7 @@ non-parameters), ``optimizer`` (per-parameter optimizer state), ``input`` (a sna
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -27,7 +28,9 @@ import torch
 from recorders import schema
 
 from ..errors import BadInputError
-from ._limits import MAX_NESTING
+from ._ckvalues import number as _number
+from ._ckvalues import read_scaler, read_step
+from ._limits import MAX_NESTING, gc_paused
 from ._stream import storage_end, torch_load_streamed
 from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
 from .versions import check_format_version
@@ -84,6 +87,9 @@ class Checkpoint:
     non_floating: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # files read briefly or skipped (an HF checkpoint directory)
+    # values no training run saves, each "where: what" (a GradScaler scale that is not a positive
+    # finite number, a step of NaN or 2**100): not used, and named by inspect's implausible_checkpoint
+    implausible: list[str] = field(default_factory=list)
     # waits for the CRC-32 check of a file loaded with defer_crc=True (raises if a record is damaged);
     # a no-op otherwise. NB: call it before reporting anything read from the tensors.
     verify: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
@@ -104,21 +110,9 @@ def _is_optimizer_state(d: Any) -> bool:
     return isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
 
 
-def _number(v: Any, kind: type) -> int | float | None:
-    """v as a Python int/float if it is one (bools aside) or a one-element tensor, else None: values read
-    from a file are checked before ``int()``/``float()`` sees them."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() and v.layout == torch.strided:
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    if kind is int and (isinstance(v, float) and not v.is_integer()):
-        return None
-    return kind(v) if kind is float or abs(v) < 2**63 else None
-
-
 def _is_scaler_state(d: Any) -> bool:
-    return (isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
-            and _number(d["scale"], float) is not None)
+    """A GradScaler state_dict, by its keys (whatever its scale holds: ``read_scaler`` judges that)."""
+    return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
 
 
 def _is_tensor_dict(d: Any) -> bool:
@@ -153,8 +147,7 @@ class _Walker:
         elif _is_optimizer_state(obj):
             self.optims.append((path, obj))
         elif _is_scaler_state(obj):
-            self.ckpt.scaler = {"path": path, "scale": _number(obj["scale"], float),
-                                "growth_tracker": _number(obj.get("_growth_tracker"), int)}
+            read_scaler(obj, path, self.ckpt)
         elif _is_tensor_dict(obj) and role != "input":
             self.models.append((path, obj))
             self.ckpt.model_paths.append(path)
@@ -310,8 +303,11 @@ def _find_step(obj: Any, ckpt: Checkpoint) -> None:
         return
     for key in _STEP_KEYS:
         v = obj.get(key)
-        if isinstance(v, int) and not isinstance(v, bool):
-            ckpt.step, ckpt.step_key = v, key
+        if v is None or key == "epoch" and isinstance(v, float) and math.isfinite(v) and v >= 0:
+            continue  # a fractional epoch (2.5) is a real one, but no step count
+        step = read_step(v, key, ckpt)
+        if step is not None:
+            ckpt.step, ckpt.step_key = step, key
             return
 
 
@@ -389,7 +385,8 @@ def load_checkpoint_file(path: str | os.PathLike, *, defer_crc: bool = False, st
     path = Path(path)
     obj, fmt, verify, reader = _read(path, defer_crc, stream, beside)
     try:
-        ckpt = _checkpoint(path, obj, fmt, verify)
+        with gc_paused():  # one Entry per tensor, and a small file may list 300,000
+            ckpt = _checkpoint(path, obj, fmt, verify)
         ckpt.stream = reader
         return ckpt
     except BaseException:
@@ -412,15 +409,16 @@ def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | Non
         walker.walk(obj, "")
     elif isinstance(obj, dict) and obj.get("format") == schema.SNAPSHOT_FORMAT:
         _check_snapshot(obj, path)
-        ckpt.layout, ckpt.step, ckpt.step_key = "snapshot", _number(obj.get("step"), int), "step"
+        ckpt.layout, ckpt.step_key = "snapshot", "step"
+        ckpt.step = read_step(obj.get("step"), "step", ckpt)
         walker.walk(obj.get("model_state"), "model_state")
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
             walker.walk(obj["scaler_state"], "scaler_state")
         if isinstance(obj.get("optimizer"), dict) and _is_optimizer_state(obj["optimizer"].get("state_dict")):
             walker.optims.append(("optimizer", _named_state_dict(obj["optimizer"])))  # since format 3
-        if ckpt.scaler is None and _number(obj.get("scale"), float) is not None:
-            ckpt.scaler = {"path": "scale", "scale": _number(obj["scale"], float), "growth_tracker": None}
+        if ckpt.scaler is None and obj.get("scale") is not None:
+            read_scaler({"scale": obj["scale"]}, "scale", ckpt)
     else:
         if _is_tensor_dict(obj):
             ckpt.layout = "state_dict"

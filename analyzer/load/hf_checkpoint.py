@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from .checkpoint import Checkpoint, _is_optimizer_state, _is_scaler_state, _number, _optimizer, _read, _Walker
+from .checkpoint import (Checkpoint, _is_optimizer_state, _is_scaler_state, _number, _optimizer, _read, _Walker,
+                         read_scaler)
 from .logs import HF_TRAINER_STATE
 from .torchfile import torch_load_safe
 
@@ -194,8 +195,7 @@ def load_hf_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if scaler_path.is_file():
         sc = torch_load_safe(scaler_path)
         if _is_scaler_state(sc):
-            ckpt.scaler = {"path": "scaler.pt", "scale": _number(sc["scale"], float),
-                           "growth_tracker": _number(sc.get("_growth_tracker"), int)}
+            read_scaler(sc, "scaler.pt", ckpt)
     if (d / "scheduler.pt").is_file():
         ckpt.notes.append(_scheduler_note(d / "scheduler.pt"))
     for name, what in (("rng_state.pth", "RNG state only (numpy arrays, which weights_only loading refuses)"),

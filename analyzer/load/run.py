@@ -4,6 +4,8 @@ Both readers (``run_dir`` and ``logs``) build one; the report reads only this.
 """
 from __future__ import annotations
 
+import math
+
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,10 +117,11 @@ class Run:
     def growth_interval(self) -> int:
         """GradScaler growth interval from the scaler config (2000, torch's default, if unknown)."""
         scaler = self.meta.get("scaler") or {}
-        try:
-            return max(1, int(scaler.get("growth_interval", 2000)))
-        except (TypeError, ValueError):
-            return 2000
+        gi = scaler.get("growth_interval", 2000) if isinstance(scaler, dict) else 2000
+        # NaN, inf, 0, 2.5 or a string: not a GradScaler's (implausible_trace names it); the default is used
+        ok = (isinstance(gi, (int, float)) and not isinstance(gi, bool) and math.isfinite(gi) and gi == int(gi)
+              and 0 < gi < 2**31)
+        return int(gi) if ok else 2000
 
     @property
     def ranks(self) -> list[int]:

@@ -5,7 +5,7 @@ the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): n
 but the parts' footers until a query is collected. A data page that does not decode is found by
 the first query that reads it; ``Run.diagnose`` then names the part. Logs from other tools (HF Trainer,
 Lightning, DeepSpeed, Megatron, CSV, JSONL, TensorBoard) are mapped onto the same step
-columns by ``analyzer.load.logs``; they have no per-layer table.
+columns by ``analyzer.load.logs`` (one module per tool); they have no per-layer table.
 
 Every problem becomes a one-line ``BadInputError`` / ``VersionError`` naming the file and the
 fix. A run whose process was killed is read up to its last complete part; ``Run.notes`` says so.
@@ -139,6 +139,10 @@ def _check_part(path: Path, kind: str) -> frozenset[str]:
         raise BadInputError(f"truncated or corrupt Parquet part ({first[:120]})", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run") from e
     check_part_types(path, cols, expected)
+    if path.stat().st_size <= _SMALL_PART and _rows(path) == 0:
+        raise BadInputError(f"{kind} part holds no rows: the Recorder never writes an empty part, so the steps it "
+                            "held are gone", path=path, fix="move the damaged part out of trace/ to analyse the rest "
+                            "of the run, or restore it from the training host")
     missing = [c for c in expected if c not in cols and c not in schema.COLUMNS_ADDED]
     unknown = [c for c in cols if c not in expected]
     if missing and len(missing) >= len(expected) // 2:
@@ -152,6 +156,18 @@ def _check_part(path: Path, kind: str) -> frozenset[str]:
             f"Parquet part has columns unknown to format version {schema.FORMAT_VERSION}: {unknown}",
             path=path, fix="it was written by a newer amp-autopsy: pip install -U amp-autopsy")
     return frozenset(cols)
+
+
+_SMALL_PART = 16 << 10  # parts this small may hold no rows: their row count is read (0.5 ms each; larger ones are not)
+
+
+def _rows(path: Path) -> int:
+    """A part's row count, from its footer."""
+    try:
+        with quiet_native_stderr():
+            return int(pl.scan_parquet(path, glob=False).select(pl.len()).collect().item())
+    except READ_ERRORS:  # a footer that gave its schema but not its count: the first query names the part
+        return -1
 
 
 def _scan(files: list[Path], columns: dict[str, pl.DataType],

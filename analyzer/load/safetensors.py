@@ -7,6 +7,11 @@ Nothing in the file is executed; every offset is checked against the file size b
 so a truncated file is an error here, not a crash later. Hostile headers (booleans for integers,
 dimensions past 2**48, overlapping tensors, deep JSON nesting, huge numbers) are one BadInputError.
 A tensor that starts off its dtype's alignment is mapped where it lies: the torch scan reads it there.
+
+Memory grows with the tensor count, not the bytes (a 20 MB header may list 300,000 empty tensors):
+each entry is parsed into a tuple rather than a dict, empty tensors of one dtype and shape share one
+view, and Python's cyclic garbage collector is paused while the header's many small containers are
+built (it would walk them all again and again, for nothing: they hold no cycles).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInputError
+from ._limits import gc_paused as _gc_paused
 
 __all__ = ["looks_like_safetensors", "load_safetensors"]
 
@@ -67,11 +73,18 @@ class _Duplicate(ValueError):
     pass
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+_SPEC_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict | tuple:
+    """A JSON object as a dict; a tensor's entry (exactly its three keys) as ``(dtype, shape, data_offsets)``,
+    a third of the dict's size. Refuses a key given twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen = set()
         raise _Duplicate(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    if len(out) == 3 and out.keys() == _SPEC_KEYS:
+        return out["dtype"], out["shape"], out["data_offsets"]
     return out
 
 
@@ -83,7 +96,8 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
     if n > _MAX_HEADER or 8 + n > size:
         raise _bad(path, f"header length {n} does not fit in the {size}-byte file (truncated?)")
     try:
-        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        with _gc_paused():
+            header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _Duplicate as e:
         raise _bad(path, f"the header names tensor {_short(e.args[0])} twice (a writer would not; which one is "
                          "meant is unknown)") from e
@@ -97,13 +111,15 @@ def _header(path: Path, f, size: int) -> tuple[int, dict]:
 
 
 def _entry(path: Path, name: str, spec, data_len: int) -> tuple[torch.dtype, list[int], int, int]:
-    if not isinstance(spec, dict):
+    if isinstance(spec, tuple):  # _no_duplicates' form of {"dtype", "shape", "data_offsets"}
+        code, shape, offsets = spec
+    elif isinstance(spec, dict):  # a key missing or one too many: named below
+        code, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    else:
         raise _bad(path, f"entry {name!r} is not an object")
-    code = spec.get("dtype")
     dtype = _DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
         raise _bad(path, f"tensor {name!r} has unknown dtype {_short(code)}")
-    shape, offsets = spec.get("shape"), spec.get("data_offsets")
     if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS
             and all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape)):
         raise _bad(path, f"tensor {name!r} has a bad shape {_short(shape)}")
@@ -114,7 +130,7 @@ def _entry(path: Path, name: str, spec, data_len: int) -> tuple[torch.dtype, lis
     if nbytes >= 2**62:
         raise _bad(path, f"tensor {name!r} declares {nbytes} bytes ({_short(shape)})")
     if not 0 <= begin <= end or end - begin != nbytes:
-        raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {spec['dtype']}")
+        raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {code}")
     if end > data_len:
         raise _bad(path, f"tensor {name!r} ends at byte {end} but the data is {data_len} bytes (truncated?)")
     return dtype, shape, begin, end
@@ -145,20 +161,25 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict):
             raise _bad(path, "__metadata__ is not an object")
-        entries = {name: _entry(path, name, spec, size - start) for name, spec in header.items()}
+        with _gc_paused():
+            entries = {name: _entry(path, name, spec, size - start) for name, spec in header.items()}
         del header  # NB: memory grows with the tensor count (a small file may hold 100k): keep one copy
         _check_overlap(path, entries)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > start else None
     tensors, empty = {}, {}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _gc_paused():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer's "non-writable" note: it is copy-on-write
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             count = end - begin
-            if count == 0:  # views of one empty tensor per dtype: no storage of their own
-                base = empty.get(dtype)
-                if base is None:
-                    base = empty[dtype] = torch.empty(0, dtype=dtype)
-                tensors[name] = base.view(shape)
+            if count == 0:  # one view per dtype and shape: no storage of its own, shared by every such name
+                key = (dtype, tuple(shape))
+                view = empty.get(key)
+                if view is None:
+                    base = empty.get(dtype)
+                    if base is None:
+                        base = empty[dtype] = torch.empty(0, dtype=dtype)
+                    view = empty[key] = base.view(shape)
+                tensors[name] = view
             else:  # NB: possibly off its alignment (packed back to back): the scan reads it in place
                 t = torch.frombuffer(mm, dtype=dtype, count=count // dtype.itemsize, offset=start + begin)
                 tensors[name] = t.reshape(shape)

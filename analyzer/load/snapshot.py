@@ -15,6 +15,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._micro import validate_micro_batches
+from ._snapshot_sense import snapshot_notes
 from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
 from .compiled import clean_old_names
@@ -73,6 +74,9 @@ class Snapshot(Mapping):
     exception: dict | None = None  # since version 4, reason "exception": type, message, frames, step (load/exceptions.py)
     compile: dict | None = None  # since version 5: how training torch.compile'd the model (load/compiled.py)
     micro_batches: dict | None = None  # since version 6: batch lists the step's micro-batches (load/_micro.py)
+    # values a replay can use but no ordinary run records (a loss scale of 1e30, integer weights beside
+    # float ones), one sentence each (load/_snapshot_sense.py): print them before any verdict
+    load_notes: tuple[str, ...] = ()
 
     @property
     def has_scaler(self) -> bool:
@@ -107,7 +111,8 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     if missing:
         raise BadInputError(f"snapshot lacks keys {missing}", path=path, fix="re-record the run")
     validate_snapshot(snap, path)
+    notes = snapshot_notes(snap, path)
     validate_micro_batches(snap, path)
     snap = clean_old_names(snap)  # a compiled model's snapshot older than version 5: no _orig_mod. names
     return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
-                    _raw=MappingProxyType(snap))
+                    _raw=MappingProxyType(snap), load_notes=tuple(notes))

@@ -6,16 +6,10 @@ from typing import Any
 __all__ = ["render_inspect_text", "badness"]
 
 
-_CAST = ("weight", "input")  # roles autocast casts to FP16/BF16; optimizer state and buffers stay FP32
-
-
 def badness(t) -> tuple:
-    """Sort key, worst first: non-finite share, then for tensors that autocast casts (weights, inputs)
-    the FP16 overflow share, flush-to-zero share and abs-max; optimizer state and buffers after."""
-    s = t.stats
-    if t.role not in _CAST:
-        return (-s.frac(s.nonfinite), 0.0, 0.0, 1, 0.0)
-    return (-s.frac(s.nonfinite), -s.frac(s.fp16_overflow), -s.frac(s.fp16_flush), 0, -(s.abs_max or 0.0))
+    """Sort key, worst first: ``analyzer.inspect.badness`` (imported on first use: it imports torch)."""
+    from ..inspect import badness as key
+    return key(t)
 
 
 def _size(n: int) -> str:
@@ -66,7 +60,9 @@ def _header(fr) -> list[str]:
 
 
 def _table(fr, top: int) -> list[str]:
-    rows = sorted(fr.tensors, key=badness)[:top]
+    from ..inspect import badness as key
+
+    rows = sorted(fr.tensors, key=key)[:top]
     if not rows:
         return []
     width = min(max(len(t.name) for t in rows), 60)

@@ -449,8 +449,9 @@ def test_the_cli_prints_strict_json_and_text_worst_first(tmp_path):
     res = CliRunner().invoke(main, ["inspect", str(path), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert doc["files"][0]["scaler"]["scale"] == "inf"
-    assert [f["check"] for f in doc["findings"]] == ["nonfinite_optimizer_state"]
+    assert doc["files"][0]["scaler"] is None  # an infinite scale is no GradScaler's: named, not used
+    assert [f["check"] for f in doc["findings"]] == ["nonfinite_optimizer_state", "implausible_checkpoint"]
+    assert "scaler.scale inf is not a GradScaler scale" in doc["findings"][1]["message"]
     assert doc["diff"] is None
     text = CliRunner().invoke(main, ["inspect", str(path), "--top", "2"])
     assert text.exit_code == 0
