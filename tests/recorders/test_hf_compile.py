@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from analyzer.load import load_snapshot
-from tests.recorders.test_integrations_hf import BATCH, STEPS, _Embeds, _gpt2
+from tests.extras import require
+
+require("transformers", "hf")
+require("accelerate", "hf")
+from tests.recorders.test_integrations_hf import BATCH, STEPS, _Embeds, _gpt2  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
