@@ -16,6 +16,7 @@ _REASON = re.compile(r"from the \[(\w+)\] extra")
 
 def require(module: str, extra: str):
     """``module``, imported, or the calling test (or module, at top level) skipped: it needs ``extra``."""
+    __tracebackhide__ = True  # the skip is reported at the caller's line
     return pytest.importorskip(module, reason=f"needs {module}, from the [{extra}] extra: pip install -e '.[{extra}]'")
 
 
