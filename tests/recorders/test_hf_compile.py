@@ -51,7 +51,7 @@ def test_a_trainer_with_torch_compile_records_its_backend_and_mode_under_the_ori
 
 # -- accelerate's regional compilation (compile_regions) --------------------------------------------
 def _region_paths(compiled) -> list[str]:
-    from recorders._compile import compile_info
+    from recorders.compiled import compile_info
 
     return [m["path"] for m in compile_info(compiled)["modules"]]
 
