@@ -20,87 +20,17 @@ the command fails (the ``Error:`` line stays the only line) and printed after it
 """
 from __future__ import annotations
 
-import functools
 import json
 import sys
-import traceback
-import warnings
 
 import click
 
 from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
+from ._cli_errors import EXIT_INTERNAL, one_line as _one_line, one_line_errors as _one_line_errors
 from ._terminal import escape_controls
-from .errors import AnalyzerError
 from .findings import EXIT_FAIL_ON
 
-__all__ = ["main"]
-
-
-EXIT_INTERNAL = 3
-
-# what each command was doing, for the internal-error line; the first argument names the file
-_STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo",
-           "autopsy": "running the autopsy"}
-_FILE_ARGS = ("snapshot", "run", "checkpoint", "out_dir")
-
-
-class _InternalError(click.ClickException):
-    """An exception no loader anticipated: still one line, with its own exit status."""
-
-    exit_code = EXIT_INTERNAL
-
-
-def _one_line(text: str) -> str:
-    return " ".join(escape_controls(text, keep_newlines=False).split())
-
-
-def _internal_message(fn_name: str, kwargs: dict, e: BaseException) -> str:
-    target = next((kwargs[k] for k in _FILE_ARGS if kwargs.get(k) is not None), None)
-    stage = _STAGES.get(fn_name, f"running {fn_name}")
-    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    where = f"{target}: " if target is not None else ""
-    return _one_line(f"{where}internal error while {stage}: {type(e).__name__}: {detail} "
-                     "(please report this with the file; --debug shows the traceback)")
-
-
-def _one_line_errors(fn):
-    """Every failure becomes one ``Error:`` line: AnalyzerError/OSError exit 1, anything else exit 3.
-
-    Warnings are recorded, not printed, so nothing comes before the ``Error:`` line; after a
-    successful command they are printed once each, escaped, after the output.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-        with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
-            try:
-                result = fn(*args, **kwargs)
-            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-                raise
-            except AnalyzerError as e:
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise click.ClickException(_one_line(str(e))) from e
-            except (OSError, MemoryError) as e:
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from e
-            except (KeyboardInterrupt, SystemExit, GeneratorExit):
-                raise
-            except BaseException as e:  # noqa: BLE001 - the last line of defence; polars panics are BaseException
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise _InternalError(_internal_message(fn.__name__, kwargs, e)) from e
-        seen = set()
-        for w in caught:
-            line = _one_line(f"warning: {w.category.__name__}: {w.message}")
-            if line not in seen:
-                seen.add(line)
-                click.echo(line, err=True)
-        return result
-
-    return wrapper
+__all__ = ["main", "EXIT_INTERNAL"]
 
 
 def _echo(text: str = "", **kwargs) -> None:
@@ -168,19 +98,13 @@ def _checkpoint_options(fn):
                              "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
 
 
-def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths, accumulate=None):
-    """The checkpoint and batch as a snapshot (``--batch``); without --batch, refuse a checkpoint clearly."""
-    from .load.adhoc import checkpoint_instead, load_checkpoint_snapshot
+def _open_target(path, command, batch, amp, scale, accumulate, **kw):
+    """What PATH (and --batch) name, opened by ``load.target`` (a snapshot, a run, or a checkpoint and its batch)."""
+    from .load.target import open_target
 
-    if batch is None:
-        if amp is not None or scale is not None or accumulate is not None:
-            raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
-        err = checkpoint_instead(path)
-        if err is not None:
-            raise err
-        return path
-    return load_checkpoint_snapshot(path, batch, factory=factory, loss_fn=loss_fn, amp=amp, scale=scale,
-                                    device=device, paths=paths, accumulate=accumulate or "auto")
+    if batch is None and (amp is not None or scale is not None or accumulate is not None):
+        raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
+    return open_target(path, command=command, batch=batch, amp=amp, scale=scale, accumulate=accumulate, **kw)
 
 
 def _fail_on_option(when: str, printed: str):
@@ -255,9 +179,9 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
-    target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
-                                paths=paths, accumulate=accumulate)
-    result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
+    target = _open_target(snapshot, "replay", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
+                          device=device, paths=paths)
+    result = replay_snapshot(target.source, device=device, dtypes=dtype_list, factory=factory,
                              loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
     if plot_path:
         plot_replay(result, plot_path)
@@ -335,8 +259,6 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
 
     RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
     """
-    from pathlib import Path
-
     from .autopsy import run_autopsy
     from .render import check_output_path, render_autopsy_text, write_autopsy_outputs
 
@@ -345,17 +267,14 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
     if out_dir:
         check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
     progress = sys.stderr.isatty() and not as_json
-    if batch is None and (amp is not None or scale is not None or accumulate is not None):
-        raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
-    target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
-                                                          loss_fn=loss_fn, device=device, paths=paths,
-                                                          accumulate=accumulate)
-    result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
+    target = _open_target(run, "autopsy", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
+                          device=device, paths=paths)
+    result = run_autopsy(target.source, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
-    run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log
-    written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path, run_dir=run_dir)
+    written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path,
+                                    run_dir=target.run_dir)
     if as_json:
         _print_json(result.to_dict())
     else:

@@ -117,6 +117,70 @@ def inspect_check_first(paths: list[Path], threads: int) -> None:
         _stream.STREAM_MIN_BYTES = least
 
 
+def inspect_plain_all(paths: list[Path], threads: int) -> None:
+    """--cold-reader: the check first, as ``inspect_check_first``, with every record's CRC-32 checked
+    whatever the file's size (the streamed read checks them all in passing)."""
+    full = torchfile.CRC_FULL_BYTES
+    torchfile.CRC_FULL_BYTES = 1 << 62
+    try:
+        inspect_check_first(paths, threads)
+    finally:
+        torchfile.CRC_FULL_BYTES = full
+
+
+def inspect_plain_zipfile(paths: list[Path], threads: int) -> None:
+    """--cold-reader: the plain synchronous read: every record read through ``zipfile`` front to back, which
+    checks its CRC-32 (stdlib zlib), then the scan of the file now in the page cache, with no second check."""
+    import zipfile
+
+    for path in paths:
+        with zipfile.ZipFile(path) as zf:
+            for info in sorted(zf.infolist(), key=lambda i: i.header_offset):
+                with zf.open(info) as f:
+                    while f.read(8 << 20):
+                        pass
+    verdict, least = torchfile._crc_verdict, _stream.STREAM_MIN_BYTES
+    torchfile._crc_verdict, _stream.STREAM_MIN_BYTES = (lambda path, names=None: (None, 0)), 1 << 62
+    try:
+        inspect(paths, threads)
+    finally:
+        torchfile._crc_verdict, _stream.STREAM_MIN_BYTES = verdict, least
+
+
+def cold_reader(path: Path, rounds: int) -> None:
+    """--cold-reader: inspect's streamed read of a cold file against the plain synchronous read (the
+    CRC-32 check through zipfile first, then the scan), in rotating order, the file evicted before every
+    run and checked cold with inspect's own mincore probe."""
+    variants = {"inspect, streamed (load/_stream.py)": inspect,
+                "inspect, plain: check first (as capped)": inspect_check_first,
+                "inspect, plain: check first (every record)": inspect_plain_all,
+                "inspect, plain: zipfile read, then scan": inspect_plain_zipfile,
+                "read() of the file": read_file}
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each variant first in turn
+            evict(path)
+            if torchfile._in_page_cache(path, enough=0.05):
+                raise SystemExit(f"{path} is still in the page cache after eviction: not a cold run")
+            t = time.perf_counter()
+            variants[name]([path], 1)
+            times[name].append(time.perf_counter() - t)
+    stream = times[names[0]]
+    print(f"{'variant':44} {'median s':>9} {'fastest s':>9}   streamed / this per round: median (min .. max)")
+    for name, ts in times.items():
+        ratios = [a / b for a, b in zip(stream, ts)]
+        print(f"{name:44} {statistics.median(ts):9.3f} {min(ts):9.3f}   "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f} .. {max(ratios):.2f})")
+    for name, ts in times.items():
+        print(f"  {name}: " + " ".join(f"{t:.2f}" for t in ts))
+    for name in names[1:4]:
+        ratios = [a / b for a, b in zip(stream, times[name])]
+        print(f"the streamed read saves {1 - statistics.median(stream) / statistics.median(times[name]):.0%} of "
+              f"'{name}' (medians), {1 - statistics.median(ratios):.0%} (median of per-round ratios), "
+              f"{1 - min(stream) / min(times[name]):.0%} (fastest runs)")
+
+
 def inspect_cuda(paths: list[Path], threads: int) -> None:
     inspect(paths, threads, "cuda")
 
@@ -149,11 +213,14 @@ def evict(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-gb", type=float, default=1.0, help="checkpoint size (default 1)")
+    ap.add_argument("--size-gb", type=float, default=None, help="checkpoint size (default 1; --cold-reader: 4)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=int, default=2, help="the second thread count to run both at (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
+    ap.add_argument("--cold-reader", action="store_true",
+                    help="only inspect's streamed read of a cold file against the plain synchronous read "
+                    "(check first, then scan), the file evicted and probed cold before every run (default 4 GB)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of every tensor in the checkpoint (default float32)")
     ap.add_argument("--pair", action="store_true",
@@ -168,6 +235,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.size_gb, args.rounds = 0.25, 3
+    if args.size_gb is None:
+        args.size_gb = 4.0 if args.cold_reader else 1.0
     if args.chunk:
         _scan.CHUNK = args.chunk
     threads = sorted({1, args.threads})
@@ -187,9 +256,12 @@ def main() -> None:
         warm = f"warm page cache ({f'read back through {args.reread}' if args.reread else 'as torch.save left it'})"
         print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors in {len(paths)} file(s) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
-              f"{'cold (evicted before each run)' if args.cold else warm}; "
+              f"{'cold (evicted before each run)' if args.cold or args.cold_reader else warm}; "
               f"chunk {_scan.CHUNK} elements; torch {torch.__version__}, "
               f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
+        if args.cold_reader:
+            cold_reader(path, args.rounds)
+            return
         floor_name = "floor: torch.load(mmap) + sum"
         named = [(floor_name, floor), ("analyzer inspect (cpu)", inspect),
                  ("scan alone: load(mmap) + scan", scan_alone)]
