@@ -27,7 +27,10 @@ before every run of every variant, so both read from disk, as they do for a chec
 ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed, and inspect taking the
 two other orders a cold file could take instead of streaming it (``load/_stream.py``: one reader,
 the scan following it): the check first and then the scan, or the check forced beside the scan (the
-page-cache path).
+page-cache path). ``--cold-reader`` (4 GB by default) times only inspect's streamed read of a cold file
+against plain synchronous reads without that machinery (a ``zipfile`` read of every record, which checks
+its CRC-32, then the scan; the in-place check of every record first; the check as ``torch_load_safe``
+caps it), the file evicted and probed cold with inspect's own ``mincore`` probe before every run.
 """
 from __future__ import annotations
 
