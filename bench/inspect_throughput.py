@@ -35,11 +35,13 @@ caps it), the file evicted and probed cold with inspect's own ``mincore`` probe 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -100,54 +102,49 @@ def inspect(paths: list[Path], threads: int, device: str = "cpu") -> None:
     assert result.files[0].tensors
 
 
+@contextlib.contextmanager
+def _set(module, **values):
+    """`module`'s attributes set to `values` inside, restored after: inspect with one part of its reader changed."""
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
+
+
 def inspect_check_beside(paths: list[Path], threads: int) -> None:
     """--cold: inspect with the CRC-32 check beside the scan, as for a file in the page cache, instead of first."""
-    probe = torchfile._in_page_cache
-    torchfile._in_page_cache = lambda path: True
-    try:
+    with _set(torchfile, _in_page_cache=lambda path: True):
         inspect(paths, threads)
-    finally:
-        torchfile._in_page_cache = probe
 
 
 def inspect_check_first(paths: list[Path], threads: int) -> None:
     """--cold: inspect with the CRC-32 check first, then the scan, instead of streaming the file."""
-    least = _stream.STREAM_MIN_BYTES
-    _stream.STREAM_MIN_BYTES = 1 << 62
-    try:
+    with _set(_stream, STREAM_MIN_BYTES=1 << 62):
         inspect(paths, threads)
-    finally:
-        _stream.STREAM_MIN_BYTES = least
 
 
 def inspect_plain_all(paths: list[Path], threads: int) -> None:
     """--cold-reader: the check first, as ``inspect_check_first``, with every record's CRC-32 checked
     whatever the file's size (the streamed read checks them all in passing)."""
-    full = torchfile.CRC_FULL_BYTES
-    torchfile.CRC_FULL_BYTES = 1 << 62
-    try:
+    with _set(torchfile, CRC_FULL_BYTES=1 << 62):
         inspect_check_first(paths, threads)
-    finally:
-        torchfile.CRC_FULL_BYTES = full
 
 
 def inspect_plain_zipfile(paths: list[Path], threads: int) -> None:
     """--cold-reader: the plain synchronous read: every record read through ``zipfile`` front to back, which
     checks its CRC-32 (stdlib zlib), then the scan of the file now in the page cache, with no second check."""
-    import zipfile
-
     for path in paths:
         with zipfile.ZipFile(path) as zf:
             for info in sorted(zf.infolist(), key=lambda i: i.header_offset):
                 with zf.open(info) as f:
                     while f.read(8 << 20):
                         pass
-    verdict, least = torchfile._crc_verdict, _stream.STREAM_MIN_BYTES
-    torchfile._crc_verdict, _stream.STREAM_MIN_BYTES = (lambda path, names=None: (None, 0)), 1 << 62
-    try:
+    with _set(torchfile, _crc_verdict=lambda path, names=None: (None, 0)), _set(_stream, STREAM_MIN_BYTES=1 << 62):
         inspect(paths, threads)
-    finally:
-        torchfile._crc_verdict, _stream.STREAM_MIN_BYTES = verdict, least
 
 
 def cold_reader(path: Path, rounds: int) -> None:
