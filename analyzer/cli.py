@@ -20,87 +20,17 @@ the command fails (the ``Error:`` line stays the only line) and printed after it
 """
 from __future__ import annotations
 
-import functools
 import json
 import sys
-import traceback
-import warnings
 
 import click
 
 from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
+from ._cli_errors import EXIT_INTERNAL, one_line as _one_line, one_line_errors as _one_line_errors
 from ._terminal import escape_controls
-from .errors import AnalyzerError
 from .findings import EXIT_FAIL_ON
 
-__all__ = ["main"]
-
-
-EXIT_INTERNAL = 3
-
-# what each command was doing, for the internal-error line; the first argument names the file
-_STAGES = {"replay": "replaying", "report": "reporting", "inspect": "inspecting", "demo": "running the demo",
-           "autopsy": "running the autopsy", "fp8_readiness": "measuring FP8 readiness"}
-_FILE_ARGS = ("snapshot", "run", "checkpoint", "out_dir")
-
-
-class _InternalError(click.ClickException):
-    """An exception no loader anticipated: still one line, with its own exit status."""
-
-    exit_code = EXIT_INTERNAL
-
-
-def _one_line(text: str) -> str:
-    return " ".join(escape_controls(text, keep_newlines=False).split())
-
-
-def _internal_message(fn_name: str, kwargs: dict, e: BaseException) -> str:
-    target = next((kwargs[k] for k in _FILE_ARGS if kwargs.get(k) is not None), None)
-    stage = _STAGES.get(fn_name, f"running {fn_name}")
-    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    where = f"{target}: " if target is not None else ""
-    return _one_line(f"{where}internal error while {stage}: {type(e).__name__}: {detail} "
-                     "(please report this with the file; --debug shows the traceback)")
-
-
-def _one_line_errors(fn):
-    """Every failure becomes one ``Error:`` line: AnalyzerError/OSError exit 1, anything else exit 3.
-
-    Warnings are recorded, not printed, so nothing comes before the ``Error:`` line; after a
-    successful command they are printed once each, escaped, after the output.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-        with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
-            try:
-                result = fn(*args, **kwargs)
-            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-                raise
-            except AnalyzerError as e:
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise click.ClickException(_one_line(str(e))) from e
-            except (OSError, MemoryError) as e:
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from e
-            except (KeyboardInterrupt, SystemExit, GeneratorExit):
-                raise
-            except BaseException as e:  # noqa: BLE001 - the last line of defence; polars panics are BaseException
-                if debug:
-                    traceback.print_exc(file=sys.stderr)
-                raise _InternalError(_internal_message(fn.__name__, kwargs, e)) from e
-        seen = set()
-        for w in caught:
-            line = _one_line(f"warning: {w.category.__name__}: {w.message}")
-            if line not in seen:
-                seen.add(line)
-                click.echo(line, err=True)
-        return result
-
-    return wrapper
+__all__ = ["main", "EXIT_INTERNAL"]
 
 
 def _echo(text: str = "", **kwargs) -> None:
@@ -168,21 +98,16 @@ def _checkpoint_options(fn):
                              "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
 
 
-def _checkpoint_target(path, batch, amp, scale, *, factory, loss_fn, device, paths, accumulate=None, rng=None):
-    """The checkpoint and batch as a snapshot (``--batch``); without --batch, refuse a checkpoint clearly."""
-    from .load.adhoc import checkpoint_instead, load_checkpoint_snapshot
+def _open_target(path, command, batch, amp, scale, accumulate, *, rng=None, factory_kwargs=None, **kw):
+    """What PATH (and --batch) name, opened by ``load.target`` (a snapshot, a run, or a checkpoint and its batch)."""
+    from .load.target import open_target
 
+    if batch is None and (amp is not None or scale is not None or accumulate is not None):
+        raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
     if batch is None and rng is not None:
         raise click.UsageError("--rng goes with --batch (a recorder snapshot holds its own RNG state)")
-    if batch is None:
-        if amp is not None or scale is not None or accumulate is not None:
-            raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
-        err = checkpoint_instead(path)
-        if err is not None:
-            raise err
-        return path
-    return load_checkpoint_snapshot(path, batch, factory=factory, loss_fn=loss_fn, amp=amp, scale=scale,
-                                    device=device, paths=paths, accumulate=accumulate or "auto", rng=rng)
+    return open_target(path, command=command, batch=batch, amp=amp, scale=scale, accumulate=accumulate, rng=rng,
+                       factory_kwargs=_factory_kwargs(factory_kwargs), **kw)
 
 
 def _override_options(fn):
@@ -277,20 +202,11 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
-    kwargs = _factory_kwargs(factory_kwargs)
-    target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
-                                paths=paths, accumulate=accumulate, rng=rng)
-    if kwargs is not None:  # applied to the loaded snapshot: replay takes the value as it takes a file's
-        from .load import load_snapshot
-        from .load.dcp import sibling_snapshot
-        from .load.overrides import with_factory_kwargs
-
-        if isinstance(target, str):
-            target = load_snapshot(sibling_snapshot(target, rank) if rank is not None else target)
-            rank = None
-        target = with_factory_kwargs(target, kwargs)
-    result = replay_snapshot(target, device=device, dtypes=dtype_list, factory=factory,
-                             loss_fn=loss_fn, progress=sys.stderr.isatty() and not as_json, paths=paths, rank=rank)
+    target = _open_target(snapshot, "replay", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
+                          device=device, paths=paths, rng=rng, factory_kwargs=factory_kwargs, rank=rank)
+    result = replay_snapshot(target.source, device=device, dtypes=dtype_list, factory=factory, loss_fn=loss_fn,
+                             progress=sys.stderr.isatty() and not as_json, paths=paths,
+                             rank=rank if isinstance(target.source, str) else None)  # a loaded snapshot is that rank's
     if plot_path:
         plot_replay(result, plot_path)
     if as_json:
@@ -369,8 +285,6 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
 
     RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
     """
-    from pathlib import Path
-
     from .autopsy import run_autopsy
     from .render import check_output_path, render_autopsy_text, write_autopsy_outputs
 
@@ -379,25 +293,17 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
     if out_dir:
         check_output_path(out_dir, inputs=[run], option="--out", is_dir=True)
     progress = sys.stderr.isatty() and not as_json
-    if batch is None and (amp is not None or scale is not None or accumulate is not None):
-        raise click.UsageError("--amp, --scale and --accumulate go with --batch (a checkpoint and its failing batch)")
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
     if batch is None and (rng is not None or factory_kwargs is not None):
         raise click.UsageError("--rng and --factory-kwargs go with --batch here; for a run directory's snapshot: "
                                "analyzer replay SNAPSHOT --factory-kwargs JSON")
-    kwargs = _factory_kwargs(factory_kwargs)
-    target = run if batch is None else _checkpoint_target(run, batch, amp, scale, factory=factory,
-                                                          loss_fn=loss_fn, device=device, paths=paths,
-                                                          accumulate=accumulate, rng=rng)
-    if kwargs is not None:
-        from .load.overrides import with_factory_kwargs
-
-        target = with_factory_kwargs(target, kwargs)
-    result = run_autopsy(target, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
+    target = _open_target(run, "autopsy", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
+                          device=device, paths=paths, rng=rng, factory_kwargs=factory_kwargs)
+    result = run_autopsy(target.source, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
-    run_dir = Path(run).parent if Path(run).is_file() else Path(run)  # a meta.json or a foreign log
-    written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path, run_dir=run_dir)
+    written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path,
+                                    run_dir=target.run_dir)
     if as_json:
         _print_json(result.to_dict())
     else:
@@ -465,9 +371,9 @@ def fp8_readiness(snapshot, batch, amp, accumulate, scale, as_json, device, fact
     from .replay import Replay
     from .replay.fp8.readiness import fp8_readiness as measure
 
-    target = _checkpoint_target(snapshot, batch, amp, scale, factory=factory, loss_fn=loss_fn, device=device,
-                                paths=paths, accumulate=accumulate)
-    result = measure(Replay(target, device=device, factory=factory, loss_fn=loss_fn, paths=paths).context())
+    target = _open_target(snapshot, "replay", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
+                          device=device, paths=paths)
+    result = measure(Replay(target.source, device=device, factory=factory, loss_fn=loss_fn, paths=paths).context())
     if as_json:
         _print_json(result.to_dict())
     else:

@@ -27,16 +27,21 @@ before every run of every variant, so both read from disk, as they do for a chec
 ago; ``--cold`` also times a plain ``read()`` of the file, the disk's own speed, and inspect taking the
 two other orders a cold file could take instead of streaming it (``load/_stream.py``: one reader,
 the scan following it): the check first and then the scan, or the check forced beside the scan (the
-page-cache path).
+page-cache path). ``--cold-reader`` (4 GB by default) times only inspect's streamed read of a cold file
+against plain synchronous reads without that machinery (a ``zipfile`` read of every record, which checks
+its CRC-32, then the scan; the in-place check of every record first; the check as ``torch_load_safe``
+caps it), the file evicted and probed cold with inspect's own ``mincore`` probe before every run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -97,24 +102,83 @@ def inspect(paths: list[Path], threads: int, device: str = "cpu") -> None:
     assert result.files[0].tensors
 
 
+@contextlib.contextmanager
+def _set(module, **values):
+    """`module`'s attributes set to `values` inside, restored after: inspect with one part of its reader changed."""
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
+
+
 def inspect_check_beside(paths: list[Path], threads: int) -> None:
     """--cold: inspect with the CRC-32 check beside the scan, as for a file in the page cache, instead of first."""
-    probe = torchfile._in_page_cache
-    torchfile._in_page_cache = lambda path: True
-    try:
+    with _set(torchfile, _in_page_cache=lambda path: True):
         inspect(paths, threads)
-    finally:
-        torchfile._in_page_cache = probe
 
 
 def inspect_check_first(paths: list[Path], threads: int) -> None:
     """--cold: inspect with the CRC-32 check first, then the scan, instead of streaming the file."""
-    least = _stream.STREAM_MIN_BYTES
-    _stream.STREAM_MIN_BYTES = 1 << 62
-    try:
+    with _set(_stream, STREAM_MIN_BYTES=1 << 62):
         inspect(paths, threads)
-    finally:
-        _stream.STREAM_MIN_BYTES = least
+
+
+def inspect_plain_all(paths: list[Path], threads: int) -> None:
+    """--cold-reader: the check first, as ``inspect_check_first``, with every record's CRC-32 checked
+    whatever the file's size (the streamed read checks them all in passing)."""
+    with _set(torchfile, CRC_FULL_BYTES=1 << 62):
+        inspect_check_first(paths, threads)
+
+
+def inspect_plain_zipfile(paths: list[Path], threads: int) -> None:
+    """--cold-reader: the plain synchronous read: every record read through ``zipfile`` front to back, which
+    checks its CRC-32 (stdlib zlib), then the scan of the file now in the page cache, with no second check."""
+    for path in paths:
+        with zipfile.ZipFile(path) as zf:
+            for info in sorted(zf.infolist(), key=lambda i: i.header_offset):
+                with zf.open(info) as f:
+                    while f.read(8 << 20):
+                        pass
+    with _set(torchfile, _crc_verdict=lambda path, names=None: (None, 0)), _set(_stream, STREAM_MIN_BYTES=1 << 62):
+        inspect(paths, threads)
+
+
+def cold_reader(path: Path, rounds: int) -> None:
+    """--cold-reader: inspect's streamed read of a cold file against the plain synchronous read (the
+    CRC-32 check through zipfile first, then the scan), in rotating order, the file evicted before every
+    run and checked cold with inspect's own mincore probe."""
+    variants = {"inspect, streamed (load/_stream.py)": inspect,
+                "inspect, plain: check first (as capped)": inspect_check_first,
+                "inspect, plain: check first (every record)": inspect_plain_all,
+                "inspect, plain: zipfile read, then scan": inspect_plain_zipfile,
+                "read() of the file": read_file}
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each variant first in turn
+            evict(path)
+            if torchfile._in_page_cache(path, enough=0.05):
+                raise SystemExit(f"{path} is still in the page cache after eviction: not a cold run")
+            t = time.perf_counter()
+            variants[name]([path], 1)
+            times[name].append(time.perf_counter() - t)
+    stream = times[names[0]]
+    print(f"{'variant':44} {'median s':>9} {'fastest s':>9}   streamed / this per round: median (min .. max)")
+    for name, ts in times.items():
+        ratios = [a / b for a, b in zip(stream, ts)]
+        print(f"{name:44} {statistics.median(ts):9.3f} {min(ts):9.3f}   "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f} .. {max(ratios):.2f})")
+    for name, ts in times.items():
+        print(f"  {name}: " + " ".join(f"{t:.2f}" for t in ts))
+    for name in names[1:4]:
+        ratios = [a / b for a, b in zip(stream, times[name])]
+        print(f"the streamed read saves {1 - statistics.median(stream) / statistics.median(times[name]):.0%} of "
+              f"'{name}' (medians), {1 - statistics.median(ratios):.0%} (median of per-round ratios), "
+              f"{1 - min(stream) / min(times[name]):.0%} (fastest runs)")
 
 
 def inspect_cuda(paths: list[Path], threads: int) -> None:
@@ -149,11 +213,14 @@ def evict(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-gb", type=float, default=1.0, help="checkpoint size (default 1)")
+    ap.add_argument("--size-gb", type=float, default=None, help="checkpoint size (default 1; --cold-reader: 4)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=int, default=2, help="the second thread count to run both at (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GB and 3 rounds")
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before every run")
+    ap.add_argument("--cold-reader", action="store_true",
+                    help="only inspect's streamed read of a cold file against the plain synchronous read "
+                    "(check first, then scan), the file evicted and probed cold before every run (default 4 GB)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of every tensor in the checkpoint (default float32)")
     ap.add_argument("--pair", action="store_true",
@@ -168,6 +235,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.size_gb, args.rounds = 0.25, 3
+    if args.size_gb is None:
+        args.size_gb = 4.0 if args.cold_reader else 1.0
     if args.chunk:
         _scan.CHUNK = args.chunk
     threads = sorted({1, args.threads})
@@ -187,9 +256,12 @@ def main() -> None:
         warm = f"warm page cache ({f'read back through {args.reread}' if args.reread else 'as torch.save left it'})"
         print(f"wrote {nbytes / 1e9:.2f} GB of {args.dtype} tensors in {len(paths)} file(s) "
               f"in {time.perf_counter() - t0:.1f} s; {args.rounds} rounds, "
-              f"{'cold (evicted before each run)' if args.cold else warm}; "
+              f"{'cold (evicted before each run)' if args.cold or args.cold_reader else warm}; "
               f"chunk {_scan.CHUNK} elements; torch {torch.__version__}, "
               f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
+        if args.cold_reader:
+            cold_reader(path, args.rounds)
+            return
         floor_name = "floor: torch.load(mmap) + sum"
         named = [(floor_name, floor), ("analyzer inspect (cpu)", inspect),
                  ("scan alone: load(mmap) + scan", scan_alone)]

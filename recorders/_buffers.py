@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._compile import clean_name
+from .compiled import clean_name
 
 __all__ = ["BufferTracker"]
 

@@ -30,7 +30,7 @@ import torch
 
 from . import schema
 from . import triggers as _triggers
-from ._compile import clean_name
+from .compiled import clean_name
 
 __all__ = ["FsdpSnapshots", "is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import schema
-from ._compile import clean_name
+from .compiled import clean_name
 
 __all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta", "current_cwd"]
 
@@ -110,7 +110,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
 
     `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
     `optimizer`: ``recorders._update.optimizer_meta`` (class, hyperparameters per group) or None.
-    `compile`: ``recorders._compile.compile_info`` (how it was torch.compile'd) or None.
+    `compile`: ``recorders.compiled.compile_info`` (how it was torch.compile'd) or None.
     `warnings`: the RecorderWarnings issued before meta.json was first written (``schema.WARNING_KEYS`` dicts).
     """
     from . import __version__
@@ -143,8 +143,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "exception": None,  # Recorder.__exit__ fills it in when the loop raises (recorders/_exception.py)
         "steps_begun": 0,  # rewritten at close (and when a step began and never ended)
         "autocast": None,  # rewritten after the first recorded step (recorders/_mistakes.py)
-        "compile": compile,  # recorders/_compile.compile_info of the model the loop passed
-        "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/_micro.py)
+        "compile": compile,  # recorders/compiled.compile_info of the model the loop passed
+        "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/micro_batches.py)
         "warnings": list(warnings or []),  # rewritten at each RecorderWarning (recorders/_lifecycle.py)
     }
     assert tuple(meta) == schema.META_KEYS

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._compile import clean_name
+from .compiled import clean_name
 from ._norms import norms
 from ._stats import local_tensor
 

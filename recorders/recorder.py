@@ -20,12 +20,12 @@ import torch
 from . import schema
 from . import triggers as _triggers
 from ._buffers import BufferTracker
-from ._compile import clean_name, compile_info, unwrap
+from .compiled import clean_name, compile_info, unwrap
 from ._exception import record_exception
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
-from ._micro import MicroBatches
+from .micro_batches import MicroBatches
 from ._mistakes import MistakeWatch
 from ._stats import StepStats, local_tensor
 from .refs import to_ref

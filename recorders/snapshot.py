@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import schema
-from ._compile import clean_name
+from .compiled import clean_name
 from ._io import atomic_write, claim_write
 from ._meta import current_cwd
 from ._sdpa import sdpa_state
@@ -95,8 +95,8 @@ def build_snapshot(
     None. `update`: ``recorders._update.update_entry`` on an ``update`` snapshot, whose
     ``model_state`` then holds the weights after the step (it passes no `pre_step_buffers`).
     `exception`: ``recorders._exception.exception_entry`` on an ``exception`` snapshot (strings and ints).
-    `compile`: ``recorders._compile.compile_info`` of the model as the loop passed it, or None.
-    `micro_batches`: ``recorders._micro.MicroBatches.entry``: `batch` is then the list of the step's
+    `compile`: ``recorders.compiled.compile_info`` of the model as the loop passed it, or None.
+    `micro_batches`: ``recorders.micro_batches.MicroBatches.entry``: `batch` is then the list of the step's
     micro-batches, each copied to the CPU here (never before), or None.
     """
     from . import __version__
@@ -139,8 +139,8 @@ def build_snapshot(
         "optimizer": optimizer,
         "update": update,
         "exception": None if exception is None else dict(exception),
-        "compile": compile,  # recorders/_compile.compile_info: how training compiled the model
-        "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/_micro.py
+        "compile": compile,  # recorders/compiled.compile_info: how training compiled the model
+        "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/micro_batches.py
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -9,9 +9,52 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.extras import CACHE_KEY, require, skipped_for_an_extra
+
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- tests skipped for a missing extra (tests/extras.py)
+def pytest_addoption(parser):
+    parser.addoption("--skipped-for-extras", action="store_true",
+                     help="run only the tests the last run skipped because an optional extra was not installed")
+
+
+_skipped_for_extras: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if skipped_for_an_extra(report):
+        _skipped_for_extras.append(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if skipped_for_an_extra(report):  # a module that skips as a whole at import
+        _skipped_for_extras.append(report.nodeid)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--skipped-for-extras"):
+        return
+    wanted = config.cache.get(CACHE_KEY, None) if getattr(config, "cache", None) is not None else None
+    if not wanted:
+        raise pytest.UsageError("--skipped-for-extras: the last run skipped no test for a missing extra "
+                                "(run `python -m pytest` without the extras first, with pytest's cache on)")
+    keep = [i for i in items if any(i.nodeid == w or i.nodeid.startswith(w + "::") for w in wanted)]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if config.getoption("--skipped-for-extras"):
+        if _skipped_for_extras:  # the extras were meant to be installed by now
+            print(f"\n--skipped-for-extras: still skipped for a missing extra: {sorted(set(_skipped_for_extras))}")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif getattr(config, "cache", None) is not None:
+        config.cache.set(CACHE_KEY, sorted(set(_skipped_for_extras)))
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +111,8 @@ def fp32_stall_run(tmp_path_factory) -> dict:
 
 # ---------------------------------------------------------------- HF Trainer runs (tests/hf_runs.py)
 def _hf_run(factory: pytest.TempPathFactory, name: str, **kwargs) -> dict:
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require("transformers", "hf")
+    require("accelerate", "hf")
     from tests import hf_runs
 
     return hf_runs.train_hf(factory.mktemp(name), **kwargs)

@@ -29,7 +29,7 @@ from ._change import PAIR_STEP, Change
 from ._pieces import distinct, pair_pieces, pieces, scanned_numel
 from ._stats import BITS, Bits, PairChange, TensorStats
 
-__all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_tensor", "scan_pair", "scan_all", "scanned_numel"]
+__all__ = ["CHUNK", "CUDA_CHUNK", "Scanner", "scan_all", "scanned_numel"]
 
 CHUNK = 1 << 18       # float32 elements per CPU chunk (1 MiB; other dtypes: as many bytes): best or within
                       # noise of best on a 2 MiB-L2 Xeon and a 1 MiB-L2 Zen 4 (bench: --chunk)
@@ -276,17 +276,6 @@ class Scanner:
         ok = sa.nonfinite == 0 and sb.nonfinite == 0 and aa_s > 0 and math.isfinite(dd_s) and math.isfinite(aa_s)
         rel = math.sqrt(dd_s) / math.sqrt(aa_s) if ok else None
         return sa, sb, PairChange(changed=changed, numel=sa.numel, rel_change=rel)
-
-
-def scan_tensor(t: torch.Tensor, chunk: int | None = None, device: str = "cpu") -> TensorStats:
-    """``Scanner(device, chunk).tensor(t)``: one tensor's statistics."""
-    return Scanner(device, chunk).tensor(t)
-
-
-def scan_pair(ta: torch.Tensor, tb: torch.Tensor, chunk: int | None = None,
-              device: str = "cpu") -> tuple[TensorStats, TensorStats, PairChange] | None:
-    """``Scanner(device, chunk).pair(ta, tb)``: A's and B's statistics and how B differs from A."""
-    return Scanner(device, chunk).pair(ta, tb)
 
 
 Result = tuple[TensorStats, "TensorStats | None", "PairChange | None"]

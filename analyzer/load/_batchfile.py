@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from recorders import schema
-from recorders._micro import batch_structure, holds_tensor
+from recorders.micro_batches import batch_structure, holds_tensor
 
 from ..errors import BadInputError
 

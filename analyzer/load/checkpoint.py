@@ -28,9 +28,9 @@ import torch
 from recorders import schema
 
 from ..errors import BadInputError
-from ._ckvalues import number as _number
 from ._ckvalues import read_scaler, read_step
 from ._limits import MAX_NESTING, gc_paused
+from ._optimizer_state import BUFFER, FIX, OptimizerInfo, is_optimizer_state, join, named_state_dict, read_optimizer
 from ._stream import storage_end, torch_load_streamed
 from .torchfile import ZIP_ERRORS, torch_load_deferred, torch_load_safe
 from .versions import check_format_version
@@ -38,11 +38,7 @@ from .safetensors import load_safetensors, looks_like_safetensors
 
 __all__ = ["Entry", "OptimizerInfo", "Checkpoint", "load_checkpoint_file"]
 
-# Where training scripts usually keep the model, in order of preference for the optimizer mapping.
-_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "model_state", "module", "net", "network")
 _STEP_KEYS = ("step", "global_step", "iteration", "iter_num", "iter", "epoch")
-_BUFFER = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked)$")
-_FIX = "pass a state_dict, a training-checkpoint dict, a .safetensors file or an amp-autopsy snapshot"
 
 
 @dataclass(frozen=True)
@@ -54,20 +50,6 @@ class Entry:
     tensor: torch.Tensor
     param: str | None = None
     slot: str | None = None
-
-
-@dataclass(frozen=True)
-class OptimizerInfo:
-    """Where an optimizer state_dict sits and how its integer ids were mapped back to names."""
-
-    path: str
-    n_params: int
-    mapping: str          # "param_names" (exact), "order" (a guess: i-th id = i-th parameter), "none"
-    note: str
-    stateless: tuple[str, ...] = ()  # params listed in param_groups that have no state (never stepped)
-    # per param group: its numeric hyperparameters (lr, eps, betas, weight_decay, momentum, ...; only
-    # numbers and pairs of numbers are kept) and "params", the mapped names of its parameters
-    groups: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -102,14 +84,6 @@ class Checkpoint:
             self.stream.wait(storage_end(self.stream, t))
 
 
-def _join(prefix: str, key: Any) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
-
-
-def _is_optimizer_state(d: Any) -> bool:
-    return isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
-
-
 def _is_scaler_state(d: Any) -> bool:
     """A GradScaler state_dict, by its keys (whatever its scale holds: ``read_scaler`` judges that)."""
     return isinstance(d, dict) and "scale" in d and ("_growth_tracker" in d or "growth_factor" in d)
@@ -141,10 +115,10 @@ class _Walker:
     def walk(self, obj: Any, path: str, role: str = "other", depth: int = 0) -> None:
         if depth > MAX_NESTING:  # torch_load_safe refuses this already; safetensors and callers' objects not
             raise BadInputError(f"containers nested more than {MAX_NESTING} deep (at {path[:120]!r})",
-                                path=self.ckpt.path, fix=_FIX)
+                                path=self.ckpt.path, fix=FIX)
         if isinstance(obj, torch.Tensor):
             self.add(path or "tensor", role, obj)
-        elif _is_optimizer_state(obj):
+        elif is_optimizer_state(obj):
             self.optims.append((path, obj))
         elif _is_scaler_state(obj):
             read_scaler(obj, path, self.ckpt)
@@ -153,17 +127,17 @@ class _Walker:
             self.ckpt.model_paths.append(path)
             for k, v in obj.items():
                 if isinstance(v, torch.Tensor):
-                    self.add(_join(path, k), "buffer" if _BUFFER.search(k) else "weight", v)
+                    self.add(join(path, k), "buffer" if BUFFER.search(k) else "weight", v)
         elif isinstance(obj, (dict, list, tuple)) and id(obj) in self.seen:
             return
         elif isinstance(obj, dict):
             self.seen.add(id(obj))
             for k, v in zip(_key_names(obj), obj.values()):
-                self.walk(v, _join(path, k), role, depth + 1)
+                self.walk(v, join(path, k), role, depth + 1)
         elif isinstance(obj, (list, tuple)):
             self.seen.add(id(obj))
             for i, v in enumerate(obj):
-                self.walk(v, _join(path, i), role, depth + 1)
+                self.walk(v, join(path, i), role, depth + 1)
 
 
 # Lightning's callback state keys are the callback's class and a repr of its arguments:
@@ -187,115 +161,6 @@ def _key_names(d: dict) -> list:
         taken.add(name)
         out.append(name)
     return out
-
-
-def _params(sd: dict) -> list[tuple[str, torch.Tensor]]:
-    """The state_dict's parameters in order: floating, not a known buffer, tied duplicates dropped."""
-    seen, out = set(), []
-    for k, v in sd.items():
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or _BUFFER.search(k):
-            continue
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
-        if v.numel() == 0 or key not in seen:  # empty tensors share data_ptr 0 without being tied
-            seen.add(key)
-            out.append((k, v))
-    return out
-
-
-def _order_mapping(ids: list, state: dict, models: list[tuple[str, dict]]) -> tuple[dict, str, str]:
-    """Map optimizer ids to `model.param` names by position, when counts and every shape agree."""
-    ranked = sorted(models, key=lambda m: _MODEL_KEYS.index(m[0]) if m[0] in _MODEL_KEYS else len(_MODEL_KEYS))
-    counts = []
-    for mpath, sd in ranked:
-        params = _params(sd)
-        counts.append(f"{len(params)} in {mpath or 'the state_dict'!r}")
-        if len(params) != len(ids):
-            continue
-        slots = [(i, st) for i, pid in enumerate(ids) if isinstance(st := state.get(pid), dict)]
-        shapes_ok = all(v.dim() == 0 or v.shape == params[i][1].shape
-                        for i, st in slots for v in st.values() if isinstance(v, torch.Tensor))
-        if shapes_ok:
-            names = {pid: _join(mpath, params[i][0]) for i, pid in enumerate(ids)}
-            return names, "order", (
-                f"a guess: optimizer id i taken as the i-th parameter of {mpath or 'the state_dict'!r} "
-                f"(state_dict order, buffers excluded); {len(ids)} ids, every state shape agrees")
-    found = ", ".join(counts) if counts else "no model state_dict in the file"
-    return {}, "none", f"not mapped: the optimizer has {len(ids)} parameters, model parameters found: {found}"
-
-
-def _groups(walker: _Walker, path: str, opt: dict) -> tuple[list[dict], list[int], list[str]]:
-    """param_groups, their parameter ids and names, each checked: ids are ints, names strings."""
-    groups = [g for g in opt["param_groups"] if isinstance(g, dict)]
-    ids, pnames = [], []
-    for i, g in enumerate(groups):
-        params, names = g.get("params", []), g.get("param_names", [])
-        if not (isinstance(params, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool)
-                                                          for p in params)):
-            raise BadInputError(f"optimizer {path or 'state_dict'!r}: param_groups[{i}]['params'] is not a list of "
-                                "integer ids", path=walker.ckpt.path, fix=_FIX)
-        if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
-            raise BadInputError(f"optimizer {path or 'state_dict'!r}: param_groups[{i}]['param_names'] is not a list "
-                                "of strings", path=walker.ckpt.path, fix=_FIX)
-        ids += params
-        pnames += names
-    return groups, ids, pnames
-
-
-def _optimizer(walker: _Walker, path: str, opt: dict) -> OptimizerInfo:
-    groups, ids, pnames = _groups(walker, path, opt)
-    state = opt["state"]
-    if pnames and len(pnames) == len(ids):
-        prefix = next((m for m, sd in walker.models if pnames[0] in sd), "")
-        names = {pid: _join(prefix, n) for pid, n in zip(ids, pnames)}
-        mapping, note = "param_names", "exact: the optimizer stored param_names"
-    else:
-        names, mapping, note = _order_mapping(ids, state, walker.models)
-    if len(groups) > 1 and mapping == "order":
-        note += f"; NB {len(groups)} param groups: if they were not built in model order, the names are wrong"
-    for pid, slots in state.items():
-        param = names.get(pid, str(pid))
-        if not isinstance(slots, dict):
-            continue
-        for slot, v in slots.items():
-            if isinstance(v, torch.Tensor):
-                walker.add(f"{path or 'optimizer'}[{param}].{slot}", "optimizer", v, param=param, slot=slot)
-    stateless = tuple(names.get(pid, str(pid)) for pid in ids if pid not in state) if state else ()
-    return OptimizerInfo(path=path, n_params=len(ids), mapping=mapping, note=note, stateless=stateless,
-                         groups=tuple(_hyper(g, names) for g in groups))
-
-
-def _hyper(group: dict, names: dict) -> dict[str, Any]:
-    """A param group's numeric hyperparameters (numbers, and pairs such as ``betas``) and its
-    parameters' names: values read from a file, so anything else is dropped, never trusted."""
-    out: dict[str, Any] = {}
-    for k, v in group.items():
-        if not isinstance(k, str) or k in ("params", "param_names"):
-            continue
-        if isinstance(v, bool):
-            out[k] = v
-        elif (num := _number(v, float)) is not None:
-            out[k] = num
-        elif isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(x, float) is not None for x in v):
-            out[k] = tuple(_number(x, float) for x in v)
-    out["params"] = [names.get(pid, str(pid)) for pid in group.get("params", [])]
-    return out
-
-
-def _named_state_dict(entry: dict) -> dict:
-    """A snapshot's optimizer ``state_dict`` with each group's ``param_names`` from the snapshot's
-    ``param_names`` (one per param id, in param_groups order), so its state maps exactly to names;
-    unchanged (mapped by order) when those names are missing, short or not all strings."""
-    sd, names = entry["state_dict"], entry.get("param_names")
-    groups = [g for g in sd["param_groups"] if isinstance(g, dict)]
-    sizes = [len(g["params"]) if isinstance(g.get("params"), (list, tuple)) else -1 for g in groups]
-    if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
-            and min(sizes, default=0) >= 0 and sum(sizes) == len(names)):
-        return sd
-    out, i = [], 0
-    for g, n in zip(groups, sizes):
-        out.append({**g, "param_names": list(names[i:i + n])})
-        i += n
-    return {**sd, "param_groups": out}
 
 
 def _find_step(obj: Any, ckpt: Checkpoint) -> None:
@@ -351,7 +216,7 @@ def _read(path: Path, defer_crc: bool = False, stream: bool = False,
         tensors, meta = load_safetensors(path)
         return (tensors, meta), "safetensors", None, None
     if magic[:1] != b"\x80":  # a legacy torch file is a pickle stream, which starts with PROTO
-        raise BadInputError(f"not a torch or safetensors file (starts with {magic!r})", path=path, fix=_FIX)
+        raise BadInputError(f"not a torch or safetensors file (starts with {magic!r})", path=path, fix=FIX)
     # NB: mmap needs the zip format (torch >= 1.6 default); older files load into memory.
     try:
         with warnings.catch_warnings():
@@ -359,7 +224,7 @@ def _read(path: Path, defer_crc: bool = False, stream: bool = False,
             return torch_load_safe(path, mmap=False), "torch-legacy", None, None
     except (KeyError, IndexError, TypeError, struct.error, UnicodeDecodeError) as e:
         # the weights-only unpickler raises these on garbage that torch_load_safe does not expect
-        raise BadInputError(f"corrupt legacy torch file ({type(e).__name__}: {e})", path=path, fix=_FIX) from e
+        raise BadInputError(f"corrupt legacy torch file ({type(e).__name__}: {e})", path=path, fix=FIX) from e
 
 
 def _check_snapshot(obj: dict, path: Path) -> None:
@@ -415,8 +280,8 @@ def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | Non
         walker.walk(obj.get("batch"), "batch", role="input")
         if isinstance(obj.get("scaler_state"), dict):
             walker.walk(obj["scaler_state"], "scaler_state")
-        if isinstance(obj.get("optimizer"), dict) and _is_optimizer_state(obj["optimizer"].get("state_dict")):
-            walker.optims.append(("optimizer", _named_state_dict(obj["optimizer"])))  # since format 3
+        if isinstance(obj.get("optimizer"), dict) and is_optimizer_state(obj["optimizer"].get("state_dict")):
+            walker.optims.append(("optimizer", named_state_dict(obj["optimizer"])))  # since format 3
         if ckpt.scaler is None and obj.get("scale") is not None:
             read_scaler({"scale": obj["scale"]}, "scale", ckpt)
     else:
@@ -424,10 +289,10 @@ def _checkpoint(path: Path, obj: Any, fmt: str, verify: Callable[[], None] | Non
             ckpt.layout = "state_dict"
         _find_step(obj, ckpt)
         walker.walk(obj, "")
-    ckpt.optimizers = [_optimizer(walker, p, o) for p, o in walker.optims]
+    ckpt.optimizers = [read_optimizer(walker, p, o) for p, o in walker.optims]
     if not ckpt.entries:
         keys = [k if isinstance(k, (int, str)) and len(str(k)) <= 40 else f"{str(k)[:37]}..."
                 for k in list(obj)[:8]] if isinstance(obj, dict) else type(obj).__name__
         raise BadInputError(f"unknown layout: no floating-point tensors found (top level: {keys})",
-                            path=path, fix=_FIX)
+                            path=path, fix=FIX)
     return ckpt

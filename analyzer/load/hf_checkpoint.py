@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from .checkpoint import (Checkpoint, _is_optimizer_state, _is_scaler_state, _number, _optimizer, _read, _Walker,
-                         read_scaler)
+from ._ckvalues import number, read_scaler
+from ._optimizer_state import is_optimizer_state, read_optimizer
+from .checkpoint import Checkpoint, _is_scaler_state, _read, _Walker
 from .logs import HF_TRAINER_STATE
 from .torchfile import torch_load_safe
 
@@ -141,9 +142,9 @@ def _scheduler_note(path: Path) -> str:
         return f"scheduler.pt not read ({e})"[:240]
     if not isinstance(sd, dict):
         return "scheduler.pt: not a scheduler state_dict"
-    step, lr = _number(sd.get("last_epoch"), int), sd.get("_last_lr")
-    lrs = [x for x in (lr if isinstance(lr, list) else []) if _number(x, float) is not None]
-    shown = ", ".join(f"{_number(x, float):g}" for x in lrs[:4])
+    step, lr = number(sd.get("last_epoch"), int), sd.get("_last_lr")
+    lrs = [x for x in (lr if isinstance(lr, list) else []) if number(x, float) is not None]
+    shown = ", ".join(f"{number(x, float):g}" for x in lrs[:4])
     return (f"scheduler.pt: LR scheduler state" + (f" at step {step}" if step is not None else "")
             + (f", last lr {shown}" if shown else ""))
 
@@ -152,13 +153,13 @@ def _trainer_state(path: Path, ckpt: Checkpoint) -> str:
     state = _json(path)
     if not isinstance(state, dict):
         return "trainer_state.json: not an HF trainer state"
-    gs = _number(state.get("global_step"), int)
+    gs = number(state.get("global_step"), int)
     if gs is not None:
         ckpt.step, ckpt.step_key = gs, "trainer_state.json global_step"
     logs = [e for e in state.get("log_history") or () if isinstance(e, dict) and "loss" in e]
     bad = next((e.get("step") for e in logs
-                if not math.isfinite(_number(e.get("grad_norm"), float) or 0.0)
-                or not math.isfinite(_number(e.get("loss"), float) or 0.0)), None)
+                if not math.isfinite(number(e.get("grad_norm"), float) or 0.0)
+                or not math.isfinite(number(e.get("loss"), float) or 0.0)), None)
     text = f"trainer_state.json: global_step {gs}, {len(logs)} logged training step(s)"
     if bad is not None:
         text += f", the first with a NaN/Inf loss or grad_norm at step {bad} (analyzer report reads the log)"
@@ -184,7 +185,7 @@ def load_hf_checkpoint(path: str | os.PathLike) -> Checkpoint:
     mapping_note = ""
     if opt_path.is_file():
         opt = torch_load_safe(opt_path, mmap=True)
-        if not _is_optimizer_state(opt):
+        if not is_optimizer_state(opt):
             raise BadInputError("not an optimizer state_dict (state and param_groups)", path=opt_path, fix=_FIX)
         groups, why = _hf_groups(d)
         named, mismatch = _with_names(opt, groups, weights) if groups is not None else (None, why)
@@ -202,7 +203,7 @@ def load_hf_checkpoint(path: str | os.PathLike) -> Checkpoint:
                        ("training_args.bin", "a pickled TrainingArguments object (loading it would run code)")):
         if (d / name).is_file():
             ckpt.notes.append(f"{name} skipped: {what}")
-    ckpt.optimizers = [_optimizer(walker, p, o) for p, o in walker.optims]
+    ckpt.optimizers = [read_optimizer(walker, p, o) for p, o in walker.optims]
     if opt_path.is_file():
         o = ckpt.optimizers[0]
         if o.mapping == "param_names":

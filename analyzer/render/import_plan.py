@@ -1,19 +1,19 @@
 """Render ``analyzer replay --show``: the import plan of a snapshot, as the rule judged it.
 
-Real output (a snapshot of the demo run, from another folder; the module list cut here)::
+Output on a snapshot of the demo run, from another folder (the paths are examples; the module list cut here)::
 
     snapshot: amp-autopsy-demo/fp16_attention_overflow/snapshots/step00000024-r00000-nonfinite_loss.pt
     import roots:
-      current directory: /tmp/h23demo
-      amp-autopsy's own modules: /work/wt/h23 (recorders.integrations.hf, ..., samples.models only)
-      not a root: the recorded cwd /work/wt/h23 (the snapshot's word; if you trust its code, pass --path ...)
+      current directory: /home/me/elsewhere
+      amp-autopsy's own modules: /home/me/amp-autopsy (recorders.integrations.hf, ..., samples.models only)
+      not a root: the recorded cwd /home/me/amp-autopsy (the snapshot's word; if you trust its code, pass --path ...)
 
     factory: 'samples.models:build_gpt'
-      file: /work/wt/h23/samples/models.py
+      file: /home/me/amp-autopsy/samples/models.py
       rule: allowed: amp-autopsy's own module
 
     loss_fn: 'samples.models:gpt_loss'
-      file: /work/wt/h23/samples/models.py
+      file: /home/me/amp-autopsy/samples/models.py
       rule: allowed: amp-autopsy's own module
 
     nothing was imported (replay without --show imports what is allowed above)

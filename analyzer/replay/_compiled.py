@@ -17,7 +17,7 @@ __all__ = ["fit_state", "original_module"]
 
 def original_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module behind a factory's ``torch.compile`` wrapper(s): the eager model the replay watches."""
-    from recorders._compile import unwrap
+    from recorders.compiled import unwrap
 
     return unwrap(model)
 

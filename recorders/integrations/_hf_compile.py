@@ -43,7 +43,7 @@ def regions(model: Any) -> list[str]:
 
 
 def trainer_compile_info(args: Any, model: Any = None) -> dict | None:
-    """The ``compile`` entry (``recorders._compile.compile_info``'s form) of a Trainer run with `args`; None if uncompiled.
+    """The ``compile`` entry (``recorders.compiled.compile_info``'s form) of a Trainer run with `args`; None if uncompiled.
 
     With regional compilation and `model` (the Trainer's uncompiled model), one entry per region
     (``regions``); otherwise one entry for the whole model.

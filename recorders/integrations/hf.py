@@ -84,12 +84,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerCallback
 
-from .. import imports, schema
+from .. import imports
 from .._exception import record_exception
 from ..recorder import Recorder, RecorderWarning
 from ..refs import import_class
 from ._hf_accum import dataloader_length, step_micro_batches
+from ._hf_amp import trainer_amp_dtype
 from ._hf_compile import trainer_compile_info
+from ._hf_nan_batch import loss_of, save_batch_on_nan
 
 __all__ = ["AmpAutopsyCallback", "build_pretrained", "pretrained_loss", "pretrained_factory_kwargs",
            "save_batch_on_nan"]
@@ -129,15 +131,6 @@ def pretrained_factory_kwargs(model: PreTrainedModel) -> dict:
         "model_class": f"{cls.__module__}:{cls.__qualname__}",
         "config": json.loads(model.config.to_json_string(use_diff=False)),
     }
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        loss = output[0] if output[0].ndim == 0 else None
-    return loss
 
 
 class _TrainerRecorder(Recorder):
@@ -206,7 +199,7 @@ class AmpAutopsyCallback(TrainerCallback):
             return
         scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer holds it
         inner = getattr(optimizer, "optimizer", optimizer)
-        amp_dtype = self._amp_dtype(args, scaler, model)
+        amp_dtype = self.amp_dtype if self.amp_dtype != "auto" else trainer_amp_dtype(args, scaler, model)
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         self._clips = (getattr(args, "max_grad_norm", 0) or 0) > 0
         try:  # a shared-state singleton: the Trainer sets sync_gradients before each micro-batch
@@ -326,7 +319,7 @@ class AmpAutopsyCallback(TrainerCallback):
     def _after_forward(self, module, args, kwargs, output):
         if not self._in_step or not module.training:
             return None
-        loss = _loss_of(output)
+        loss = loss_of(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return None
         self._losses.append(loss.detach())
@@ -385,20 +378,6 @@ class AmpAutopsyCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- helpers
 
-    def _amp_dtype(self, args, scaler, model) -> torch.dtype | None:
-        if self.amp_dtype != "auto":
-            return self.amp_dtype
-        if getattr(args, "bf16", False):
-            return torch.bfloat16
-        if getattr(args, "fp16", False):
-            on_cpu = next(model.parameters()).device.type == "cpu"
-            if scaler is not None or not on_cpu:  # no torch GradScaler off CPU: DeepSpeed scales itself
-                return torch.float16
-            warnings.warn(
-                "amp-autopsy: fp16=True but the Trainer made no GradScaler (accelerate runs FP16 "
-                "on CPU as plain FP32, without autocast): recording the run as FP32", stacklevel=3)
-        return None
-
     def _refs(self, model) -> tuple[Any, dict, Any]:
         factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn
         if isinstance(model, PreTrainedModel):
@@ -414,77 +393,3 @@ class AmpAutopsyCallback(TrainerCallback):
                 "that snapshots can be replayed"
             )
         return factory, dict(factory_kwargs or {}), loss_fn
-
-
-class _SaveBatchOnNan(TrainerCallback):
-    """See :func:`save_batch_on_nan`."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        self.saved_step: int | None = None
-        self._seen: list[tuple[dict, torch.Tensor, dict]] = []
-        self._handles: list = []
-        self._inputs: dict | None = None
-        self._rng: dict | None = None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and not self._handles:
-            self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
-                             model.register_forward_hook(self._after, with_kwargs=True)]
-
-    def _before(self, module, args, kwargs):
-        self._inputs = dict(kwargs) if module.training and self.saved_step is None else None
-        if self._inputs is not None:  # the forward's draws (dropout) start from here; NB: host-side, no sync
-            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-            self._rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-    def _after(self, module, args, kwargs, output):
-        loss = _loss_of(output) if self._inputs is not None else None
-        if loss is not None:
-            self._seen.append((self._inputs, loss.detach(), self._rng))
-        self._inputs = self._rng = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        seen, self._seen = self._seen, []
-        if not seen or self.saved_step is not None:
-            return
-        ok = torch.stack([loss.float().reshape(()) for _, loss, _ in seen]).isfinite().tolist()  # one host sync per step
-        bad = next((entry for entry, fine in zip(seen, ok) if not fine), None)
-        if bad is None:
-            return
-        batch = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in bad[0].items()}
-        tmp = f"{self.path}.tmp"
-        torch.save({"batch": batch, "rng": bad[2]}, tmp)  # the RNG state beside it: the forward's dropout masks
-        os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half of one
-        self.saved_step = state.global_step - 1  # on_step_end comes after global_step += 1
-        warnings.warn(f"amp-autopsy: the loss of step {self.saved_step} is not finite: its batch is saved in "
-                      f"{self.path}; replay it on the last checkpoint with: analyzer replay CHECKPOINT --batch "
-                      f"{self.path}", stacklevel=2)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-def save_batch_on_nan(path: str | os.PathLike) -> TrainerCallback:
-    """A ``TrainerCallback`` that saves the inputs of the first training forward whose loss is NaN/Inf.
-
-    For a run without the recorder: ``analyzer replay CHECKPOINT --batch PATH`` then replays that
-    batch on a checkpoint (``output_dir/checkpoint-N``). The model's keyword inputs (what the
-    Trainer passes to ``model(**inputs)``) are saved with ``torch.save`` as a dict of CPU tensors;
-    with gradient accumulation, the micro-batch whose loss is not finite. Beside it goes the RNG
-    state taken right before that forward, so the replay draws the same dropout masks:
-    ``{"batch": inputs, "rng": {"cpu": torch.get_rng_state(), "cuda": [...] | None}}``. It costs one
-    host sync per optimizer step (the finiteness check), a copy of the CPU generator's state (5 KB)
-    per forward, and keeps no copy of any batch until one fails.
-
-    NB: the checkpoint holds the weights of its own step, not those of the failing step; the
-    closer the checkpoint (``save_steps``), the closer the replay to the step that failed.
-
-    Example:
-        >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
-        ...                   callbacks=[save_batch_on_nan("nan_batch.pt")])  # doctest: +SKIP
-        >>> # analyzer replay out/checkpoint-500 --batch nan_batch.pt
-    """
-    return _SaveBatchOnNan(path)

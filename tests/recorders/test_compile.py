@@ -60,7 +60,7 @@ def test_blocks_compiled_in_place_or_wrapped_keep_their_names_and_are_listed(tmp
 def test_a_block_compiled_in_place_and_also_wrapped_is_listed_once_as_the_wrapper_that_runs():
     # accelerate 1.16's compile_regions does both to each block: the in-place compile never runs under the
     # wrapper (its backend is never called), so the record names only the wrapper, as for a plain wrapper
-    from recorders._compile import compile_info
+    from recorders.compiled import compile_info
 
     calls = {"in place": 0, "wrapper": 0}
 

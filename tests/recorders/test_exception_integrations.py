@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from analyzer.autopsy import run_autopsy
 from analyzer.report import build_report
 from recorders import schema
+from tests.extras import require
 
 CRASH = 2
 STEPS = 4
@@ -30,7 +31,7 @@ def _exception_finding(run_dir):
 
 
 # ------------------------------------------------------------------------------------------ Lightning
-L = pytest.importorskip("lightning")
+L = require("lightning", "lightning")
 
 
 class OverflowModule(L.LightningModule):
@@ -140,8 +141,8 @@ class _Embeds(torch.utils.data.IterableDataset):
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require("transformers", "hf")
+    require("accelerate", "hf")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from recorders.integrations.hf import AmpAutopsyCallback

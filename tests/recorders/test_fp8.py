@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recorders.fp8 import GRANULARITIES, cast_counts, cast_stats, fp8_dtype
+from tests.extras import require
 
 
 def test_one_outlier_under_a_tensorwise_scale_flushes_every_small_value():
@@ -83,7 +84,7 @@ def _random(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_counts_equal_those_of_torchaos_own_casts(seed, fmt):
-    pytest.importorskip("torchao", reason="torchao (the [fp8] extra) is not installed")
+    require("torchao", "fp8")
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
     from torchao.prototype.mx_formats.config import ScaleCalculationMode

@@ -17,8 +17,9 @@ import torch
 
 from recorders import schema
 from tests import hf_runs
+from tests.extras import require
 
-pytest.importorskip("transformers")
+require("transformers", "hf")
 
 ACCUM, BATCH, STEPS, NAN_STEP, NAN_MICRO = 4, 2, 3, 2, 2
 

@@ -18,8 +18,9 @@ import torch
 
 from recorders import schema
 from tests import hf_runs
+from tests.extras import require
 
-pytest.importorskip("transformers")
+require("transformers", "hf")
 
 ACCUM, BATCH, STEP, MICRO = 4, 2, 2, 2  # raise in micro-batch 2 (0-based) of HF's step 2
 

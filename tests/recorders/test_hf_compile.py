@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from analyzer.load import load_snapshot
-from tests.recorders.test_integrations_hf import BATCH, STEPS, _Embeds, _gpt2
+from tests.extras import require
+
+require("transformers", "hf")
+require("accelerate", "hf")
+from tests.recorders.test_integrations_hf import BATCH, STEPS, _Embeds, _gpt2  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -47,7 +51,7 @@ def test_a_trainer_with_torch_compile_records_its_backend_and_mode_under_the_ori
 
 # -- accelerate's regional compilation (compile_regions) --------------------------------------------
 def _region_paths(compiled) -> list[str]:
-    from recorders._compile import compile_info
+    from recorders.compiled import compile_info
 
     return [m["path"] for m in compile_info(compiled)["modules"]]
 

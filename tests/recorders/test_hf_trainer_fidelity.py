@@ -11,6 +11,7 @@ import pytest
 from recorders import schema
 from recorders.recorder import RecorderWarning
 from tests.hf_runs import first_nonfinite_grad_step, logged_steps
+from tests.extras import require
 
 
 def _steps(run: dict) -> pl.DataFrame:
@@ -76,7 +77,7 @@ def test_no_post_clip_warning_when_the_backward_runs_through_the_models_loss(hf_
 
 
 def test_a_compute_loss_outside_the_models_loss_records_post_clip_norms_and_says_so(tmp_path):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     import torch.nn.functional as F
     from transformers import Trainer
 

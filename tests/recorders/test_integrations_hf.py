@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recorders import schema
+from tests.extras import require
 
 NAN_STEP = 2      # the optimizer step (0-based) whose batch carries a NaN
 HF_NAN_STEP = NAN_STEP + 1  # its number as HF counts steps (global_step after it), which the trace uses
@@ -58,8 +59,8 @@ def _train(run_dir, out_dir, *, fp16=False, bf16=False, model=None, **callback_k
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require("transformers", "hf")
+    require("accelerate", "hf")
     root = tmp_path_factory.mktemp("hf")
     torch.set_num_threads(1)
     cb = _train(root / "run", root / "out", bf16=True)
@@ -139,7 +140,7 @@ def test_replay_of_the_trainer_snapshot_blames_the_nan_in_the_batch(bf16_run):
 
 
 def test_fp16_on_cpu_trains_in_fp32_so_the_callback_records_fp32_and_warns(tmp_path):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     import json
 
     with warnings.catch_warnings(record=True) as caught:
@@ -152,7 +153,7 @@ def test_fp16_on_cpu_trains_in_fp32_so_the_callback_records_fp32_and_warns(tmp_p
 
 
 def test_a_model_that_is_not_a_pretrained_model_needs_an_explicit_factory(tmp_path):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
 
     class Plain(torch.nn.Module):
         def __init__(self):
@@ -168,7 +169,7 @@ def test_a_model_that_is_not_a_pretrained_model_needs_an_explicit_factory(tmp_pa
 
 
 def test_build_pretrained_refuses_a_class_outside_pretrained_models():
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     from recorders.integrations.hf import build_pretrained
 
     with pytest.raises(ValueError, match="refusing"):
@@ -178,7 +179,7 @@ def test_build_pretrained_refuses_a_class_outside_pretrained_models():
 
 
 def test_save_batch_on_nan_saves_the_failing_steps_inputs_and_they_replay_on_the_trainers_checkpoint(tmp_path):
-    pytest.importorskip("accelerate")
+    require("accelerate", "hf")
     from click.testing import CliRunner
     from transformers import Trainer, TrainingArguments
 

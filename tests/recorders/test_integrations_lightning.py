@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from recorders import schema
+from tests.extras import require
 
-L = pytest.importorskip("lightning")
+L = require("lightning", "lightning")
 
 NAN_STEP = 2
 BATCH = 4

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from recorders import schema
+from tests.extras import require
 
-L = pytest.importorskip("lightning")
+L = require("lightning", "lightning")
 
 from tests.recorders.test_integrations_lightning import WIDTH, TinyRegressor  # noqa: E402
 

@@ -8,9 +8,10 @@ import pytest
 
 from analyzer.autopsy.autopsy import run_autopsy
 from analyzer.replay._actionable import installed_line
+from tests.extras import require
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+require("transformers", "hf")
+require("accelerate", "hf")
 
 from tests import hf_runs  # noqa: E402
 

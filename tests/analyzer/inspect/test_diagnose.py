@@ -16,6 +16,7 @@ from analyzer.inspect import _diagnose, inspect_checkpoints
 from analyzer.render import render_inspect_text
 from recorders import schema
 from recorders.snapshot import build_snapshot, write_snapshot
+from tests.extras import require
 
 from .inspect_values import expected as _expected
 
@@ -368,7 +369,7 @@ def test_tensors_that_start_at_odd_offsets_in_a_safetensors_file_are_scanned_exa
 
 
 def test_the_safetensors_package_and_torch_save_give_identical_stats(tmp_path):
-    st = pytest.importorskip("safetensors.torch")
+    st = require("safetensors.torch", "hf")
     sd = _model().state_dict()
     sd = {k: v for k, v in sd.items() if v.is_floating_point()}
     st.save_file(sd, str(tmp_path / "m.safetensors"))

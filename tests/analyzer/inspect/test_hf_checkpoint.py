@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
 from analyzer.load import load_checkpoint
+from tests.extras import require
 from tests.hf_runs import first_nonfinite_grad_step, tiny_llama
 
 
@@ -97,7 +97,7 @@ def test_a_directory_that_is_no_checkpoint_is_one_error_line(tmp_path):
 
 
 def test_a_lightning_ckpt_names_callback_tensors_by_class_not_by_repr(tmp_path):
-    L = pytest.importorskip("lightning")
+    L = require("lightning", "lightning")
     from tests.recorders.test_integrations_lightning import TinyRegressor, _loader
 
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzer.inspect._scan import Scanner, _count_le, scan_pair, scan_tensor, scanned_numel
+from analyzer.inspect._scan import Scanner, _count_le, scanned_numel
 
 from .inspect_values import STAT_FIELDS, edge_values, expected
 
@@ -29,7 +29,7 @@ def _got(s) -> dict:
 def test_every_count_equals_what_real_fp16_and_bf16_casts_do_at_every_boundary(dtype, chunk, signs):
     x = edge_values() if signs == "mixed" else edge_values().abs()
     x = x.to(dtype)
-    s = scan_tensor(x, chunk)
+    s = Scanner(chunk=chunk).tensor(x)
     assert s.numel == x.numel() and _got(s) == expected(x)
     if dtype == torch.float32:  # the edge values exercise every count
         assert (s.nan, s.inf, s.zeros) == (1, 2, 5)
@@ -40,7 +40,7 @@ def test_every_count_equals_what_real_fp16_and_bf16_casts_do_at_every_boundary(d
 def test_chunks_whose_every_nonzero_value_flushes_are_counted_exactly(scale):
     x = torch.rand(5000, generator=torch.Generator().manual_seed(1)) * scale
     x[::7] = 0.0
-    s = scan_tensor(x, 1000)
+    s = Scanner(chunk=1000).tensor(x)
     assert _got(s) == expected(x)
     assert s.fp16_flush == int((x != 0).sum())  # every non-zero value
 
@@ -63,7 +63,7 @@ def test_one_odd_value_in_healthy_weights_is_counted_exactly(odd, dtype):
     x = x.to(dtype)
     if _ODD[odd] is not None:
         x[170_001] = _ODD[odd]  # in the 6th of 8 chunks (bf16/fp16: rounded or flushed by the cast)
-    assert _got(scan_tensor(x, 1 << 15)) == expected(x)
+    assert _got(Scanner(chunk=1 << 15).tensor(x)) == expected(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -80,7 +80,7 @@ def test_counts_stay_exact_across_chunks_that_switch_between_counting_and_not(dt
     x[5 * n:6 * n:3] = 1e-8
     x[5 * n + 1], x[5 * n + 2] = float("nan"), -float("inf")
     x = x.to(dtype)
-    assert _got(scan_tensor(x, n)) == expected(x)
+    assert _got(Scanner(chunk=n).tensor(x)) == expected(x)
 
 
 @pytest.mark.parametrize("dtype, finite", [(torch.float16, 0x7C00), (torch.bfloat16, 0x7F80)])
@@ -88,7 +88,7 @@ def test_all_finite_16_bit_magnitudes_of_both_signs_are_counted_exactly(dtype, f
     mags = torch.arange(0, finite, dtype=torch.int32)
     bits = torch.cat([mags, mags | 0x8000, torch.tensor([finite, finite + 1, finite | 0x8000])])  # inf, NaN, -inf
     x = bits.to(torch.int16).view(dtype)
-    assert _got(scan_tensor(x, 4099)) == expected(x)
+    assert _got(Scanner(chunk=4099).tensor(x)) == expected(x)
 
 
 def test_each_float16_magnitude_alone_reads_back_exactly():
@@ -106,7 +106,7 @@ def test_adam_moments_that_flush_in_every_chunk_are_counted_exactly(dtype, momen
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5 * 8192 + 13, generator=g) * 1e-7  # about a quarter of |x| <= 2**-25
     x = (x.square().add_(2.0**-40) if moment == "exp_avg_sq" else x).to(dtype)
-    s = scan_tensor(x, 8192)
+    s = Scanner(chunk=8192).tensor(x)
     assert _got(s) == expected(x)
     assert 0 < s.fp16_flush and (s.fp16_flush == x.numel()) == (moment == "exp_avg_sq")
 
@@ -140,7 +140,7 @@ def test_runs_of_chunks_of_every_kind_in_any_order_give_what_real_casts_give(kin
             x[pos] = torch.tensor(odd[:len(pos)])
         parts.append(x)
     x = torch.cat(parts + [torch.rand(tail, generator=g) + 0.5]).to(dtype)
-    assert _got(scan_tensor(x, chunk)) == expected(x)
+    assert _got(Scanner(chunk=chunk).tensor(x)) == expected(x)
 
 
 _F32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
@@ -153,7 +153,7 @@ _SPECIAL = st.sampled_from([0.0, -0.0, 65504.0, 65520.0, -65519.996, 2.0**-25, -
        chunk=st.integers(1, 64))
 def test_any_values_in_any_dtype_and_chunking_give_what_real_casts_give(values, dtype, chunk):
     x = torch.tensor(values, dtype=torch.float32).to(dtype)
-    s = scan_tensor(x, chunk)
+    s = Scanner(chunk=chunk).tensor(x)
     assert s.numel == len(values) and _got(s) == expected(x)
 
 
@@ -209,15 +209,15 @@ def test_nans_of_either_sign_and_any_payload_are_counted_as_nan_among_healthy_va
     healthy = torch.linspace(-1.0, 1.0, 4000, dtype=torch.float64).add_(1e-3).to(dtype)
     x = torch.cat([healthy, torch.tensor(pats, dtype=ints).view(dtype)])
     for chunk in (64, 1 << 18):
-        s = scan_tensor(x, chunk)
+        s = Scanner(chunk=chunk).tensor(x)
         assert _got(s) == expected(x) and s.nan == _NANS and s.inf == 1 and s.zeros == 1
 
 
 def test_the_scan_never_writes_to_the_tensor_it_reads():
     x = edge_values()
     before = x.clone()
-    scan_tensor(x, 100)
-    scan_pair(x, x.flip(0), 100)
+    Scanner(chunk=100).tensor(x)
+    Scanner(chunk=100).pair(x, x.flip(0))
     assert torch.equal(x.view(torch.int32), before.view(torch.int32))  # bits, NaN and -0.0 included
 
 
@@ -226,17 +226,17 @@ def test_the_scan_never_writes_to_the_tensor_it_reads():
 def test_transposed_and_sliced_views_give_the_statistics_of_their_values():
     x = edge_values()[:20_000].view(200, 100)
     for view in (x.t(), x[:, ::3], x[::2, 10:90].t(), x.t()[5]):
-        assert _got(scan_tensor(view, 512)) == expected(view.contiguous()), view.stride()
+        assert _got(Scanner(chunk=512).tensor(view)) == expected(view.contiguous()), view.stride()
 
 
 def test_an_expanded_view_is_scanned_through_its_distinct_values_without_materialising_them():
     base = torch.tensor([1e-9, 7e4, float("nan")])
     huge = base.expand(1_000_000_000, 3)  # 3e9 declared elements in a 12-byte storage
-    s = scan_tensor(huge)
+    s = Scanner().tensor(huge)
     assert scanned_numel(huge) == s.numel == 3
     assert _got(s) == expected(base)
     overlapping = torch.arange(2000.0).as_strided((1000, 1000), (1, 1))  # stride 1 in both dims: overlaps
-    assert scan_tensor(overlapping).numel == scanned_numel(overlapping) == 1999
+    assert Scanner().tensor(overlapping).numel == scanned_numel(overlapping) == 1999
 
 
 # --- pairs -----------------------------------------------------------------------------------
@@ -247,8 +247,8 @@ def test_a_pair_gives_each_side_its_single_scan_and_counts_changes_like_float_co
     b[:5000] *= 3.0
     b[7] = float("nan")
     a[200], b[200] = 0.0, -0.0  # equal as floats: not a change
-    sa, sb, change = scan_pair(a, b, 1000)
-    assert (sa, sb) == (scan_tensor(a, 1000), scan_tensor(b, 1000))
+    sa, sb, change = Scanner(chunk=1000).pair(a, b)
+    assert (sa, sb) == (Scanner(chunk=1000).tensor(a), Scanner(chunk=1000).tensor(b))
     assert change.changed == int((a != b).sum())  # NaN != NaN: both NaN positions count
     assert change.rel_change is None  # B holds NaN
 
@@ -260,7 +260,7 @@ def test_the_relative_change_is_the_float64_l2_ratio(dtype_b):
     b = (a + torch.randn(a.shape, generator=g)).to(dtype_b)
     a64, b64 = a.double(), b.double()
     want = ((b64 - a64).square().sum().sqrt() / a64.square().sum().sqrt()).item()
-    _, _, c = scan_pair(a, b, 4096)
+    _, _, c = Scanner(chunk=4096).pair(a, b)
     assert c.rel_change == pytest.approx(want, rel=1e-12) and c.changed == int((a64 != b64).sum())
 
 
@@ -284,7 +284,7 @@ def test_a_pair_counts_changes_and_sums_like_float64_compares_at_every_bit_patte
         torch.nextafter(a.float(), torch.tensor(math.inf)).to(da).double()
     b = torch.where(how == 0, a.double(), torch.where(how == 1, up, other)).to(db)
     chunk = data.draw(st.sampled_from([64, 100, 1 << 18]))  # whole rows, a ragged row, one chunk
-    _, _, c = scan_pair(a, b, chunk)
+    _, _, c = Scanner(chunk=chunk).pair(a, b)
     a64, b64 = a.double(), b.double()
     assert c.changed == int((a64 != b64).sum())
     aa, dd = a64.square().sum().item(), (b64 - a64).square().sum().item()
@@ -296,22 +296,22 @@ def test_a_pair_counts_changes_and_sums_like_float64_compares_at_every_bit_patte
 
 def test_the_relative_change_of_huge_values_whose_float32_squares_overflow_is_finite():
     a = torch.randn(10_000) * 1e30  # squares near 1e60: inf in float32, fine in float64
-    assert scan_pair(a, a * 1.5, 1000)[2].rel_change == pytest.approx(0.5, rel=1e-6)
+    assert Scanner(chunk=1000).pair(a, a * 1.5)[2].rel_change == pytest.approx(0.5, rel=1e-6)
 
 
 def test_a_pair_in_different_memory_layouts_is_compared_index_by_index():
     x = torch.randn(300, 70)
     y = x.clone()
     y[5, 7] += 1.0
-    _, _, c = scan_pair(x.t().contiguous().t(), y, 512)  # A column-major, B row-major
+    _, _, c = Scanner(chunk=512).pair(x.t().contiguous().t(), y)  # A column-major, B row-major
     assert c.changed == 1 and c.rel_change == pytest.approx(1.0 / x.norm().item(), rel=1e-5)
 
 
 def test_pairs_expanded_alike_compare_distinct_values_and_others_are_not_paired():
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])
-    _, _, c = scan_pair(a.expand(10**9, 2), b.expand(10**9, 2))
+    _, _, c = Scanner().pair(a.expand(10**9, 2), b.expand(10**9, 2))
     assert (c.changed, c.numel) == (1, 2)
-    assert scan_pair(a.expand(10**9, 2), torch.ones(10**9, 1).expand(10**9, 2)) is None  # broadcast differently
+    assert Scanner().pair(a.expand(10**9, 2), torch.ones(10**9, 1).expand(10**9, 2)) is None  # broadcast differently
 
 
 _INTS = [torch.int8, torch.int16, torch.int32, torch.int64]
@@ -335,18 +335,18 @@ def test_count_le_equals_a_compare_and_sum_when_the_clamped_sum_wraps_and_when_i
 
 _RUN = """
 import json, torch
-from analyzer.inspect._scan import scan_pair, scan_tensor
+from analyzer.inspect._scan import Scanner
 # inputs from correctly rounded ops only (randn's kernels differ by SIMD width themselves)
 i = torch.arange(1_000_003, dtype=torch.float64)
 a = ((i * 0.7548776662466927 % 1.0 - 0.5) * 1e3).float()
 b = a + ((i * 0.5698402909980532 % 1.0 - 0.5) * 1e-2).float()
-sa, sb, c = scan_pair(a, b)
+sa, sb, c = Scanner().pair(a, b)
 tiny = (a * 2.0**-40).abs()  # Adam-like moments: ~half flush in FP16, so every chunk is counted
 print(json.dumps([torch.backends.cpu.get_cpu_capability(), int(b.view(torch.int32).long().sum()),
-                  [repr(v) for v in scan_tensor(tiny).__dict__.values()],
-                  [repr(v) for v in scan_tensor(a * 2.0**-40).__dict__.values()],
+                  [repr(v) for v in Scanner().tensor(tiny).__dict__.values()],
+                  [repr(v) for v in Scanner().tensor(a * 2.0**-40).__dict__.values()],
                   repr(c.rel_change), c.changed,
-                  [repr(v) for v in sa.__dict__.values()], [repr(v) for v in scan_tensor(b.bfloat16()).__dict__.values()]]))
+                  [repr(v) for v in sa.__dict__.values()], [repr(v) for v in Scanner().tensor(b.bfloat16()).__dict__.values()]]))
 """
 
 
@@ -361,11 +361,11 @@ def test_results_are_bit_identical_whatever_simd_the_cpu_kernels_use():
 def test_a_scan_on_the_gpu_gives_what_the_cpu_scan_gives():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = edge_values().to(dtype)
-        assert Scanner("cuda", chunk=4096).tensor(x) == scan_tensor(x, 4096)
+        assert Scanner("cuda", chunk=4096).tensor(x) == Scanner(chunk=4096).tensor(x)
     a = edge_values().nan_to_num()
     b = a * 1.001
     ga, gb, gc = Scanner("cuda").pair(a, b)
-    ca, cb, cc = scan_pair(a, b)
+    ca, cb, cc = Scanner().pair(a, b)
     assert (ga, gb, gc.changed) == (ca, cb, cc.changed) and math.isclose(gc.rel_change, cc.rel_change, rel_tol=1e-12)
 
 
@@ -389,7 +389,7 @@ def test_tensors_scanned_side_by_side_on_threads_give_what_one_thread_gives_and_
     one = scan_all(items, threads=1)
     many = scan_all(items, threads=3, on_bytes=seen.append)
     assert torch.get_num_threads() == before
-    assert many == one and many[0][0] == scan_tensor(ts[0]) and many[-1][2] == scan_pair(ts[0].bfloat16(), ts[0])[2]
+    assert many == one and many[0][0] == Scanner().tensor(ts[0]) and many[-1][2] == Scanner().pair(ts[0].bfloat16(), ts[0])[2]
     assert sum(seen) == sum(a.nbytes + (0 if b is None else b.nbytes) for a, b in items)
 
 
@@ -400,4 +400,4 @@ def test_a_large_tensor_cut_between_threads_gives_the_statistics_of_one_scan(mon
     x = edge_values().view(-1, 1).expand(-1, 2).t()  # a broadcast, transposed view: parts of its distinct values
     assert len(_scan._parts(x, 3)) == 3
     for t in (edge_values(), x, edge_values().bfloat16()):
-        assert _scan.scan_all([(t, None)], threads=3)[0] == (scan_tensor(t), None, None)
+        assert _scan.scan_all([(t, None)], threads=3)[0] == (Scanner().tensor(t), None, None)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from analyzer.cli import main
 from analyzer.errors import BadInputError
 from analyzer.load.adhoc import checkpoint_instead, load_checkpoint_snapshot, read_batch
+from tests.extras import require
 
 from ..replay import replay_models as rm
 
@@ -58,7 +59,7 @@ def test_bf16_has_no_scale_and_an_explicit_scale_wins(tmp_path):
 
 
 def test_a_safetensors_state_dict_is_read_without_torch_load(tmp_path):
-    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors = require("safetensors.torch", "hf")
     _, batch = _files(tmp_path)
     ck = tmp_path / "model.safetensors"
     safetensors.save_file(rm.build_mlp().state_dict(), ck)
@@ -241,7 +242,7 @@ def test_an_hf_batch_that_is_one_tensor_is_its_input_ids_and_labels_and_a_list_i
 @_fast
 @given(cut=st.floats(0.0, 0.999), flips=st.lists(st.tuples(st.floats(0.0, 0.999), st.integers(0, 255)), max_size=4))
 def test_a_damaged_safetensors_checkpoint_replays_or_gives_one_error_line(tmp_path_factory, cut, flips):
-    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors = require("safetensors.torch", "hf")
     d = tmp_path_factory.mktemp("st")
     _, batch = _files(d)
     ck = d / "model.safetensors"

@@ -29,6 +29,7 @@ from analyzer.cli import main
 from recorders import Recorder, imports, schema
 from recorders.refs import import_class, to_ref
 from recorders.snapshot import build_snapshot, write_snapshot
+from tests.extras import require
 
 ANALYZER = str(Path(sys.executable).with_name("analyzer"))
 
@@ -265,7 +266,7 @@ def test_a_samples_folder_in_the_cwd_never_stands_in_for_the_bundled_samples(tmp
     ("userpkg.models:Evil", "not a subclass of transformers"),
 ])
 def test_the_hf_builders_model_class_follows_the_rule(tmp_path, monkeypatch, model_class, why):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
     _user_project(tmp_path)
@@ -279,7 +280,7 @@ def test_the_hf_builders_model_class_follows_the_rule(tmp_path, monkeypatch, mod
 
 
 def test_the_lightning_builders_module_class_follows_the_rule(tmp_path, monkeypatch):
-    pytest.importorskip("lightning")
+    require("lightning", "lightning")
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
     path = _snapshot(tmp_path / "s.pt", factory="recorders.integrations.lightning:build_module",
@@ -290,7 +291,7 @@ def test_the_lightning_builders_module_class_follows_the_rule(tmp_path, monkeypa
 
 
 def test_the_hf_builder_builds_a_transformers_class_and_refuses_a_non_subclass():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     from recorders.integrations.hf import build_pretrained
 
     model = build_pretrained("transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel",
@@ -457,6 +458,7 @@ def test_show_says_which_roots_came_from_where_and_that_the_recorded_cwd_is_none
 
 
 def test_show_marks_refused_references_and_a_builders_class_argument(tmp_path, monkeypatch):
+    require("transformers", "hf")  # the class argument is located in transformers' own files
     monkeypatch.chdir(tmp_path)
     path = _snapshot(tmp_path / "s.pt", factory="recorders.integrations.hf:build_pretrained", loss_fn="os:system",
                      factory_kwargs={"model_class": "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel",

@@ -15,6 +15,7 @@ from analyzer.report import build_report
 from analyzer.load import load_run, read_meta
 from analyzer.load.run_dir import _Known
 from recorders import schema
+from tests.extras import require
 
 from ..report.report_models import Script
 
@@ -203,7 +204,7 @@ def test_a_killed_run_is_analysed_up_to_its_last_complete_part_and_says_so(run_d
 
 # --------------------------------------------------------------------------- importers
 def test_hf_trainer_state_json_is_imported_with_hidden_nan_noted(tmp_path):
-    trainer_callback = pytest.importorskip("transformers.trainer_callback")
+    trainer_callback = require("transformers.trainer_callback", "hf")
     history = [{"loss": 2.0 - 0.01 * i, "grad_norm": 1.0, "learning_rate": 5e-5, "epoch": i / 100, "step": 10 * i}
                for i in range(1, 40)]
     history[30]["grad_norm"] = float("nan")  # what logging_nan_inf_filter leaves of a NaN step
@@ -221,7 +222,7 @@ def test_hf_trainer_state_json_is_imported_with_hidden_nan_noted(tmp_path):
 
 
 def test_lightning_csvlogger_metrics_csv_is_imported(tmp_path):
-    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    loggers = require("lightning.pytorch.loggers", "lightning")
     logger = loggers.CSVLogger(str(tmp_path), name="exp")
     for i in range(60):
         logger.log_metrics({"train_loss_step": 2.0 if i != 45 else float("nan"), "lr-Adam": 1e-3}, step=i)
@@ -301,7 +302,7 @@ def test_unreadable_logs_are_one_line_errors(tmp_path, name, text, match):
 
 
 def test_tensorboard_event_dir_is_imported_when_the_extra_is_installed(tmp_path):
-    pytest.importorskip("tensorboard")
+    require("tensorboard", "tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
     w = SummaryWriter(str(tmp_path / "tb"))  # real event files, written by torch's own writer

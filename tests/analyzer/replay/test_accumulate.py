@@ -165,7 +165,7 @@ def test_an_fp16_overflow_in_one_micro_batch_names_that_micro_batch(tmp_path):
     ([(torch.ones(2), torch.ones(1))] * 3, 2, False),  # more than declared: not this run's micro-batches
 ])
 def test_a_list_is_taken_for_micro_batches_only_when_its_items_share_one_structure(batch, declared, kept):
-    from recorders._micro import is_micro_batch_list
+    from recorders.micro_batches import is_micro_batch_list
 
     assert is_micro_batch_list(batch, declared) is kept
 

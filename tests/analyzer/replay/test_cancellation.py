@@ -11,6 +11,7 @@ from analyzer.autopsy.autopsy import run_autopsy
 from analyzer.replay import Replay, advice_with_status
 from analyzer.replay._reference import TOLERANCE
 from tests.analyzer.replay import cancel_models as cm
+from tests.extras import require
 
 
 def _replayed(snapshot):
@@ -27,7 +28,7 @@ def plain(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
-    pytest.importorskip("lightning")
+    require("lightning", "lightning")
     from tests.analyzer.replay import cancel_lightning
 
     return _replayed(cancel_lightning.fit(tmp_path_factory.mktemp("onepass_lightning") / "run"))

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from analyzer.cli import main
 from analyzer.replay import replay_snapshot
+from tests.extras import require
 
 from . import replay_models as rm
 
@@ -149,7 +150,7 @@ def test_a_pickled_module_as_checkpoint_or_batch_is_refused_with_one_error_line(
 def _gpt2_with_mlp_overflow(out):
     """A 2-block GPT-2 built from a config; block 1's MLP overflows FP16: ln_2's bias 100 and c_fc
     weights 50 give 16 * 100 * 50 = 8e4 > 65504 in c_fc's addmm, finite in FP32."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                   bos_token_id=0, eos_token_id=0)
@@ -231,7 +232,7 @@ class TinyRegressor(pl.LightningModule):
 
 
 def test_a_lightning_ckpt_replays_without_factory_with_its_class_found_under_path(tmp_path, monkeypatch):
-    pl = pytest.importorskip("lightning.pytorch")
+    pl = require("lightning.pytorch", "lightning")
     code = tmp_path / "code"
     code.mkdir()
     (code / "i27_tiny_module.py").write_text(textwrap.dedent(_MODULE))
@@ -262,7 +263,7 @@ def _lightning_files(tmp_path, monkeypatch, hparams, name):
     module `name` (one name per test: a module another test imported would shadow it)."""
     import importlib
 
-    pytest.importorskip("lightning.pytorch")
+    require("lightning.pytorch", "lightning")
     code = tmp_path / "code"
     code.mkdir()
     (code / f"{name}.py").write_text(textwrap.dedent(_MODULE).replace("TinyRegressor", "CliRegressor"))
@@ -299,7 +300,7 @@ def test_an_hf_checkpoint_with_nan_weights_and_its_optimizer_pt_gets_the_update_
     """AdamW with eps=0, the Trainer's two parameter groups: position-embedding rows 8..15, which a
     length-8 batch never reads (and row 7, whose output no loss term uses), get a zero gradient, so exp_avg = exp_avg_sq = 0 and their update is
     0 / (0 + 0) = NaN."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                   bos_token_id=0, eos_token_id=0)

@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
+from tests.extras import require
 
 from . import swiglu_models as sm
 
@@ -64,7 +65,7 @@ def test_the_text_names_the_operand_and_prints_a_filter_that_keeps_exactly_w2(fi
 
 
 def test_torchaos_tensorwise_training_loses_w2s_weight_gradient_and_the_printed_filter_restores_it(aligned):
-    pytest.importorskip("torchao", reason="torchao (the [fp8] extra) is not installed")
+    require("torchao", "fp8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     scope: dict = {}
