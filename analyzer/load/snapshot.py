@@ -73,6 +73,7 @@ class Snapshot(Mapping):
     exception: dict | None = None  # since version 4, reason "exception": type, message, frames, step (load/exceptions.py)
     compile: dict | None = None  # since version 5: how training torch.compile'd the model (load/compiled.py)
     micro_batches: dict | None = None  # since version 6: batch lists the step's micro-batches (load/_micro.py)
+    spike: dict | None = None  # since version 7, reasons loss_spike / grad_spike: schema.SPIKE_KEYS (recorders/_spikes.py)
 
     @property
     def has_scaler(self) -> bool:
