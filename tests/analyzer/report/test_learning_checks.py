@@ -1,0 +1,105 @@
+"""analyzer report's tiny_updates and flat_loss on real recorded runs that do not learn, and on healthy ones."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+from analyzer.cli import main as cli
+from analyzer.load import load_run
+from analyzer.report.checks import CHECKS, build_frames, run_checks
+from analyzer.report.checks.learning import RATIO, rule_of
+from recorders import schema
+from tests.sample_runs import sample_run
+
+from .learning_runs import record
+
+NEW = {"tiny_updates", "flat_loss"}
+
+
+def _checks(run_dir) -> dict:
+    return {f.check: f for f in run_checks(build_frames(load_run(run_dir)))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    out = {}
+    for name, kw in {"adamw_bug": {"scale": 1e-5}, "lr0": {"scale": 0.0}, "sgd_bug": {"opt": "sgd", "grad_divisor": 1e5},
+                     "adamw": {}, "sgd": {"opt": "sgd"}, "adamw_bf16": {"amp_dtype": torch.bfloat16},
+                     "sgd_bf16": {"opt": "sgd", "amp_dtype": torch.bfloat16}, "adamw_every5": {"layer_every": 5},
+                     "adamw_1e-2": {"scale": 1e-2}}.items():
+        out[name] = (root / name, record(root / name, **kw))
+    return out
+
+
+@pytest.mark.parametrize("name, optimizer", [("adamw_bug", "ScaledAdamW"), ("sgd_bug", "SGD")])
+def test_a_run_whose_updates_are_orders_of_magnitude_below_the_rule_is_flagged(runs, name, optimizer):
+    run_dir, losses = runs[name]
+    _, lr0 = runs["lr0"]
+    assert np.abs(np.array(losses) - np.array(lr0)).max() < 1e-3  # its loss is an lr = 0 run's
+    found = _checks(run_dir)
+    tiny = found["tiny_updates"]
+    assert tiny.severity == "warning" and tiny.evidence["optimizer"] == optimizer
+    names = [p["name"] for p in tiny.evidence["params"]]
+    assert names == [n for n in load_run(run_dir).params]  # every parameter, in model order
+    assert all(p["ratio"] < RATIO and p["rows"] >= 290 for p in tiny.evidence["params"])
+    assert optimizer in tiny.message and "orders of magnitude less" in tiny.message
+    flat = found["flat_loss"]
+    assert flat.step == 0 and flat.evidence["steps"] == 300 and abs(flat.evidence["relative_change"]) < 0.02
+
+
+def test_an_lr_0_run_is_stalled_updates_business_not_tiny_updates(runs):
+    found = _checks(runs["lr0"][0])
+    assert "stalled_updates" in found and "tiny_updates" not in found and "flat_loss" in found
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adamw_bf16", "sgd_bf16", "adamw_every5", "adamw_1e-2"])
+def test_runs_that_learn_get_neither_finding(runs, name):
+    run_dir, losses = runs[name]
+    assert np.median(losses[-50:]) < 0.98 * np.median(losses[:50])  # it learns (at 1e-2 x lr, slowly)
+    assert NEW.isdisjoint(_checks(run_dir))
+
+
+def test_the_checks_are_in_the_registry_and_in_report_json(runs):
+    assert NEW <= set(CHECKS)
+    res = CliRunner().invoke(cli, ["report", str(runs["adamw_bug"][0]), "--json"])
+    assert res.exit_code == 0, res.output
+    assert NEW <= {f["check"] for f in json.loads(res.output)["findings"]}
+
+
+def test_a_run_without_change_columns_or_optimizer_gets_no_tiny_updates(runs, tmp_path):
+    import shutil
+
+    dst = tmp_path / "no_optimizer"
+    shutil.copytree(runs["adamw_bug"][0], dst)
+    meta = json.loads((dst / schema.META_FILE).read_text())
+    meta["optimizer"] = None
+    (dst / schema.META_FILE).write_text(json.dumps(meta))
+    assert "tiny_updates" not in _checks(dst)
+    for part in (dst / schema.TRACE_DIR).glob("layers-*.parquet"):  # the columns of format 3 removed
+        pl.read_parquet(part).drop("update_rms", "unchanged_frac").write_parquet(part)
+    meta["format_version"] = 2
+    (dst / schema.META_FILE).write_text(json.dumps(meta))
+    assert "tiny_updates" not in _checks(dst)
+
+
+@pytest.mark.parametrize("cls, rule", [("Adam", "adam"), ("AdamW", "adam"), ("ScaledAdamW", "adam"), ("NAdam", "adam"),
+                                       ("AdamW8bit", "adam"), ("SGD", "sgd"), ("Adagrad", None), ("Adafactor", None),
+                                       ("Lion", None), (None, None)])
+def test_the_rule_is_known_for_sgd_and_the_adam_family_only(cls, rule):
+    assert rule_of(cls) == rule
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sample", ["healthy", "fp16_attention_overflow", "bf16_nan", "masked_padding",
+                                    "custom_op_outside_autocast", "log_zero", "loss_outside_autocast", "stalled_layers"])
+def test_no_sample_scenario_gets_a_new_finding_or_a_spike_snapshot(tmp_path_factory, sample):
+    run_dir = sample_run(tmp_path_factory, sample)
+    assert NEW.isdisjoint(_checks(run_dir))
+    reasons = {schema.SNAPSHOT_RE.match(p.name)[4] for p in (run_dir / schema.SNAPSHOT_DIR).glob("*.pt")}
+    assert reasons.isdisjoint({schema.LOSS_SPIKE, schema.GRAD_SPIKE})
