@@ -160,6 +160,12 @@ def test_a_spike_is_no_failure_and_its_evidence_names_the_baseline():
     assert t.check(StepHealth(1.0, True, None, 1.0)) is None and t.spike is None
 
 
+def test_a_loss_that_keeps_climbing_faster_than_its_median_fires_once():
+    # 20% a step for 80 steps: above the threshold from some step on and ever after, longer than the window
+    got = [r for r in _run(_spiky(W), _noisy(15) + [1.2 ** i for i in range(1, 80)]) if r]
+    assert got == ["loss_spike"]
+
+
 def test_a_second_spike_waits_for_the_window_to_pass_then_fires_again():
     t = _spiky(W)
     seq = _noisy(15) + [6.0] + _noisy(5, seed=4) + [6.0] + _noisy(W, seed=5) + [8.0]

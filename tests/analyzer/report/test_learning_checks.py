@@ -103,3 +103,31 @@ def test_no_sample_scenario_gets_a_new_finding_or_a_spike_snapshot(tmp_path_fact
     assert NEW.isdisjoint(_checks(run_dir))
     reasons = {schema.SNAPSHOT_RE.match(p.name)[4] for p in (run_dir / schema.SNAPSHOT_DIR).glob("*.pt")}
     assert reasons.isdisjoint({schema.LOSS_SPIKE, schema.GRAD_SPIKE})
+
+
+def _frames(loss, lr=1e-3):
+    from analyzer.report.checks import Frames
+
+    n = len(loss)
+    steps = pl.DataFrame({"step": np.arange(n), "loss": np.asarray(loss, float),
+                          "lr": pl.Series([lr] * n, dtype=pl.Float64)})
+    return Frames(steps=steps, layer_bins=None, params=[], numels=[], amp_dtype=None, growth_interval=2000,
+                  ranks=pl.DataFrame({"rank": [0]}))
+
+
+_rng = np.random.default_rng(0)
+_NOISE = _rng.normal(0, 1, 400)
+
+
+@pytest.mark.parametrize("loss, lr, flat", [
+    (2.0 + 0.01 * _NOISE, 1e-3, True),                                 # noise around a constant
+    (2.0 * (1 + 0.2 * _NOISE) * np.linspace(1, 0.95, 400), 1e-3, False),  # -5% in large noise: past FLAT_REL
+    (2.0 + 0.001 * _NOISE - np.linspace(0, 0.02, 400), 1e-3, False),   # -1%, far beyond the noise
+    (2.0 + 0.01 * _NOISE[:99], 1e-3, False),                           # too few steps to judge
+    (2.0 + 0.01 * _NOISE, 0.0, False),                                 # lr 0: not meant to move
+    (2.0 + 0.01 * _NOISE, None, False),                                # lr unknown
+])
+def test_flat_loss_on_scripted_step_tables(loss, lr, flat):
+    from analyzer.report.checks.learning import flat_loss
+
+    assert bool(flat_loss(_frames(loss, lr))) is flat
