@@ -131,3 +131,62 @@ def test_flat_loss_on_scripted_step_tables(loss, lr, flat):
     from analyzer.report.checks.learning import flat_loss
 
     assert bool(flat_loss(_frames(loss, lr))) is flat
+
+
+# -- any trace, any optimizer entry: the checks answer or stay quiet, never raise ---------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from .report_traces import healthy_traces, hostile_traces, write_trace  # noqa: E402
+
+_HOSTILE_GROUP = st.fixed_dictionaries({
+    "lr": st.sampled_from([1e-3, 0.0, -1.0, 1e-3, None, "x", True, 1e300, 5e-324]),
+    "eps": st.sampled_from([1e-8, 0.0, -1e-8, None, "eps", 1e-300]),
+    "params": st.sampled_from([[0, 1, 2], [None, 5, 99], [1, 0], [], [0, 0, 0], [3, 4, 5, 2]]),
+})
+# mostly entries the loader accepts (then the checks read them), some it refuses with one Error: line
+_OPTIMIZER = st.one_of(
+    st.none(), st.sampled_from(["x", [], {}]),
+    *[st.fixed_dictionaries({"class": st.sampled_from(["torch.optim.adam.Adam", "torch.optim.sgd.SGD", "my.AdamW8bit",
+                                                       "", "torch.optim.adagrad.Adagrad"]),
+                             "param_groups": st.lists(_HOSTILE_GROUP, min_size=1, max_size=3)})] * 4)
+
+
+def _with_optimizer(spec, optimizer, d):
+    run = write_trace(spec, d / "run")
+    for meta_path in run.glob("meta*.json"):
+        meta = json.loads(meta_path.read_text())
+        meta["optimizer"] = optimizer
+        meta_path.write_text(json.dumps(meta))
+    return run
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                 HealthCheck.function_scoped_fixture])
+@given(spec=hostile_traces(), optimizer=_OPTIMIZER)
+def test_the_learning_checks_never_fail_on_any_trace_and_optimizer_entry(tmp_path_factory, spec, optimizer):
+    import warnings
+
+    from analyzer.errors import AnalyzerError
+
+    d = tmp_path_factory.mktemp("hostile")
+    run = _with_optimizer(spec, optimizer, d)
+    try:
+        frames = build_frames(load_run(run))
+    except AnalyzerError:  # the loader refuses a malformed optimizer entry with one Error: line
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no NaN arithmetic slips through
+        for name in sorted(NEW):
+            found = CHECKS[name](frames)
+            assert all(f.check == name and f.severity == "warning" for f in found)
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                 HealthCheck.function_scoped_fixture])
+@given(spec=healthy_traces(), cls=st.sampled_from(["torch.optim.adam.Adam", "torch.optim.sgd.SGD"]))
+def test_healthy_generated_traces_with_an_optimizer_get_no_learning_finding(tmp_path_factory, spec, cls):
+    d = tmp_path_factory.mktemp("healthy")
+    opt = {"class": cls, "param_groups": [{"lr": 1e-3, "eps": 1e-8, "params": list(range(spec.n_layers))}]}
+    frames = build_frames(load_run(_with_optimizer(spec, opt, d)))
+    assert not [f for name in NEW for f in CHECKS[name](frames)]
