@@ -23,6 +23,7 @@ QUICK = {
     "replay_cost.py": "| float16 |",
     "autopsy_time.py": "| autopsy |",
     "fsdp_sync_cost.py": "synced / local",
+    "spike_false_triggers.py": "all real runs:",
 }
 
 

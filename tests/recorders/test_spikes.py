@@ -157,3 +157,19 @@ def test_bad_spike_settings_name_themselves(kw, name):
         RecorderConfig(**kw)
     with pytest.raises(ValueError, match=name):
         Recorder("unused", build_plain(), **kw)
+
+
+def test_a_version_6_snapshot_and_run_without_the_spike_keys_still_load(tmp_path):
+    _run(tmp_path, jumps=(100,), grad_spike=None)
+    path = tmp_path / schema.SNAPSHOT_DIR / schema.snapshot_name(101, 0, "loss_spike")
+    snap = torch.load(path, weights_only=True)
+    del snap["spike"]
+    snap["format_version"] = 6
+    old = tmp_path / "old.pt"
+    torch.save(snap, old)
+    assert load_snapshot(old).spike is None and load_snapshot(old).reason == "loss_spike"
+    meta = json.loads((tmp_path / schema.META_FILE).read_text())
+    del meta["spikes"]
+    meta["format_version"] = 6
+    (tmp_path / schema.META_FILE).write_text(json.dumps(meta))
+    assert load_run(tmp_path).meta.get("spikes") is None
