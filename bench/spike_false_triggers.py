@@ -1,6 +1,6 @@
 """False-trigger rate of the Recorder's spike snapshots on healthy runs, and the real spikes they catch.
 
-Three parts, each printed as a table:
+Four parts, each printed as a table:
 
 1. Real healthy runs of tiny models on CPU, recorded with the Recorder at its default spike settings:
    an MLP regressor (MSE, noisy targets), an MLP classifier (cross entropy that falls near 0) and the
@@ -13,9 +13,12 @@ Three parts, each printed as a table:
 3. Real spikes: the MLP whose lr is multiplied by 1000 for one step, and the tiny GPT in BF16 without
    1/sqrt(d) attention scaling at a high lr (attention-logit growth): whether a spike snapshot is written
    and at which step against the first step whose loss is 3x its trailing median.
+4. Real healthy runs at a constant lr without warm-up (where Adam's own spikes live): the MLPs with
+   Adam, AdamW and SGD, FP32 and BF16 (``--constant-only``: this part alone).
 
-    python bench/spike_false_triggers.py            # ~10 minutes on one shared core
+    python bench/spike_false_triggers.py            # ~45 minutes on one shared core
     python bench/spike_false_triggers.py --quick    # shorter runs, fewer seeds (a smoke run)
+    python bench/spike_false_triggers.py --constant-only --steps 3000 --seeds 2
 
 The machine it was measured on was shared with other jobs; the counts do not depend on timing.
 """
@@ -161,6 +164,34 @@ def real_runs(steps: int, seeds: int, tmp: Path) -> None:
           + ", ".join(f"z={z:g}: {1000 * ztot[z] / total_steps:.3f}" for z in ZS) + f" (default z={SPIKE_Z:g})")
 
 
+def constant_runs(steps: int, seeds: int, tmp: Path) -> None:
+    print(f"\n4. real healthy runs at a constant lr, no warm-up ({steps} steps each, default settings)")
+    print(f"{'task':9} {'optimizer':9} {'lr':>6} {'dtype':6} {'steps':>7} {'loss_spike':>10} {'grad_spike':>10} "
+          f"{'per 1k steps':>12}  " + " ".join(f"{'z=' + format(z, 'g'):>6}" for z in ZS))
+    total_steps = total = 0
+    for task, opt_name, lr in (("regress", "adam", 3e-3), ("regress", "adam", 1e-2), ("regress", "sgd", 0.02),
+                               ("classify", "adamw", 3e-3), ("classify", "sgd", 0.05)):
+        for dtype in (None, torch.bfloat16):
+            counts = {schema.LOSS_SPIKE: 0, schema.GRAD_SPIKE: 0}
+            zc = dict.fromkeys(ZS, 0)
+            for seed in range(seeds):
+                d = tmp / f"const-{task}-{opt_name}-{lr}-{dtype}-{seed}"
+                _, snaps = train(d, task, opt_name, dtype, seed, steps, lr=lr, warmup=1, decay=False)
+                for sn in snaps:
+                    r = schema.SNAPSHOT_RE.match(sn.name)[4]
+                    if r in counts:
+                        counts[r] += 1
+                for z in ZS:
+                    zc[z] += replay_watch(d, z)
+            k = sum(counts.values())
+            total, total_steps = total + k, total_steps + steps * seeds
+            print(f"{task:9} {opt_name:9} {lr:>6g} {'bf16' if dtype else 'fp32':6} {steps * seeds:>7} "
+                  f"{counts[schema.LOSS_SPIKE]:>10} {counts[schema.GRAD_SPIKE]:>10} {1000 * k / (steps * seeds):>12.3f}  "
+                  + " ".join(f"{zc[z]:>6}" for z in ZS))
+    print(f"all constant-lr runs: {total} spike snapshots in {total_steps} steps = {1000 * total / total_steps:.3f} "
+          "per 1k steps")
+
+
 def synthetic(steps: int, seeds: int) -> None:
     print(f"\n2. synthetic healthy curves ({steps} steps each, {seeds} seeds per row)")
     print(f"{'loss noise (log sd)':>19} {'grad noise':>10} {'z':>4} {'loss fires':>10} {'grad fires':>10} "
@@ -208,12 +239,19 @@ def real_spikes(tmp: Path, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--constant-only", action="store_true", help="part 4 only")
+    ap.add_argument("--steps", type=int, default=4000, help="steps of each real run (the GPT's: half)")
+    ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    steps, seeds = (200, 1) if args.quick else (4000, 3)
+    steps, seeds = (200, 1) if args.quick else (args.steps, args.seeds)
     with tempfile.TemporaryDirectory() as d:
+        if args.constant_only:
+            constant_runs(steps, seeds, Path(d))
+            return
         real_spikes(Path(d), 300 if args.quick else 2000)
         synthetic(2000 if args.quick else 10000, 2 if args.quick else 20)
+        constant_runs(steps, seeds, Path(d))
         real_runs(steps, seeds, Path(d))
 
 

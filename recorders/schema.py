@@ -293,9 +293,10 @@ LOSS_SPIKE = "loss_spike"  # the loss jumped far above its trailing baseline (ve
 GRAD_SPIKE = "grad_spike"  # the total gradient norm jumped far above its trailing baseline (version 7)
 # A spike snapshot's "spike" (version 7), in this order: reason; metric ("loss" | "grad_norm"); value (the
 # step's); baseline (the median of the trailing window); ratio (value / baseline); spread (the robust standard
-# deviation of the step-to-step change of the log values over the window); threshold (the value above which the step spiked); factor (the setting);
-# z (robust standard deviations required); window (values in the baseline).
-SPIKE_KEYS = ("reason", "metric", "value", "baseline", "ratio", "spread", "threshold", "factor", "z", "window")
+# deviation of the step-to-step change of the log values over the window); threshold (the value above which
+# the step spiked); factor (the setting); z (robust standard deviations required); window (values in the baseline).
+SPIKE_KEYS = ("reason", "metric", "value", "baseline", "ratio", "spread", "threshold", "factor", "z",
+              "window")
 # meta.json's "spikes" (version 7): the Recorder's settings, None when both triggers are off.
 SPIKE_SETTINGS = ("loss_spike", "grad_spike", "spike_window", "max_spike_snapshots")
 # The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).

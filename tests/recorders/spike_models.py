@@ -36,7 +36,8 @@ def linear_batches(n: int, width: int = 8, size: int = 16, seed: int = 1) -> lis
 def train_with_lr_jumps(model, data, *, opt, rec=None, jumps=(), factor=1000.0, amp_dtype=None,
                         returned: list | None = None) -> list[float]:
     """The README loop; at each step in `jumps` the optimizer steps once at `factor` x its lr
-    (an lr scheduler bug for one step; Adam at lr 3e-3 then moves each weight by about 3). `returned` collects end_step's return values."""
+    (an lr scheduler bug for one step; Adam at lr 3e-3 then moves each weight by about 3).
+    `returned` collects end_step's return values."""
     base = [g["lr"] for g in opt.param_groups]
     losses = []
     for step, batch in enumerate(data):
