@@ -337,7 +337,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         self._rows.append(row)
         self._last = row
         if snap_reason is not None:
-            self._snapshot(snap_reason, spike=self._triggers.spike)
+            # (a peer's failure under sync_failures renames the step's snapshot: then no spike evidence)
+            self._snapshot(snap_reason, spike=self._triggers.spike if snap_reason in _triggers.SPIKE_REASONS else None)
         self._buffers.end()
         # Failures reach the disk at once (the process may die next), but only when they start:
         # a run that stays NaN must not write one part per step.
