@@ -173,3 +173,37 @@ def test_a_version_6_snapshot_and_run_without_the_spike_keys_still_load(tmp_path
     meta["format_version"] = 6
     (tmp_path / schema.META_FILE).write_text(json.dumps(meta))
     assert load_run(tmp_path).meta.get("spikes") is None
+
+
+@pytest.mark.slow
+def test_a_bf16_tiny_gpt_without_attention_scaling_at_a_high_lr_writes_a_loss_spike_snapshot(tmp_path):
+    # attention logits not divided by sqrt(d), Adam at a constant 0.03: the loss falls, then jumps (step ~680 here)
+    from samples import models as sm
+    from samples._common import gpt_batches, one_thread
+
+    kwargs = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, scale_attn_logits=False)
+    torch.manual_seed(0)
+    model = sm.build_gpt(**kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.03)
+    data = gpt_batches(vocab_size=32, block_size=16, batch_size=16, seed=0)
+    losses = []
+    with one_thread(), Recorder(tmp_path, model, factory=f"{sm.__name__}:build_gpt", factory_kwargs=kwargs,
+                                loss_fn=f"{sm.__name__}:gpt_loss", optimizer=opt, amp_dtype=torch.bfloat16) as rec:
+        for step in range(900):
+            batch = next(data)
+            rec.begin_step(step, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = sm.gpt_loss(model, batch)
+            loss.backward()
+            rec.end_step(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if rec.snapshots and any("loss_spike" in p.name for p in rec.snapshots) and step > 0:
+                break
+    spikes = [p for p in rec.snapshots if "loss_spike" in p.name]
+    assert spikes, "no loss_spike snapshot in 900 steps"
+    snap = load_snapshot(spikes[0])
+    s = snap.step
+    assert losses[s] >= 3 * sorted(losses[s - 100:s])[50] and snap.spike["ratio"] >= 3
+    assert all(schema.SNAPSHOT_RE.match(p.name)[4] in ("loss_spike", "grad_spike") for p in rec.snapshots)
