@@ -14,7 +14,9 @@ Four parts, each printed as a table:
    1/sqrt(d) attention scaling at a high lr (attention-logit growth): whether a spike snapshot is written
    and at which step against the first step whose loss is 3x its trailing median.
 4. Real healthy runs at a constant lr without warm-up (where Adam's own spikes live): the MLPs with
-   Adam, AdamW and SGD, FP32 and BF16 (``--constant-only``: this part alone).
+   Adam, AdamW and SGD, FP32 and BF16, and a Linear-Tanh-Linear regressor on batches of 16 (whose
+   fitted batch losses are heavy-tailed: one batch in a thousand is 10-20x the median) with Adam
+   (``--constant-only``: this part alone; ``--spikes-only``: part 3 alone).
 
     python bench/spike_false_triggers.py            # ~45 minutes on one shared core
     python bench/spike_false_triggers.py --quick    # shorter runs, fewer seeds (a smoke run)
@@ -43,12 +45,28 @@ from samples import models as sm  # noqa: E402
 from samples._common import gpt_batches  # noqa: E402
 
 
+def _plain(seed: int) -> nn.Module:
+    """Linear, Tanh, Linear, nothing normalised (the model of tests/recorders/spike_models.py)."""
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
 def _mlp(seed: int, out: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, out))
 
 
 def _data(task: str, seed: int):
+    if task == "plain":  # batches of 16 from a noisy linear teacher: heavy-tailed batch losses once fitted
+        g = torch.Generator().manual_seed(seed + 1)
+        w = torch.randn(8, 1, generator=g)
+        while True:
+            x = torch.randn(16, 8, generator=g)
+            yield {"x": x, "y": x @ w + 0.1 * torch.randn(16, 1, generator=g)}
     g = torch.Generator().manual_seed(seed + 100)
     w = torch.randn(16, 4, generator=g)
     while True:
@@ -60,7 +78,7 @@ def _data(task: str, seed: int):
 
 
 def _loss(task: str):
-    if task == "regress":
+    if task in ("regress", "plain"):
         return lambda m, b: F.mse_loss(m(b["x"]).float(), b["y"])
     if task == "classify":
         return lambda m, b: F.cross_entropy(m(b["x"]).float(), b["y"])
@@ -68,6 +86,8 @@ def _loss(task: str):
 
 
 def _model(task: str, seed: int, scaled: bool = True) -> nn.Module:
+    if task == "plain":
+        return _plain(seed)
     if task == "gpt":
         torch.manual_seed(seed)
         return sm.build_gpt(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, scale_attn_logits=scaled)
@@ -164,13 +184,16 @@ def real_runs(steps: int, seeds: int, tmp: Path) -> None:
           + ", ".join(f"z={z:g}: {1000 * ztot[z] / total_steps:.3f}" for z in ZS) + f" (default z={SPIKE_Z:g})")
 
 
-def constant_runs(steps: int, seeds: int, tmp: Path) -> None:
+def constant_runs(steps: int, seeds: int, tmp: Path, tasks: tuple[str, ...] = ("regress", "classify", "plain")) -> None:
     print(f"\n4. real healthy runs at a constant lr, no warm-up ({steps} steps each, default settings)")
     print(f"{'task':9} {'optimizer':9} {'lr':>6} {'dtype':6} {'steps':>7} {'loss_spike':>10} {'grad_spike':>10} "
           f"{'per 1k steps':>12}  " + " ".join(f"{'z=' + format(z, 'g'):>6}" for z in ZS))
     total_steps = total = 0
     for task, opt_name, lr in (("regress", "adam", 3e-3), ("regress", "adam", 1e-2), ("regress", "sgd", 0.02),
-                               ("classify", "adamw", 3e-3), ("classify", "sgd", 0.05)):
+                               ("classify", "adamw", 3e-3), ("classify", "sgd", 0.05), ("plain", "adam", 3e-3),
+                               ("plain", "adam", 1e-2)):
+        if task not in tasks:
+            continue
         for dtype in (None, torch.bfloat16):
             counts = {schema.LOSS_SPIKE: 0, schema.GRAD_SPIKE: 0}
             zc = dict.fromkeys(ZS, 0)
@@ -240,6 +263,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--constant-only", action="store_true", help="part 4 only")
+    ap.add_argument("--spikes-only", action="store_true", help="part 3 only")
+    ap.add_argument("--tasks", default="regress,classify,plain", help="part 4's tasks, comma-separated")
     ap.add_argument("--steps", type=int, default=4000, help="steps of each real run (the GPT's: half)")
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
@@ -247,7 +272,10 @@ def main() -> None:
     steps, seeds = (200, 1) if args.quick else (args.steps, args.seeds)
     with tempfile.TemporaryDirectory() as d:
         if args.constant_only:
-            constant_runs(steps, seeds, Path(d))
+            constant_runs(steps, seeds, Path(d), tuple(args.tasks.split(",")))
+            return
+        if args.spikes_only:
+            real_spikes(Path(d), 2000)
             return
         real_spikes(Path(d), 300 if args.quick else 2000)
         synthetic(2000 if args.quick else 10000, 2 if args.quick else 20)

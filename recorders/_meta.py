@@ -27,7 +27,7 @@ class RecorderConfig:
     max_snapshots: int = 3
     step_numbering: str = "loop"  # a key of schema.STEP_NUMBERINGS (framework adapters set it)
     micro_batches: int | None = None  # forwards accumulated into one recorded step, when declared
-    loss_spike: float | None = 3.0  # snapshot a loss this many times its trailing median (and 6 robust sigmas); None: off
+    loss_spike: float | None = 3.0  # snapshot a loss this many times its trailing median (and 7 robust sigmas); None: off
     grad_spike: float | None = 10.0  # the same for the total gradient norm; None: off
     spike_window: int = 100  # trailing steps of the spike baselines (warm-up: half of it)
     max_spike_snapshots: int = 2  # spike snapshots per run and rank, apart from max_snapshots

@@ -33,7 +33,7 @@ from .schema import GRAD_SPIKE, LOSS_SPIKE
 
 __all__ = ["SPIKE_Z", "MIN_BASELINE", "Baseline", "SpikeWatch", "warmup_of"]
 
-SPIKE_Z = 6.0      # robust standard deviations (of the logs) above the median
+SPIKE_Z = 7.0      # robust standard deviations of the step-to-step log noise above the median
 MIN_BASELINE = 10  # the fewest values any baseline needs before it judges a step
 
 

@@ -88,7 +88,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             only, which the report takes into account. None: not declared.
         loss_spike, grad_spike: snapshot (reasons ``"loss_spike"``, ``"grad_spike"``) the first step of a
             loss / total gradient norm at least this many times the median of the last `spike_window`
-            steps' values and 6 robust standard deviations of their logs above it; None turns one off.
+            steps' values and 7 robust standard deviations of their step-to-step noise above it (logs); None: off.
             Spikes are no failure (``end_step`` returns None for them), read only the values the step
             already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
         spike_window: trailing steps of the spike baselines, >= 10.

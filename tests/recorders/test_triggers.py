@@ -129,7 +129,7 @@ W = 20  # the window of these sequences; warm-up: max(10, W // 2) = 10 values
         (_noisy(15) + [6.0] * 15, None, {15: "loss_spike"}),
         # a loss that climbs steadily, 5% a step: never 3x its trailing median
         ([1.05 ** i for i in range(40)], None, {}),
-        # noisy losses (log-sd ~0.3): 4x is within 6 robust sigmas, 40x is not
+        # noisy losses (log-sd ~0.3): 4x is within 7 robust sigmas, 40x is not
         (_noisy(30, sd=0.45) + [4.0] + _noisy(5, sd=0.45, seed=2), None, {}),
         (_noisy(30, sd=0.45) + [40.0] + _noisy(5, sd=0.45, seed=2), None, {30: "loss_spike"}),
         # a gradient norm 20x its median: grad_spike; 5x: nothing (factor 10)
