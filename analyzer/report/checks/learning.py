@@ -18,12 +18,18 @@ and ``flat_loss`` (the loss has not moved from its start).
   standard errors of it (the noise measured on the losses' step-to-step changes): the loss did
   not move from its start.
 
-Real output (``tests/analyzer/report/learning_runs.py``: an MLP trained with Adam whose step uses
-1e-6 x the lr its param group, and so the trace, shows)::
+Real output (``tests/analyzer/report/learning_runs.py``: an MLP classifier trained with an AdamW
+subclass whose step uses 1e-5 x the lr its param group, hence the trace, shows; trimmed)::
 
-    tiny_updates @ step 1: 6 parameter(s) moved orders of magnitude less than Adam's rule gives for
-    their gradients and lr: 0.weight (median update 3.2e-09 per element vs ~0.001 expected: 3.2e-06x) ...
-    flat_loss @ step 0: the loss has not moved from its start in 300 steps at lr > 0 ...
+    flat_loss @ step 0: the loss has not moved from its start in 300 steps at lr > 0 (steps 0..299): the
+    median of the last 50 losses is 1.391 against 1.391 for the first 50 (+0.02% when noise alone moves
+    it ~0.0034); a run that learns lowers it. Check that the optimizer steps ...
+    tiny_updates @ step 1: 6 parameter(s) moved orders of magnitude less than ScaledAdamW's rule gives for
+    their recorded gradients and lr (about lr per element (Adam's m/(sqrt(v)+eps) is of order 1), less
+    where eps dominates): 0.weight (median update 1.6e-08 per element vs ~0.003 expected: 5.3e-06x, over
+    299 rows); 0.bias (...) ...; the run hardly trains: look for an lr scaled down where the trace cannot
+    see it (a custom optimizer, scheduler or param group, a gradient divided before the step), or updates
+    lost to low-precision weights
 """
 from __future__ import annotations
 
