@@ -1,6 +1,7 @@
 """The Recorder's validated settings and the run metadata it writes to ``meta.json``."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -10,6 +11,7 @@ import torch
 
 from . import schema
 from .compiled import clean_name
+from ._spikes import MIN_BASELINE
 
 __all__ = ["RecorderConfig", "dist_info", "amp_dtype_of", "build_meta", "current_cwd"]
 
@@ -25,6 +27,10 @@ class RecorderConfig:
     max_snapshots: int = 3
     step_numbering: str = "loop"  # a key of schema.STEP_NUMBERINGS (framework adapters set it)
     micro_batches: int | None = None  # forwards accumulated into one recorded step, when declared
+    loss_spike: float | None = 3.0  # snapshot a loss this many times its trailing median (and 7 robust sigmas); None: off
+    grad_spike: float | None = 10.0  # the same for the total gradient norm; None: off
+    spike_window: int = 100  # trailing steps of the spike baselines (warm-up: half of it)
+    max_spike_snapshots: int = 2  # spike snapshots per run and rank, apart from max_snapshots
 
     def __post_init__(self):
         for name in ("layer_every", "flush_every", "overflow_streak"):
@@ -42,6 +48,23 @@ class RecorderConfig:
         mb = self.micro_batches
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             raise ValueError(f"micro_batches must be None or an int >= 1, got {mb!r}")
+        for name in ("loss_spike", "grad_spike"):
+            f = getattr(self, name)
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 1 < f < math.inf):
+                raise ValueError(f"{name} must be None (off) or a finite number > 1 (a factor over the trailing "
+                                 f"median), got {f!r}")
+        w = self.spike_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < MIN_BASELINE:
+            raise ValueError(f"spike_window must be an int >= {MIN_BASELINE}, got {w!r}")
+        c = self.max_spike_snapshots
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"max_spike_snapshots must be an int >= 0, got {c!r}")
+
+    def spike_settings(self) -> dict | None:
+        """meta.json's ``spikes`` (``schema.SPIKE_SETTINGS``); None when both spike triggers are off."""
+        if self.loss_spike is None and self.grad_spike is None:
+            return None
+        return {k: getattr(self, k) for k in schema.SPIKE_SETTINGS}
 
 
 def dist_info() -> tuple[int, int]:
@@ -146,6 +169,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "compile": compile,  # recorders/compiled.compile_info of the model the loop passed
         "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/micro_batches.py)
         "warnings": list(warnings or []),  # rewritten at each RecorderWarning (recorders/_lifecycle.py)
+        "spikes": config.spike_settings(),  # the spike triggers' settings (recorders/_spikes.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

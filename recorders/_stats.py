@@ -122,14 +122,14 @@ class StepStats:
             if fixed is not None:  # float32 overflowed on finite gradients: their float64 norms
                 gnorm, grad_norm = torch.tensor(fixed, dtype=torch.float32, device=self._device), math.hypot(*fixed)
         nonfinite = sum(c for c in counts if c) if counts is not None else 0
-        health = _triggers.StepHealth(loss_v, nonfinite == 0, scale_v)
+        health = _triggers.StepHealth(loss_v, nonfinite == 0, scale_v, grad_norm)
         snap_reason = self._triggers.check(health)
         holding = self._triggers.holding
         failure = holding[0] if holding else None
         if self.sync_failures and self.world_size > 1:
             failure, snap_reason = self._sync_failure(failure, snap_reason)
 
-        if grads and (layer_due or failure is not None):
+        if grads and (layer_due or failure is not None or snap_reason is not None):
             if gnorm is None:
                 if stacked is None:  # (a failing step without a layer row due, read value by value)
                     stacked = torch.stack(parts[:n])

@@ -65,7 +65,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         flush_every: write a trace part every N steps (also on failure and on close).
         min_scale: snapshot when the loss scale falls below this.
         overflow_streak: snapshot when this many consecutive steps overflow (are skipped).
-        max_snapshots: at most this many automatic snapshots per run and rank.
+        max_snapshots: at most this many automatic snapshots per run and rank (spikes apart).
         strict: raise the recorder's own write errors instead of warning once.
         enabled: False makes every method a no-op, so scripts need no ``if`` blocks.
         sync_failures: under torch.distributed, all-reduce a failure flag every step so that
@@ -85,6 +85,13 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             micro-batches to ``begin_step`` and replay re-runs them all (each loss divided by their
             number, as ``loss / N`` before each backward); a single batch is the first of them
             only, which the report takes into account. None: not declared.
+        loss_spike, grad_spike: snapshot (reasons ``"loss_spike"``, ``"grad_spike"``) the first step of a
+            loss / total gradient norm at least this many times the median of the last `spike_window`
+            steps' values and 7 robust standard deviations of their step-to-step noise above it (logs); None: off.
+            Spikes are no failure (``end_step`` returns None for them), read only the values the step
+            already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
+        spike_window: trailing steps of the spike baselines, >= 10.
+        max_spike_snapshots: at most this many spike snapshots per run and rank, apart from `max_snapshots`.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -125,6 +132,10 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         check_update: bool = False,
         step_numbering: str = "loop",
         micro_batches: int | None = None,
+        loss_spike: float | None = 3.0,
+        grad_spike: float | None = 10.0,
+        spike_window: int = 100,
+        max_spike_snapshots: int = 2,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -150,7 +161,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
             raise ValueError(f"factory_kwargs must be JSON-serialisable (the analyzer rebuilds the model "
                              f"from meta.json): {e}") from e
         self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots,
-                                     step_numbering, micro_batches)
+                                     step_numbering, micro_batches, loss_spike, grad_spike, spike_window,
+                                     max_spike_snapshots)
         self.compile = compile_info(model)  # how the loop compiled it, before unwrapping
         self.model = model = unwrap(model)  # NB: torch.compile's OptimizedModule: record the original's names
         self.factory = None if factory is None else to_ref(factory, "factory")
@@ -324,7 +336,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         self._rows.append(row)
         self._last = row
         if snap_reason is not None:
-            self._snapshot(snap_reason)
+            # (a peer's failure under sync_failures renames the step's snapshot: then no spike evidence)
+            self._snapshot(snap_reason, spike=self._triggers.spike if snap_reason in _triggers.SPIKE_REASONS else None)
         self._buffers.end()
         # Failures reach the disk at once (the process may die next), but only when they start:
         # a run that stays NaN must not write one part per step.
@@ -368,7 +381,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                                    warn=self._misuse_warning, update_meta=self._update_meta, sharded=self._sharded)
         self._cwd = current_cwd()
         self._triggers = _triggers.Triggers(self.config.min_scale, self.config.overflow_streak,
-                                            self.config.max_snapshots)
+                                            self.config.max_snapshots, spikes=_triggers.spike_watch(self.config),
+                                            max_spike_snapshots=self.config.max_spike_snapshots)
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
@@ -405,7 +419,8 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
             self._stop("the optimizer step post hook (check_update)", e)
 
-    def _snapshot(self, reason: str, update: dict | None = None, exception: dict | None = None) -> Path | None:
+    def _snapshot(self, reason: str, update: dict | None = None, exception: dict | None = None,
+                  spike: dict | None = None) -> Path | None:
         """Snapshot the current step. With `update` (reason "update"): the weights after the step.
         With `exception` (reason "exception"): the entry of the exception the step raised."""
         last = self._last or {}
@@ -439,6 +454,7 @@ class Recorder(FsdpSnapshots, StepStats, Lifecycle):
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
                 optimizer=optim, update=update, exception=exception, compile=self.compile, micro_batches=micro,
+                spike=spike,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

@@ -49,6 +49,8 @@ is their list) and how their losses were combined (``MICRO_BATCH_KEYS``); and ``
 meta.json: True once the run's snapshots hold every micro-batch of their step (older runs: None).
 7 adds ``warnings`` to meta.json: every RecorderWarning the recorder issued, by kind (``WARNING_KINDS``) and step
 (``WARNING_KEYS``; older runs: None, nothing known).
+7 also adds the spike snapshots: reasons ``loss_spike`` and ``grad_spike``, the snapshot key ``spike`` (what was
+measured against which baseline, ``SPIKE_KEYS``) and ``spikes`` in meta.json (the settings; older runs: None).
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ __all__ = [
     "MICRO_BATCH_COMBINES",
     "WARNING_KEYS", "WARNING_KINDS", "MAX_WARNINGS", "MAX_WARNING_CHARS",
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
+    "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS",
 ]
 
 FORMAT_VERSION = 7
@@ -165,6 +168,7 @@ META_KEYS = (
                            #   callbacks from the start; a loop once a snapshot held a list of them); else None
     "warnings",  # since version 7: [WARNING_KEYS dicts], the RecorderWarnings issued so far, oldest first (at
                  #   most MAX_WARNINGS; rewritten when one is issued); [] when none
+    "spikes",  # since version 7: the spike triggers' settings, SPIKE_SETTINGS (recorders/_spikes.py)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -182,8 +186,8 @@ STEP_NUMBERINGS: dict[str, str] = {
 META_KEYS_ADDED["exception"] = 4  # the exception the loop raised (recorders/_exception.py)
 META_KEYS_ADDED["steps_begun"] = 4  # begin_step calls: an empty trace with steps begun means end_step was never called
 META_KEYS_ADDED["autocast"] = 4  # whether autocast was active during the forward (recorders/_mistakes.py)
-META_KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older runs: None
-META_KEYS_ADDED["micro_batches_kept"] = 6  # snapshots hold every micro-batch (recorders/_micro.py); older runs: None
+META_KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/compiled.py); older runs: None
+META_KEYS_ADDED["micro_batches_kept"] = 6  # snapshots hold every micro-batch (recorders/micro_batches.py); older runs: None
 META_KEYS_ADDED["warnings"] = 7  # the RecorderWarnings issued (recorders/_lifecycle.py); older runs: None
 # One entry of meta.json's "warnings", in this order: kind (a key of WARNING_KINDS: a stable name, never the text),
 # step (the step begin_step last named, None before the first), message (the warning's text, at most
@@ -203,6 +207,7 @@ WARNING_KINDS: dict[str, str] = {
     "post_forward_buffers": "a snapshot holds buffers written in place by the forward (post-forward values)",
     "exception_not_recorded": "the exception the loop raised could not be recorded completely",
 }
+META_KEYS_ADDED["spikes"] = 7  # the spike triggers' settings (recorders/_spikes.py); older runs: None
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -253,7 +258,8 @@ SNAPSHOT_KEYS = (
                          #   before end_step, EXCEPTION_KEYS (strings, and the step as an int)
     "compile",           # since version 5: None | how the model was compiled, as in meta.json (see below)
     "micro_batches",     # since version 6: None (batch is one batch) | the step accumulated gradients over the
-                         #   micro-batches listed in batch: MICRO_BATCH_KEYS (recorders/_micro.py)
+                         #   micro-batches listed in batch: MICRO_BATCH_KEYS (recorders/micro_batches.py)
+    "spike",             # since version 7: None | on reasons "loss_spike" / "grad_spike" only: SPIKE_KEYS
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -263,8 +269,9 @@ KEYS_ADDED["fsdp"] = 3  # FSDP2 runs: where the sharded weights are (recorders/_
 KEYS_ADDED["optimizer"] = 3  # the optimizer's class, state_dict and parameter names (recorders/_update.py)
 KEYS_ADDED["update"] = 3  # check_update=True: the update that made weights non-finite
 KEYS_ADDED["exception"] = 4  # the exception a step raised before end_step (recorders/_exception.py)
-KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/_compile.py); older files: None
-KEYS_ADDED["micro_batches"] = 6  # every micro-batch of an accumulating step (recorders/_micro.py); older: None
+KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/compiled.py); older files: None
+KEYS_ADDED["micro_batches"] = 6  # every micro-batch of an accumulating step (recorders/micro_batches.py); older: None
+KEYS_ADDED["spike"] = 7  # a spike snapshot's measurement against its baseline (recorders/_spikes.py); older: None
 
 # A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of
 # MICRO_BATCH_COMBINES), divisor (float > 0: what each micro-batch's loss was divided by before its
@@ -306,6 +313,16 @@ OVERFLOW_STREAK = "overflow_streak"
 MANUAL = "manual"  # Recorder.snapshot()'s default reason: not a failure
 PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=True)
 UPDATE = "update"  # the optimizer step made weights non-finite (check_update=True)
+LOSS_SPIKE = "loss_spike"  # the loss jumped far above its trailing baseline (version 7)
+GRAD_SPIKE = "grad_spike"  # the total gradient norm jumped far above its trailing baseline (version 7)
+# A spike snapshot's "spike" (version 7), in this order: reason; metric ("loss" | "grad_norm"); value (the
+# step's); baseline (the median of the trailing window); ratio (value / baseline); spread (the robust standard
+# deviation of the step-to-step change of the log values over the window); threshold (the value above which
+# the step spiked); factor (the setting); z (robust standard deviations required); window (values in the baseline).
+SPIKE_KEYS = ("reason", "metric", "value", "baseline", "ratio", "spread", "threshold", "factor", "z",
+              "window")
+# meta.json's "spikes" (version 7): the Recorder's settings, None when both triggers are off.
+SPIKE_SETTINGS = ("loss_spike", "grad_spike", "spike_window", "max_spike_snapshots")
 # The DCP directory of a sharded snapshot, under snapshots/ (groups: step, reason).
 DCP_RE = re.compile(r"^step(\d+)-([A-Za-z0-9_]+)\.dcp$")
 # The snapshot's names of the SDPA backends: the keys of snapshot["sdpa"]["enabled"].

@@ -82,6 +82,7 @@ def build_snapshot(
     exception: dict[str, Any] | None = None,
     compile: dict[str, Any] | None = None,
     micro_batches: dict[str, Any] | None = None,
+    spike: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -98,6 +99,7 @@ def build_snapshot(
     `compile`: ``recorders.compiled.compile_info`` of the model as the loop passed it, or None.
     `micro_batches`: ``recorders.micro_batches.MicroBatches.entry``: `batch` is then the list of the step's
     micro-batches, each copied to the CPU here (never before), or None.
+    `spike`: on a ``loss_spike`` / ``grad_spike`` snapshot, the trigger's evidence (``schema.SPIKE_KEYS``).
     """
     from . import __version__
 
@@ -141,6 +143,7 @@ def build_snapshot(
         "exception": None if exception is None else dict(exception),
         "compile": compile,  # recorders/compiled.compile_info: how training compiled the model
         "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/micro_batches.py
+        "spike": None if spike is None else {k: spike.get(k) for k in schema.SPIKE_KEYS},  # recorders/_spikes.py
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -24,6 +24,7 @@ QUICK = {
     "autopsy_time.py": "| autopsy |",
     "fsdp_sync_cost.py": "synced / local",
     "log_parse_time.py": "ratio: t(10 N) / t(N)",
+    "spike_false_triggers.py": "all real runs:",
 }
 
 

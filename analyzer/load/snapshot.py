@@ -77,6 +77,7 @@ class Snapshot(Mapping):
     # values a replay can use but no ordinary run records (a loss scale of 1e30, integer weights beside
     # float ones), one sentence each (load/_snapshot_sense.py): print them before any verdict
     load_notes: tuple[str, ...] = ()
+    spike: dict | None = None  # since version 7, reasons loss_spike / grad_spike: schema.SPIKE_KEYS (recorders/_spikes.py)
 
     @property
     def has_scaler(self) -> bool:

@@ -67,3 +67,28 @@ def test_end_step_synchronises_the_host_once_per_step(tmp_path):
             scaler.update()
             opt.zero_grad(set_to_none=True)
     assert syncs and all(n == 1 for n in syncs), syncs  # the one stacked .tolist() of the failure check
+
+
+def test_healthy_steps_past_the_spike_warm_up_still_synchronise_the_host_once(tmp_path):
+    # spike_window=10: the spike triggers judge every step from the 11th on, from the host values of the one sync
+    model = build_mlp().cuda()
+    opt = sgd(model)
+    syncs = []
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, flush_every=100, spike_window=10) as rec:
+        for step, batch in enumerate(cuda_batches(30)):
+            loss = mse_loss(model, batch)
+            loss.backward()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    rec.begin_step(step, batch)
+                    rec.end_step(loss)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert not rec.snapshots  # healthy: no spike snapshot, whose writing would sync
+    assert syncs[12:] == [1] * 18, syncs

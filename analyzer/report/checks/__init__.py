@@ -15,6 +15,7 @@ from ...findings import Finding
 from .exceptions import exception
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
+from .learning import flat_loss, tiny_updates
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
@@ -51,6 +52,8 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "autocast_inactive": autocast_inactive,
     "implausible_trace": implausible_trace,
     "recorder_warning": recorder_warning,
+    "tiny_updates": tiny_updates,
+    "flat_loss": flat_loss,
 }
 
 
