@@ -81,11 +81,12 @@ def test_fp16_attention_overflow_fails_at_the_temperature_jump_collapses_the_sca
 
 def test_the_same_unscaled_attention_trains_without_nan_in_bf16(tmp_path_factory):
     # BF16 has FP32's exponent range: the logits that overflow FP16 fit, so no loss is NaN and
-    # the recorder never snapshots.
+    # the recorder snapshots no failure. The gradients do explode (1/tau scales q and k), so a
+    # gradient-norm spike snapshot is the one kind it may write.
     run_dir = sample_run(tmp_path_factory, "fp16_attention_overflow", amp="bf16")
     findings = _findings(run_dir)
     assert "nonfinite_loss" not in findings
-    assert snapshots_of(run_dir) == []
+    assert [p.name for p in snapshots_of(run_dir) if not p.name.endswith("-grad_spike.pt")] == []
 
 
 def test_log_zero_is_a_numerical_bug_at_aten_log_that_fails_in_fp32_too(tmp_path_factory):

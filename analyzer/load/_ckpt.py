@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from ._validate import check_dense
+from ._dense import check_dense
 
 __all__ = ["HF_BUILDER", "HF_LOSS", "PL_BUILDER", "PL_LOSS", "STATE_KEYS", "clean_state", "read_json", "state_dict_of"]
 

@@ -17,27 +17,14 @@ import torch
 
 from recorders import schema
 
+from ._dense import check_dense
 from ._limits import check_nesting
 from ..errors import BadInputError
 
-__all__ = ["check_nesting", "check_dense", "validate_snapshot"]
+__all__ = ["check_nesting", "validate_snapshot"]
 
 _REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
 _MAX_TEXT = 4096
-
-
-def check_dense(t: torch.Tensor, *, path: str | os.PathLike, where: str) -> None:
-    """Refuse a tensor that declares more elements than its storage holds (an expanded view)."""
-    if t.layout != torch.strided:
-        raise BadInputError(f"{where} is a {t.layout} tensor; snapshots hold dense (strided) tensors",
-                            path=path, fix=_REFIX)
-    nbytes = t.untyped_storage().nbytes()
-    need = t.numel() * t.element_size()
-    if need > nbytes:
-        raise BadInputError(
-            f"{where} declares {t.numel()} elements ({need} bytes) over {nbytes} bytes of storage "
-            "(an expanded or stride-0 view); refusing to materialise it",
-            path=path, fix="snapshots hold dense tensors; save batch tensors with .contiguous()")
 
 
 def _walk_tensors(obj: Any, prefix: str):

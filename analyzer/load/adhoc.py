@@ -49,7 +49,7 @@ from ..errors import BadInputError, FactoryError
 from ._ckpt import (_MAX_JSON, HF_BUILDER, HF_LOSS, PL_BUILDER, PL_LOSS, STATE_KEYS, _int_of, _scaler_scale,  # noqa: F401
                     clean_state, read_json, state_dict_of)
 from ._batchfile import micro_batch_file
-from ._validate import check_dense
+from ._dense import check_dense
 from .rngfile import load_rng_file, split_batch_rng
 from .safetensors import load_safetensors, looks_like_safetensors
 from .snapshot import Snapshot

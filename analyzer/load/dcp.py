@@ -38,7 +38,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._limits import archive_budget, check_nesting
-from ._validate import check_dense
+from ._dense import check_dense
 
 __all__ = ["load_sharded_state", "sibling_snapshot"]
 

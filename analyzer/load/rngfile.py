@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
+from ._dense import check_dense
 
 __all__ = ["MAX_RNG_FILE", "RNG_RECIPE", "check_rng_state", "load_rng_file", "split_batch_rng"]
 
@@ -41,7 +42,6 @@ RNG_RECIPE = ("save the state at the start of the failing step, before anything 
 def check_rng_state(rng: Any, *, path: str | os.PathLike | None, what: str, fix: str) -> None:
     """Raise one ``BadInputError`` unless `rng` is ``{"cpu": a CPU generator state, "cuda": None | [uint8
     tensors]}``; `what` names it in the message (``"snapshot 'rng'"``, ``"RNG state"``)."""
-    from ._validate import check_dense  # NB: _validate checks snapshots' rng with this function
 
     def bad(detail: str) -> BadInputError:
         return BadInputError(f"{what} {detail}", path=path, fix=fix)
