@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ._runs import RunTrace
+    from .trace import RunTrace
     from .diagnosis import Diagnosis
 
 __all__ = ["micro_parts", "scaled_loss", "step_loss", "micro_of", "with_micro_batch", "micro_summary"]

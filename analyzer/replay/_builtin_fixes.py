@@ -14,7 +14,8 @@ from . import _fix_hooks
 from ._actionable import installed_line, library_of
 from ._fix_hooks import GUARDED
 from ._origin import align
-from ._runs import LOW_PRECISION, ReplayContext, RunTrace
+from ._runs import ReplayContext
+from .trace import LOW_PRECISION, RunTrace
 from .fixes import _NAMES, _NO_MODULE, Fix, FixSpec, _attempt, _check_input, _culprit_run, _judge, register_fix
 from .result import ReplayResult
 

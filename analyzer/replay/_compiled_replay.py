@@ -37,7 +37,8 @@ from ._accumulate import micro_summary
 from ._compile_localize import localize
 from ._compile_verdict import COMPILE_SPECIFIC, masks_sentence
 from ._compiled_run import CompiledOnce, compiled_once
-from ._runs import ReplayContext, RunTrace
+from ._runs import ReplayContext
+from .trace import RunTrace
 from .diagnosis import Diagnosis
 from .records import Culprit
 from .result import ReplayResult

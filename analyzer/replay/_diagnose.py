@@ -17,7 +17,8 @@ from ._actionable import batch_fault
 from ._attribution import source_path
 from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
-from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import LOW_PRECISION, RunTrace
 from ._shadow import shadow
 from .backends import CUDA_ONLY, call_of
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
 
 __all__ = ["MIN_GROWTH", "magnitude_jump", "jump_sentence", "with_jump"]
 

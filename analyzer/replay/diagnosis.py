@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .records import UNSET, OpRecord
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
     from .records import Culprit
 
 __all__ = ["Diagnosis", "SdpaCheck", "PrecisionRun"]

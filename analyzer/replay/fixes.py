@@ -44,7 +44,8 @@ from . import _cancellation  # noqa: F401 - registers "cancellation" before the 
 from ._fix_hooks import ModuleNotFound
 from ._origin import find_origin
 from ._reference import judge
-from ._runs import ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import RunTrace
 from .result import ReplayResult
 from .verdicts import VERDICTS
 

@@ -41,7 +41,8 @@ from ._bf16 import needs_bf16, with_bf16
 from ._magnitude import with_jump
 from ._precision import PrecisionMode, precision_mode
 from ._compiled_replay import with_compiled
-from ._runs import ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import RunTrace
 from .backends import backend_of
 from .diagnosis import Diagnosis
 from .fixes import Fix, run_fixes

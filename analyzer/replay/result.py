@@ -15,7 +15,7 @@ from .records import Culprit, OpRecord
 from .verdicts import VERDICTS, AdviceLine
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
 
 __all__ = ["ReplayResult", "VERDICTS"]
 
