@@ -63,11 +63,6 @@ __all__ = ["explained_by_update", "update_applies", "update_forensics", "replay_
 _EXAMPLES = 5
 _ADAM = ("Adam", "AdamW")
 _FIX = "re-record the run with this amp-autopsy version"
-_LABEL = {
-    "grad": "the gradient was NaN/Inf", "state": "the optimizer state was already NaN/Inf",
-    "eps_flush": "exp_avg_sq = 0 and eps rounds to 0", "update_overflow": "the update overflowed the dtype",
-    "weight_overflow": "weight + update overflowed the dtype", "unexplained": "no factor explains it",
-}
 
 
 def _get(snap: Snapshot, key: str) -> Any:
