@@ -31,15 +31,14 @@ from collections.abc import Callable
 
 import torch
 
-from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (and, through it, compile_specific)
 from . import verdicts
-from ._accumulate import micro_summary
 from ._compile_localize import localize
 from ._compile_verdict import COMPILE_SPECIFIC, masks_sentence
 from ._compiled_run import CompiledOnce, compiled_once
 from ._runs import ReplayContext
 from .trace import RunTrace
 from .diagnosis import Diagnosis
+from .probes.micro_batch import MicroBatch
 from .records import Culprit
 from .result import ReplayResult
 
@@ -185,10 +184,12 @@ def _culprit(module: str, phase: str, prec: str, run: RunTrace, micro_batch: int
 
 
 def _verdict(result: ReplayResult, info: dict, culprit: Culprit | None) -> ReplayResult:
+    micro = None if culprit is None or result.micro_batches is None else culprit.get("micro_batch")
+    evidence = {} if micro is None else {"micro_batch": MicroBatch(micro, result.micro_batches["count"])}
     d = Diagnosis(COMPILE_SPECIFIC, culprit=culprit, compiled=info, scale=result.scale,
-                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype)
+                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype, evidence=evidence)
     lines = tuple(verdicts.advice(d))
-    summary = micro_summary(verdicts.summary(d), d, result.micro_batches)
+    summary = verdicts.summary(d)
     return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=summary, culprit=culprit,
                                advice=[a.text for a in lines], advice_lines=lines, culprit_trace=None,
-                               compiled=info)
+                               compiled=info, diagnosis=d)

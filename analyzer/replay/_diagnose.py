@@ -23,7 +23,7 @@ from ._shadow import shadow
 from .backends import CUDA_ONLY, call_of
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
 from .records import Culprit, OpRecord
-from .verdicts import VERDICTS, refine
+from .verdicts import VERDICTS
 
 __all__ = ["diagnose", "precision_run", "try_backends", "with_roots"]
 
@@ -32,8 +32,12 @@ _KIND = ("finite", "inf", "nan")
 
 def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
-    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, refined by the registry (``verdicts.refine``)."""
-    d = refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
+    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, and what is wrong with the batch.
+
+    The probes (``probes/``) add their evidence to it, then the registry refines it
+    (``verdicts.refine``): a verdict's ``detect`` may read the evidence.
+    """
+    d = _detect(ctx, runs, at_one, amp, scale, facts, on_ops)
     fault = batch_fault(ctx.batch, d.culprit, d.trace)
     return dataclasses.replace(d, batch_fault=fault) if fault else d
 

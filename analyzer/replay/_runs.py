@@ -19,7 +19,7 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._accumulate import micro_parts, scaled_loss, step_loss
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._compiled import fit_state, original_module
-from ._mode import _OpRecord, _OpStatsMode
+from ._mode import _OpStatsMode
 from ._precision import PrecisionMode, cast_batch, cast_model, io_hooks
 from ._writes import BufferReads
 from .backends import record_calls, sdpa_switches

@@ -68,9 +68,10 @@ class Diagnosis:
             hidden, the op where values flushed to zero (None where they do not apply).
         batch_fault: what is wrong with the batch when the culprit is the loss's 0/0 (every label
             -100), else None.
-        magnitude_jump: for ``overflow``, the op feeding the culprit where the magnitude jumped the
-            most (``_magnitude.magnitude_jump``), None otherwise.
         compiled: the step re-run compiled as training compiled it (None for an eager run).
+        evidence: what the probes found around the verdict, by probe name (``probes/``: the
+            magnitude jump of an overflow, the micro-batch of an accumulated step, ...); each value
+            has ``to_dict()`` and maybe ``note()``. The summary and advice read it from here.
     """
 
     verdict: str
@@ -92,8 +93,8 @@ class Diagnosis:
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
     batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
-    magnitude_jump: dict | None = None
     compiled: Mapping[str, Any] | None = None  # the compiled run (``_compiled_replay``): ``ReplayResult.compiled``
+    evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)

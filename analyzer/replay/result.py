@@ -5,12 +5,12 @@ JSON never carries NaN/Infinity literals: a non-finite float becomes the string 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..findings import json_safe
-from .diagnosis import PrecisionRun
+from .diagnosis import Diagnosis, PrecisionRun
 from .records import Culprit, OpRecord
 from .verdicts import VERDICTS, AdviceLine
 
@@ -103,6 +103,14 @@ class ReplayResult:
     # (analyzer.replay._compiled_replay; "reproduced": False with a one-line "note" when it could not be);
     # None for an eager model.
     compiled: dict | None = None
+    # The diagnosis the verdict, summary and advice were written from (its culprit trace without the
+    # captured tensors); its ``evidence`` holds what the probes found. None for an update replay.
+    diagnosis: Diagnosis | None = field(default=None, repr=False)
+
+    @property
+    def evidence(self) -> Mapping[str, Any]:
+        """What the probes found, by probe name (``Diagnosis.evidence``); empty without a diagnosis."""
+        return {} if self.diagnosis is None else self.diagnosis.evidence
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -149,4 +157,14 @@ class ReplayResult:
             "checkpoint": self.checkpoint,
             "micro_batches": None if self.micro_batches is None else dict(self.micro_batches),
             "compiled": self.compiled,
+            **self._evidence_fields(),
         })
+
+    def _evidence_fields(self) -> dict:
+        """Top-level fields the probes' evidence spreads into (``Probe.into == "result"``), by the
+        registry; none for the built-in probes, whose fields are the culprit's."""
+        if not self.evidence:
+            return {}
+        from .probes.registry import spread
+
+        return spread(self.evidence, "result")

@@ -176,6 +176,6 @@ def test_a_list_is_taken_for_micro_batches_only_when_its_items_share_one_structu
     ("buffer:1.running_mean", None), ("batch:9.x", None),  # past the micro-batches the step had
 ])
 def test_a_nonfinite_input_names_a_micro_batch_only_for_an_entry_of_the_batch_list(name, index):
-    from analyzer.replay._accumulate import _input_micro
+    from analyzer.replay._accumulate import input_micro
 
-    assert _input_micro(name, MICRO) == index
+    assert input_micro(name, MICRO) == index
