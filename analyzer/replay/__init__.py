@@ -10,8 +10,8 @@ from __future__ import annotations
 
 # The modules that register the built-in verdicts, fixes and probes; their order in the registries is
 # verdicts.ORDER, fixes.ORDER and probes.registry.ORDER, not this import order.
-from . import _builtin_fixes, _builtin_verdicts, _cancellation, _compile_fix, _compile_verdict, _scaler_skip  # noqa: F401
-from . import probes  # noqa: F401
+from . import _builtin_fixes, _builtin_verdicts, _cancellation, _scaler_skip, probes  # noqa: F401
+from .compiled import fix, verdict  # noqa: F401
 from ._advice import advice_with_status
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
 from .fixes import FIX_STATUSES, FIXES, Advice, Fix, FixSpec, register_fix

@@ -14,6 +14,7 @@ from ..load import Snapshot
 from .records import Culprit
 from .result import ReplayResult
 from .update import OUTSIDE_NOTE, half_ulp_at_max, update_forensics, verdict_of
+from .verdicts import AdviceLine
 
 __all__ = ["replay_update"]
 
@@ -65,7 +66,7 @@ _ADVICE = {
 }
 
 
-def _advice_for(key: str, snap: Snapshot) -> list[str]:
+def _advice_for(key: str, snap: Snapshot) -> tuple[AdviceLine, ...]:
     """``_ADVICE[key]``, naming a GradScaler only where one would skip the step: a run that has one,
     or FP16 autocast (FP16 parameters' gradients are refused by ``unscale_``; BF16/FP32 need none)."""
     lines = list(_ADVICE.get(key, []))
@@ -73,7 +74,7 @@ def _advice_for(key: str, snap: Snapshot) -> list[str]:
         lines = ["skip a step whose total gradient norm is non-finite (clip_grad_norm_(..., error_if_nonfinite=True) "
                  "raises on it, or call optimizer.step() only when torch.isfinite(total_norm)), then find the op that "
                  "made the infinite gradient: replay that step's nonfinite_grads snapshot"]
-    return lines
+    return tuple(AdviceLine(text) for text in lines)
 
 
 def replay_update(path: str, snap: Snapshot) -> ReplayResult:
@@ -111,7 +112,7 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     low = p["dtype"] if p is not None and p["dtype"] in ("float16", "bfloat16") else None
     return ReplayResult(
         verdict=verdict, summary=summary, culprit=culprit, runs={},
-        advice=_advice_for("outside" if factor == "unexplained" and verdict == "nonfinite_input" else
+        advice_lines=_advice_for("outside" if factor == "unexplained" and verdict == "nonfinite_input" else
                            factor if verdict == "numerical_bug" else verdict, snap),
         snapshot=path, step=snap.step, reason=snap.reason, device="cpu", recorded_device=str(snap.device_type),
         device_note=None, amp_dtype=snap.amp_dtype, scale=float(snap.scale) if snap.scale else 1.0,

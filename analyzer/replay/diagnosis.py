@@ -93,7 +93,7 @@ class Diagnosis:
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
     batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
-    compiled: Mapping[str, Any] | None = None  # the compiled run (``_compiled_replay``): ``ReplayResult.compiled``
+    compiled: Mapping[str, Any] | None = None  # the compiled run (``compiled/replay.py``): ``ReplayResult.compiled``
     evidence: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@ from it and the import roots its code comes from. ``run()`` returns a plain ``Re
 The flow: load the snapshot (``_setup``) -> rebuild the model (``_runs.ReplayContext``) -> one run
 per precision (``_runs.run_once``) -> detection (``_diagnose.diagnose``) -> the probes' evidence
 (``probes``) -> the registry's refinement (``verdicts.refine``) -> the verdict's summary and advice
-(``verdicts``) -> ``ReplayResult``; the compiled re-run (``_compiled_replay``), the fixes (``fixes``)
+(``verdicts``) -> ``ReplayResult``; the compiled re-run (``compiled/replay.py``), the fixes (``fixes``)
 and ``analyzer.render`` come after.
 
 Example:
@@ -32,7 +32,7 @@ from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
 from ._attribution import sources_relative_to
 from ._bf16 import needs_bf16, with_bf16
-from ._compiled_replay import with_compiled
+from .compiled.replay import with_compiled
 from ._diagnose import diagnose, precision_run, with_roots
 from ._precision import precision_mode
 from ._progress import Progress
@@ -197,7 +197,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
     return ReplayResult(
         verdict=diag.verdict, summary=verdicts.summary(diag), culprit=_culprit(diag),
         runs={p: precision_run(r, at_one.get(p), diag.origins.get(p)) for p, r in runs.items()},
-        advice=[a.text for a in lines], advice_lines=lines,
+        advice_lines=lines,
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=device_note(str(recorded), ctx, amp, runs),

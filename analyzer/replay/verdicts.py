@@ -7,7 +7,7 @@ wording. The fixes tried for a verdict are those it names (``Verdict.fixes``, in
 then the other registered fixes that serve it (``FixSpec.serves``).
 
 The built-in verdicts' sentences live in ``_builtin_verdicts.py``, each registered beside its
-functions (``cancellation`` in ``_cancellation.py``, ``compile_specific`` in ``_compile_verdict.py``);
+functions (``cancellation`` in ``_cancellation.py``, ``compile_specific`` in ``compiled/verdict.py``);
 ``ORDER`` is their order, whichever module is imported first. Adding a verdict is one ``register(Verdict(...))`` plus its detection: either in
 ``_diagnose.diagnose``, or, for a verdict that narrows one the diagnosis already reached, a
 ``detect`` predicate on the ``Diagnosis`` and the verdicts it ``refines``:

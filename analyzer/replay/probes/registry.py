@@ -10,17 +10,21 @@ It is registered beside its definition with ``@probe(name, when=..., into=...)``
   (each key becomes a top-level key) or None (read by the verdict's summary and advice only).
 
 An evidence value has ``to_dict()`` and, where it has one, ``note()``: a sentence the summary
-ends with (``verdicts.summary`` adds the notes in probe order). The verdicts' summaries and advice read evidence from ``Diagnosis.evidence`` by the
-probe's name; nothing patches a summary afterwards.
+ends with (``verdicts.summary`` adds the notes in probe order). The verdicts' summaries, advice
+and ``detect`` read evidence from ``Diagnosis.evidence`` by the probe's name; nothing patches a
+summary afterwards. Probes run after detection and before ``verdicts.refine``.
 
 Probes run in ``ORDER`` (this file: the one list that says it), then any probe not listed, in
-the order registered. A probe's evidence is in the ``Diagnosis`` the next probe reads.
+the order registered, whatever order their modules are imported in. A probe's evidence is in
+the ``Diagnosis`` the next probe reads.
 
-Example (one module; importing it registers the probe):
+Example (one module; importing it registers the probe; the whole of it, with a verdict that rests
+on it, is ``tests/analyzer/replay/log_zeros_probe.py``):
 
-    >>> @probe("zero_grads", when=lambda d: d.verdict == "healthy", into="result")
-    ... def zero_grads(inp: ProbeInput) -> ZeroGrads | None:
-    ...     ...                                                      # doctest: +SKIP
+    >>> @probe("log_zeros", when=lambda d: d.verdict == "numerical_bug", into="result")
+    ... def log_zeros(inp: ProbeInput) -> LogZeros | None:
+    ...     x = inp.diagnosis.trace.captured[0][0]                    # doctest: +SKIP
+    ...     return LogZeros(int((x == 0).sum()), x.numel())          # doctest: +SKIP
 """
 from __future__ import annotations
 

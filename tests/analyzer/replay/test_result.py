@@ -90,7 +90,7 @@ def test_json_safe_maps_non_finite_floats_to_strings(value, expected):
 
 def test_an_unknown_verdict_is_refused():
     with pytest.raises(ValueError, match="verdict must be one of"):
-        ReplayResult(verdict="on_fire", summary="", culprit=None, runs={}, advice=[], snapshot="s", step=None,
+        ReplayResult(verdict="on_fire", summary="", culprit=None, runs={}, snapshot="s", step=None,
                      reason=None, device="cpu", recorded_device="cpu", device_note=None, amp_dtype=None,
                      scale=1.0, recorded_loss=None)
 
