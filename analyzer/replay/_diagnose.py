@@ -13,7 +13,6 @@ import math
 import torch
 
 from ..errors import AnalyzerError
-from ._actionable import batch_fault
 from ._attribution import source_path
 from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
@@ -32,14 +31,12 @@ _KIND = ("finite", "inf", "nan")
 
 def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
-    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, and what is wrong with the batch.
+    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, its culprit and what was found around it.
 
     The probes (``probes/``) add their evidence to it, then the registry refines it
     (``verdicts.refine``): a verdict's ``detect`` may read the evidence.
     """
-    d = _detect(ctx, runs, at_one, amp, scale, facts, on_ops)
-    fault = batch_fault(ctx.batch, d.culprit, d.trace)
-    return dataclasses.replace(d, batch_fault=fault) if fault else d
+    return _detect(ctx, runs, at_one, amp, scale, facts, on_ops)
 
 
 def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,

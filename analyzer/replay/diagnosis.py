@@ -66,8 +66,6 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
-        batch_fault: what is wrong with the batch when the culprit is the loss's 0/0 (every label
-            -100), else None.
         compiled: the step re-run compiled as training compiled it (None for an eager run).
         evidence: what the probes found around the verdict, by probe name (``probes/``: the
             magnitude jump of an overflow, the micro-batch of an accumulated step, ...); each value
@@ -92,7 +90,6 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
-    batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
     compiled: Mapping[str, Any] | None = None  # the compiled run (``compiled/replay.py``): ``ReplayResult.compiled``
     evidence: Mapping[str, Any] = field(default_factory=dict)
 

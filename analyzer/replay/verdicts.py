@@ -121,8 +121,8 @@ def refine(d: Diagnosis) -> Diagnosis:
 
 
 def summary(d: Diagnosis) -> str:
-    """The one-sentence summary of `d`'s verdict, what is wrong with the batch (when known), then the
-    notes of the evidence (``Diagnosis.evidence``)."""
+    """The one-sentence summary of `d`'s verdict, then the notes of the evidence (``Diagnosis.evidence``:
+    what is wrong with the batch, the micro-batch, ...)."""
     text = VERDICTS[d.verdict].summary(d)
     h, c = d.hidden, d.culprit
     if h is not None and c is not None and h["phase"] == "forward" and c["phase"] != "forward":
@@ -131,7 +131,6 @@ def summary(d: Diagnosis) -> str:
         text = (f"First, {h['op']} in `{h['module']}` (forward, {h['precision']}){src} made {h['output_kind']} "
                 f"from inputs up to {_fmt(h['input_absmax'])}, and a later forward op hid it (the loss stayed "
                 f"finite); then, in backward, {text}")
-    text = f"{text} The cause is the batch: {d.batch_fault}." if d.batch_fault else text
     return text + _notes(d.evidence)
 
 
@@ -156,7 +155,7 @@ def advice(d: Diagnosis) -> list[AdviceLine]:
     whose gradients ``unscale_`` refuses), "switch to BF16" not for a run already in BF16.
     """
     v = VERDICTS[d.verdict]
-    fault = [AdviceLine(BATCH_FAULT_ADVICE)] if d.batch_fault else []
+    fault = [AdviceLine(BATCH_FAULT_ADVICE)] if "batch_fault" in d.evidence else []  # probes/batch_fault.py
     own = [a for a in v.advice(d) if a.text]
     if d.culprit is not None and installed_line(d.culprit.get("source")):  # no guard inside a library
         own = [a for a in own if not a.fixes or not set(a.fixes) <= _GUARDS]
