@@ -157,6 +157,16 @@ def _wheel_env(tmp: Path) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow  # builds a wheel and trains a small scenario (~20 s)
+def test_pyproject_lists_every_package_of_the_tree():
+    # [tool.setuptools] packages is an explicit list (samples/ installs under another name): a new
+    # sub-package left out of it is missing from the wheel, which only the slow wheel tests would see.
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {".".join(p.parent.relative_to(ROOT).parts) for top in ("analyzer", "recorders")
+            for p in (ROOT / top).rglob("__init__.py")}
+    assert tree - listed == set() and "amp_autopsy_samples" in listed
+
+
 def test_the_wheel_installs_samples_under_its_own_name_and_the_demo_and_old_snapshots_replay(tmp_path):
     import torch
 

@@ -6,7 +6,8 @@ with ``to_dict()`` for strict JSON); ``pick_snapshots`` is the snapshot choice o
 """
 from __future__ import annotations
 
-from .autopsy import AUTOPSY_VERSION, AutopsyResult, SnapshotFailure, run_autopsy
+from .autopsy import run_autopsy
+from .result import AUTOPSY_VERSION, AutopsyResult, SnapshotFailure
 from .pick import pick_snapshots
 
 __all__ = ["AUTOPSY_VERSION", "AutopsyResult", "SnapshotFailure", "pick_snapshots", "run_autopsy"]

@@ -42,7 +42,7 @@ from recorders import schema
 
 if TYPE_CHECKING:
     from ..load import SnapshotInfo
-    from .autopsy import AutopsyResult
+    from .result import AutopsyResult
 
 __all__ = ["answer_lines"]
 

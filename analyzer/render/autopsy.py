@@ -55,7 +55,7 @@ def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
                   f"{autopsy.run} holds no training log (an HF checkpoint's trainer_state.json): there is no loss, "
                   "scale or gradient-norm history to report on; the answer rests on the replay of its batch alone"]
     for i, result in enumerate(shown, start=2):
-        bare = dataclasses.replace(result, advice=[], advice_lines=())  # its untried advice is in the answer, with a status
+        bare = dataclasses.replace(result, advice_lines=())  # its untried advice is in the answer, with a status
         lines += ["", _RULE, f"evidence {i}/{total}: analyzer replay {result.snapshot}", _RULE,
                   render_replay_text(bare, ops=ops)]
     if shared:

@@ -2,22 +2,25 @@
 
 The public surface is ``Replay`` (one snapshot's replay, owning the rebuilt model: ``run()``,
 ``try_fixes(result)``), ``replay_snapshot`` (``Replay(path).run()``), ``ReplayResult`` (what it
-found, with ``to_dict()`` for strict JSON), the verdict registry ``VERDICTS`` (``verdicts.py``)
-and the fix registry ``FIXES`` (``fixes.py``); ``analyzer.render`` draws the result.
+found, with ``to_dict()`` for strict JSON), the verdict registry ``VERDICTS`` (``verdicts.py``),
+the fix registry ``FIXES`` (``fixes.py``) and the probe registry ``PROBES`` (``probes/``: the
+evidence gathered around a verdict); ``analyzer.render`` draws the result.
 """
 from __future__ import annotations
 
-from . import _builtin_verdicts  # noqa: F401  (fills VERDICTS with the built-in verdicts, first)
-from . import _builtin_fixes  # noqa: F401  (fills FIXES with the built-in fixes, in the order they are tried)
-from . import _scaler_skip  # noqa: F401  (registers the fix scaler_skip in FIXES)
+# The modules that register the built-in verdicts, fixes and probes; their order in the registries is
+# verdicts.ORDER, fixes.ORDER and probes.registry.ORDER, not this import order.
+from . import _builtin_fixes, _builtin_verdicts, _cancellation, _scaler_skip, probes  # noqa: F401
+from .compiled import fix, verdict  # noqa: F401
 from ._advice import advice_with_status
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
 from .fixes import FIX_STATUSES, FIXES, Advice, Fix, FixSpec, register_fix
 from .records import Culprit, OpRecord
 from .replay import Replay, replay_snapshot, try_fixes
 from .result import ReplayResult
+from .probes import PROBES, ProbeInput, probe
 from .verdicts import VERDICTS, AdviceLine, Verdict, register
 
 __all__ = ["Replay", "replay_snapshot", "try_fixes", "advice_with_status", "Fix", "Advice", "FIX_STATUSES",
            "Culprit", "OpRecord", "ReplayResult", "VERDICTS", "Verdict", "AdviceLine", "register", "FIXES",
-           "FixSpec", "register_fix", "Diagnosis", "SdpaCheck", "PrecisionRun"]
+           "FixSpec", "register_fix", "Diagnosis", "SdpaCheck", "PrecisionRun", "PROBES", "ProbeInput", "probe"]

@@ -5,21 +5,20 @@ step's micro-batches as a list. ``run_once`` then runs one forward and one backw
 micro-batch, in order, from the RNG state of the first (training drew from it in the same order),
 with ``(loss / divisor * scale).backward()``: the gradients add up in ``.grad`` as they did in
 training. The ops of all micro-batches form one trace; ``RunTrace.micro_starts`` says where each
-micro-batch's ops begin, so the culprit's op index names its micro-batch (0-based).
+micro-batch's ops begin, so the culprit's op index names its micro-batch (0-based): the
+``micro_batch`` probe (``probes/micro_batch.py``).
 """
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from ._runs import RunTrace
-    from .diagnosis import Diagnosis
+    from .trace import RunTrace
 
-__all__ = ["micro_parts", "scaled_loss", "step_loss", "micro_of", "with_micro_batch", "micro_summary"]
+__all__ = ["micro_parts", "scaled_loss", "step_loss", "micro_of", "input_micro"]
 
 
 def micro_parts(micro: dict | None, batch: Any) -> list[tuple[Any, float | None]]:
@@ -48,41 +47,10 @@ def micro_of(trace: RunTrace | None, index: int | None) -> int | None:
     return max(0, bisect.bisect_right(starts, index) - 1)
 
 
-def _input_micro(name: str, count: int) -> int | None:
+def input_micro(name: str, count: int) -> int | None:
     """``batch:2.x`` -> 2: the micro-batch a non-finite batch leaf belongs to (the batch is their list)."""
     kind, _, where = name.partition(":")
     head = where.split(".", 1)[0]
     if kind != "batch" or not head.isdigit() or int(head) >= count:
         return None
     return int(head)
-
-
-def with_micro_batch(diag: Diagnosis, micro: dict | None) -> Diagnosis:
-    """`diag` with its culprit's ``micro_batch`` (0-based) set, for a step that accumulated micro-batches."""
-    if micro is None or diag.culprit is None or not dataclasses.is_dataclass(diag.culprit):
-        return diag
-    if diag.verdict == "nonfinite_input":  # a broken weight belongs to no micro-batch; a batch entry does
-        index = _input_micro(diag.nonfinite_inputs[0], micro["count"]) if diag.nonfinite_inputs else None
-    else:
-        index = micro_of(diag.trace, diag.culprit["index"])
-    if index is None:
-        return diag
-    return dataclasses.replace(diag, culprit=dataclasses.replace(diag.culprit, micro_batch=index))
-
-
-def _micro_index(diag: Diagnosis, micro: dict) -> int | None:
-    if diag.culprit is not None and "micro_batch" in diag.culprit:
-        return diag.culprit["micro_batch"]
-    if diag.verdict == "nonfinite_input" and diag.nonfinite_inputs:
-        return _input_micro(diag.nonfinite_inputs[0], micro["count"])
-    return None
-
-
-def micro_summary(summary: str, diag: Diagnosis, micro: dict | None) -> str:
-    """The verdict's sentence, then which micro-batch of the accumulated step it happened in."""
-    if micro is None or diag.verdict == "healthy":
-        return summary
-    index = _micro_index(diag, micro)
-    if index is None:
-        return summary
-    return f"{summary} It is in micro-batch {index} (0-based) of the {micro['count']} this step accumulated."

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ._patterns import patterns
 from .fixes import FIXES, Advice, Fix
 from .result import ReplayResult
-from .verdicts import AdviceLine, respect_runs
+from .verdicts import respect_runs
 
 __all__ = ["advice_with_status"]
 
@@ -35,8 +35,7 @@ def advice_with_status(result: ReplayResult, fixes: list[Fix]) -> list[Advice]:
            for f in fixes if f.status == "verified" and c is not None]
     out += [Advice(text, "untested") for text in patterns(result)]
     tried = {p: bool(r.get("finite")) for p, r in (result.runs or {}).items()}
-    lines = result.advice_lines or tuple(AdviceLine(text) for text in result.advice)
-    for line in respect_runs(list(lines), tried):
+    for line in respect_runs(list(result.advice_lines), tried):
         mine = [by_name[n] for n in line.fixes if n in by_name]
         if any(f.status == "verified" for f in mine):
             continue  # its fix's own line is already first

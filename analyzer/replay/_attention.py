@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
     from .diagnosis import Diagnosis
 
 __all__ = ["is_attention_logits", "sqrt_d_check"]

@@ -17,7 +17,7 @@ from . import verdicts
 from ._origin import find_origin
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
     from .diagnosis import Diagnosis
 
 __all__ = ["needs_bf16", "with_bf16"]

@@ -1,14 +1,13 @@
-"""The built-in verdicts: each one's summary sentence and advice lines, and their registration.
+"""The built-in verdicts: each one's summary sentence and advice lines, registered beside them.
 
 The registry itself (``Verdict``, ``register``, the summary and advice wrappers every verdict goes
-through) is ``verdicts.py``; this module only fills it. ``analyzer.replay`` imports it before
-anything else, so the registry always holds these verdicts, in this order, first.
+through) is ``verdicts.py``; this module only fills it. Their order in ``VERDICTS`` is
+``verdicts.ORDER``, whichever module registering a verdict is imported first.
 """
 from __future__ import annotations
 
 import math
 
-from ._attention import sqrt_d_check
 from ._magnitude import jump_sentence
 from .diagnosis import Diagnosis
 from .verdicts import AdviceLine, Verdict, _finfo, _finite, _fmt, _keep_fp32, _noted, _where, register
@@ -30,6 +29,11 @@ def _healthy_advice(d: Diagnosis) -> list[AdviceLine]:
         "recorded and replayed device and loss (nondeterminism, a different device's autocast "
         "policy), and look at the optimizer step, which replay does not cover: "
         "run `analyzer report` on the run directory.")]
+
+
+register(Verdict(
+    "healthy", "Every replayed precision ran the step's forward and backward without a NaN/Inf.",
+    summary=_noted(_healthy_summary), advice=_healthy_advice))
 
 
 # -- nonfinite_input -------------------------------------------------------------------------------
@@ -88,6 +92,11 @@ def _input_advice(d: Diagnosis) -> list[AdviceLine]:
     return out
 
 
+register(Verdict(
+    "nonfinite_input", "A parameter, buffer or batch entry the step reads was NaN/Inf before the first op ran.",
+    summary=_noted(_input_summary), advice=_input_advice))
+
+
 # -- overflow --------------------------------------------------------------------------------------
 def _overflow_summary(d: Diagnosis) -> str:
     c = d.culprit
@@ -95,11 +104,17 @@ def _overflow_summary(d: Diagnosis) -> str:
     limit = float(_finfo(c["precision"]).max)
     return (f"{_where(c)} produced {c['output_kind']} from finite inputs: recomputed in FP32 from the "
             f"same inputs its largest value is {_fmt(shadow32)}, beyond {c['precision']}'s max {limit:g}."
-            + jump_sentence(d.magnitude_jump))
+            + jump_sentence(_jump(d)))
+
+
+def _jump(d: Diagnosis):
+    """The magnitude jump the ``magnitude_jump`` probe found (``probes/magnitude.py``), or None."""
+    ev = d.evidence.get("magnitude_jump")
+    return None if ev is None else ev.jump
 
 
 def sqrt_d_advice(check: dict | None, prec: str) -> list[AdviceLine]:
-    """The sqrt(head_dim) line for an attention's logits (``_attention.sqrt_d_check``), with its numbers."""
+    """The sqrt(head_dim) line for an attention's logits (the ``sqrt_d`` probe's check), with its numbers."""
     if check is None:
         return []
     hd, logit, scaled, top = check["head_dim"], check["logit_absmax"], check["scaled_absmax"], check["dtype_max"]
@@ -117,7 +132,8 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
     c = d.culprit
     module = c["module"]
     out = []
-    out += sqrt_d_advice(sqrt_d_check(d), c["precision"])
+    check = d.evidence.get("sqrt_d")  # the sqrt_d probe (probes/sqrt_d.py)
+    out += sqrt_d_advice(None if check is None else check.check, c["precision"])
     if c["precision"] != "bfloat16":  # else "switch to BF16" names what already failed
         out.append(AdviceLine("Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, "
                               "so this value fits.", ("bf16",)))
@@ -125,6 +141,11 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
     return out + [_keep_fp32(module),
                   AdviceLine("If activations grow over training, lower the learning rate or add weight decay / "
                              f"normalisation before {where}.")]
+
+
+register(Verdict(
+    "overflow", "An op's result from finite inputs is beyond the low precision's max, and finite in FP32.",
+    summary=_noted(_overflow_summary), advice=_overflow_advice, sdpa_check=True, precision_advice=True))
 
 
 # -- underflow -------------------------------------------------------------------------------------
@@ -149,6 +170,12 @@ def _underflow_advice(d: Diagnosis) -> list[AdviceLine]:
     return out
 
 
+register(Verdict(
+    "underflow", "Values non-zero in FP32 flushed to zero in the low precision, and an op turned the zeros "
+    "into NaN/Inf.",
+    summary=_noted(_underflow_summary), advice=_underflow_advice, sdpa_check=True, precision_advice=True))
+
+
 # -- unregistered_op -------------------------------------------------------------------------------
 def _unregistered_summary(d: Diagnosis) -> str:
     c = d.culprit
@@ -168,6 +195,11 @@ def _unregistered_advice(d: Diagnosis) -> list[AdviceLine]:
     ]
 
 
+register(Verdict(
+    "unregistered_op", "A custom op not registered with autocast ran on low-precision inputs and produced NaN/Inf.",
+    summary=_noted(_unregistered_summary), advice=_unregistered_advice, fixes=("op_fp32",), precision_advice=True))
+
+
 # -- loss_scale_overflow ---------------------------------------------------------------------------
 def _scale_summary(d: Diagnosis) -> str:
     return (f"forward is finite; backward overflows at loss scale {d.scale:g} first at {_where(d.culprit)} "
@@ -182,6 +214,11 @@ def _scale_advice(d: Diagnosis) -> list[AdviceLine]:
     if d.culprit["precision"] != "bfloat16":
         out.append(AdviceLine("BF16 needs no loss scaling at all.", ("bf16",)))
     return out
+
+
+register(Verdict(
+    "loss_scale_overflow", "The forward is finite and the backward overflows at the recorded loss scale only.",
+    summary=_noted(_scale_summary), advice=_scale_advice, fixes=("lower_scale",)))
 
 
 # -- numerical_bug ---------------------------------------------------------------------------------
@@ -238,6 +275,12 @@ def _bug_advice(d: Diagnosis) -> list[AdviceLine]:
     return out
 
 
+register(Verdict(
+    "numerical_bug", "An op produced NaN/Inf that FP32 produces too from the same inputs (log(0), 0/0, a fully "
+    "masked softmax): not a precision problem.",
+    summary=_noted(_bug_summary), advice=_bug_advice, sdpa_check=True, precision_advice=True))
+
+
 # -- kernel_specific -------------------------------------------------------------------------------
 # What the advice tells the user to write, per SDPA backend.
 BACKEND_SWITCH = {"flash": "SDPBackend.FLASH_ATTENTION", "mem_efficient": "SDPBackend.EFFICIENT_ATTENTION",
@@ -269,30 +312,6 @@ def _kernel_advice(d: Diagnosis) -> list[AdviceLine]:
     return out
 
 
-# -- the registry ----------------------------------------------------------------------------------
-register(Verdict(
-    "healthy", "Every replayed precision ran the step's forward and backward without a NaN/Inf.",
-    summary=_noted(_healthy_summary), advice=_healthy_advice))
-register(Verdict(
-    "nonfinite_input", "A parameter, buffer or batch entry the step reads was NaN/Inf before the first op ran.",
-    summary=_noted(_input_summary), advice=_input_advice))
-register(Verdict(
-    "numerical_bug", "An op produced NaN/Inf that FP32 produces too from the same inputs (log(0), 0/0, a fully "
-    "masked softmax): not a precision problem.",
-    summary=_noted(_bug_summary), advice=_bug_advice, sdpa_check=True, precision_advice=True))
-register(Verdict(
-    "overflow", "An op's result from finite inputs is beyond the low precision's max, and finite in FP32.",
-    summary=_noted(_overflow_summary), advice=_overflow_advice, sdpa_check=True, precision_advice=True))
-register(Verdict(
-    "underflow", "Values non-zero in FP32 flushed to zero in the low precision, and an op turned the zeros "
-    "into NaN/Inf.",
-    summary=_noted(_underflow_summary), advice=_underflow_advice, sdpa_check=True, precision_advice=True))
-register(Verdict(
-    "unregistered_op", "A custom op not registered with autocast ran on low-precision inputs and produced NaN/Inf.",
-    summary=_noted(_unregistered_summary), advice=_unregistered_advice, fixes=("op_fp32",), precision_advice=True))
-register(Verdict(
-    "loss_scale_overflow", "The forward is finite and the backward overflows at the recorded loss scale only.",
-    summary=_noted(_scale_summary), advice=_scale_advice, fixes=("lower_scale",)))
 register(Verdict(
     "kernel_specific", "The NaN/Inf happens inside one scaled-dot-product-attention backend; another backend "
     "runs the same step finite.",

@@ -25,7 +25,8 @@ import math
 import torch
 
 from ._origin import align
-from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import LOW_PRECISION, RunTrace
 from .diagnosis import Diagnosis
 from .verdicts import AdviceLine, Verdict, _keep_fp32, _noted, _where, register
 

@@ -13,16 +13,16 @@ import math
 import torch
 
 from ..errors import AnalyzerError
-from ._actionable import batch_fault
 from ._attribution import source_path
 from ._cancellation import find_cancellation
 from ._origin import align, find_flush, find_origin, op_kind, op_roots
-from ._runs import LOW_PRECISION, ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import LOW_PRECISION, RunTrace
 from ._shadow import shadow
 from .backends import CUDA_ONLY, call_of
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
 from .records import Culprit, OpRecord
-from .verdicts import VERDICTS, refine
+from .verdicts import VERDICTS
 
 __all__ = ["diagnose", "precision_run", "try_backends", "with_roots"]
 
@@ -31,10 +31,12 @@ _KIND = ("finite", "inf", "nan")
 
 def diagnose(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,
              scale: float, facts: Diagnosis, on_ops=None) -> Diagnosis:
-    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, refined by the registry (``verdicts.refine``)."""
-    d = refine(_detect(ctx, runs, at_one, amp, scale, facts, on_ops))
-    fault = batch_fault(ctx.batch, d.culprit, d.trace)
-    return dataclasses.replace(d, batch_fault=fault) if fault else d
+    """The step's ``Diagnosis``: the verdict ``_detect`` reaches, its culprit and what was found around it.
+
+    The probes (``probes/``) add their evidence to it, then the registry refines it
+    (``verdicts.refine``): a verdict's ``detect`` may read the evidence.
+    """
+    return _detect(ctx, runs, at_one, amp, scale, facts, on_ops)
 
 
 def _detect(ctx: ReplayContext, runs: dict[str, RunTrace], at_one: dict[str, RunTrace], amp: str | None,

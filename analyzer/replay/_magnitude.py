@@ -23,7 +23,6 @@ through ``q * tau.rsqrt()`` and ``k * tau.rsqrt()``)::
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -31,9 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
 
-__all__ = ["MIN_GROWTH", "magnitude_jump", "jump_sentence", "with_jump"]
+__all__ = ["MIN_GROWTH", "magnitude_jump", "jump_sentence"]
 
 MIN_GROWTH = 10.0  # a jump smaller than this explains nothing about a value past the dtype's max
 # Ops that move or re-type values without changing their magnitude: looked through, never a jump.
@@ -207,13 +206,3 @@ def jump_sentence(j: dict | None) -> str:
     of = f" of `{f['reads']}` = {f['reads_absmax']:.3g}" if f["reads"] else ""
     return (f" Why so large: {whose} multiplied by {f['absmax']:.3g} ({app[0]['op']}{at}, "
             f"{_ops([a['index'] for a in app])}), the {f['op']}{of} ({f['source'] or '-'}, op #{f['index']}): {tail}")
-
-
-def with_jump(d, state: Mapping[str, torch.Tensor] | None):
-    """`d` (a ``Diagnosis``) with its ``overflow`` culprit's magnitude jump, when there is one."""
-    if d.verdict != "overflow" or d.culprit is None or d.trace is None:
-        return d
-    j = magnitude_jump(d.trace, d.culprit["index"], state)
-    if j is None:
-        return d
-    return dataclasses.replace(d, magnitude_jump=j, culprit=dataclasses.replace(d.culprit, magnitude_jump=j))

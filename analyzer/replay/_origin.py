@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._mode import _OpRecord
-from ._runs import RunTrace
+from .trace import RunTrace
 
 __all__: list[str] = []
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AnalyzerError
-from ._runs import RunTrace
+from .trace import RunTrace
 from .result import ReplayResult
 
 __all__ = ["TOLERANCE", "PLAUSIBLE_FACTOR", "Judgement", "judge", "last_finite_loss"]

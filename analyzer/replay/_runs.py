@@ -19,59 +19,13 @@ from ..errors import AnalyzerError, BadInputError, FactoryError
 from ._accumulate import micro_parts, scaled_loss, step_loss
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._compiled import fit_state, original_module
-from ._mode import _OpRecord, _OpStatsMode
+from ._mode import _OpStatsMode
 from ._precision import PrecisionMode, cast_batch, cast_model, io_hooks
 from ._writes import BufferReads
 from .backends import record_calls, sdpa_switches
+from .trace import LOW_PRECISION, RunTrace
 
-__all__: list[str] = []
-
-LOW_PRECISION = ("float16", "bfloat16")
-
-
-@dataclass
-class RunTrace:
-    """What one precision run measured, on the host."""
-
-    precision: str              # "float32" | "float16" | "bfloat16"
-    scale: float                # loss scale of this run's backward
-    records: list[_OpRecord]
-    absmax: list[float]         # per statistic; NaN/inf when the tensor held NaN/inf
-    nonzero: list[float]        # per zero statistic (empty unless zeros=True)
-    loss: float
-    loss_dtype: str
-    loss_producer: int | None   # op index that produced the loss tensor
-    grads_finite: bool
-    grad_absmax: float | None   # of the unscaled gradients (divided by `scale`)
-    backward_ran: bool
-    emulated_cuda_ops: int = 0
-    captured: tuple[Any, Any] | None = None
-    buffers_read: set[str] | None = None  # of the watched buffers, those the step reads (None: none watched)
-    # Per op, where its non-finite output came from (``_origin.op_roots``): worked out once, by the
-    # origin analysis, for every trace a ``ReplayResult`` carries; the plot reads it.
-    roots: list | None = field(default=None, repr=False, compare=False)
-    sdpa_calls: list = field(default_factory=list, repr=False)  # backends.SdpaCall per SDPA call
-    micro_starts: list[int] | None = None  # accumulation: the first op index of each micro-batch (_accumulate)
-
-    @property
-    def forward_finite(self) -> bool:
-        return math.isfinite(self.loss)
-
-    @property
-    def finite(self) -> bool:
-        return self.forward_finite and self.grads_finite
-
-    def kind(self, stat: int) -> int:
-        """0 finite, 1 inf, 2 NaN, for a statistic index."""
-        v = self.absmax[stat]
-        return 2 if math.isnan(v) else (1 if math.isinf(v) else 0)
-
-    def zero_count(self, rec: _OpRecord) -> int | None:
-        """Exact zeros in `rec`'s output; None unless this run was recorded with zero counts."""
-        if not rec.zeros or not self.nonzero:
-            return None
-        return int(sum(numel - self.nonzero[i] for i, numel in rec.zeros))
-
+__all__ = ["ReplayContext", "run_once", "RunTrace", "LOW_PRECISION"]  # RunTrace, LOW_PRECISION: from .trace
 
 @dataclass
 class ReplayContext:

@@ -39,7 +39,8 @@ import torch
 
 from recorders import schema
 
-from ._runs import LOW_PRECISION, ReplayContext, run_once
+from ._runs import ReplayContext, run_once
+from .trace import LOW_PRECISION
 from .fixes import Fix, FixSpec, register_fix
 from .result import ReplayResult
 

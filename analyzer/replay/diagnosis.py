@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .records import UNSET, OpRecord
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
     from .records import Culprit
 
 __all__ = ["Diagnosis", "SdpaCheck", "PrecisionRun"]
@@ -66,11 +66,10 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
-        batch_fault: what is wrong with the batch when the culprit is the loss's 0/0 (every label
-            -100), else None.
-        magnitude_jump: for ``overflow``, the op feeding the culprit where the magnitude jumped the
-            most (``_magnitude.magnitude_jump``), None otherwise.
         compiled: the step re-run compiled as training compiled it (None for an eager run).
+        evidence: what the probes found around the verdict, by probe name (``probes/``: the
+            magnitude jump of an overflow, the micro-batch of an accumulated step, ...); each value
+            has ``to_dict()`` and maybe ``note()``. The summary and advice read it from here.
     """
 
     verdict: str
@@ -91,9 +90,8 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
-    batch_fault: str | None = None  # what is wrong with the batch (``_actionable.batch_fault``)
-    magnitude_jump: dict | None = None
-    compiled: Mapping[str, Any] | None = None  # the compiled run (``_compiled_replay``): ``ReplayResult.compiled``
+    compiled: Mapping[str, Any] | None = None  # the compiled run (``compiled/replay.py``): ``ReplayResult.compiled``
+    evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,15 +40,16 @@ import torch
 
 from ..errors import AnalyzerError
 from ..findings import json_safe
-from . import _cancellation  # noqa: F401 - registers "cancellation" before the fixes that serve it
 from ._fix_hooks import ModuleNotFound
 from ._origin import find_origin
 from ._reference import judge
-from ._runs import ReplayContext, RunTrace, run_once
+from ._runs import ReplayContext, run_once
+from .trace import RunTrace
 from .result import ReplayResult
-from .verdicts import VERDICTS
+from .verdicts import ORDER as VERDICT_ORDER
+from .verdicts import VERDICTS, in_order
 
-__all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "register_fix", "plan", "run_fixes"]
+__all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "ORDER", "register_fix", "plan", "run_fixes"]
 
 FIX_STATUSES = ("verified", "fails", "not_tried", "changes_result")
 ADVICE_STATUSES = ("verified", "untested", "checked")
@@ -147,16 +148,25 @@ class FixSpec:
 
 
 FIXES: dict[str, FixSpec] = {}
+# The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
+# their modules are imported in; a fix not listed here comes after these, in the order registered.
+ORDER = ("guard_clamp", "guard_eps", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
+         "scaler_skip", "compile_disable")
 
 
 def register_fix(spec: FixSpec) -> FixSpec:
-    """Add `spec` to ``FIXES``, after the fixes already there (a name already there is refused)."""
+    """Add `spec` to ``FIXES``, in its place in ``ORDER`` (a name already there is refused).
+
+    The verdicts it ``serves`` must be registered or listed in ``verdicts.ORDER`` (a built-in verdict
+    may be registered after the fixes that serve it, whatever the import order).
+    """
     if spec.name in FIXES:
         raise ValueError(f"fix {spec.name!r} is already registered")
-    unknown = [v for v in spec.serves if v not in VERDICTS]
+    unknown = [v for v in spec.serves if v not in VERDICTS and v not in VERDICT_ORDER]
     if unknown:
         raise ValueError(f"fix {spec.name!r} serves unknown verdicts {unknown}")
     FIXES[spec.name] = spec
+    in_order(FIXES, ORDER)
     return spec
 
 

@@ -5,17 +5,17 @@ JSON never carries NaN/Infinity literals: a non-finite float becomes the string 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..findings import json_safe
-from .diagnosis import PrecisionRun
+from .diagnosis import Diagnosis, PrecisionRun
 from .records import Culprit, OpRecord
 from .verdicts import VERDICTS, AdviceLine
 
 if TYPE_CHECKING:
-    from ._runs import RunTrace
+    from .trace import RunTrace
 
 __all__ = ["ReplayResult", "VERDICTS"]
 
@@ -37,9 +37,9 @@ class ReplayResult:
             inputs, so not a cause.
         mask_inputs: buffers and batch leaves holding only 0 and -inf: additive masks, whose -inf
             is written on purpose (like an in-step ``masked_fill(-inf)``), so not a cause.
-        advice: concrete things to try, most specific first.
-        advice_lines: the same lines with the names of the fixes each recommends (not serialised;
-            ``advice_with_status`` ties them to the fixes tried by these names).
+        advice_lines: concrete things to try, most specific first: ``AdviceLine``s, each with the
+            names of the fixes it recommends (``advice_with_status`` ties them to the fixes tried by
+            these names). ``advice`` is their texts, as ``--json`` has them.
         traces: the raw per-precision ``RunTrace``s (not serialised), for rendering and plots.
         precision_mode: how the low precision was replayed: ``autocast`` (FP32 parameters under
             torch.autocast), ``parameters`` (the parameters themselves are float16/bfloat16, no
@@ -63,7 +63,6 @@ class ReplayResult:
     summary: str
     culprit: Culprit | None
     runs: dict[str, PrecisionRun]
-    advice: list[str]
     snapshot: str
     step: int | None
     reason: str | None
@@ -95,20 +94,33 @@ class ReplayResult:
     # the defaults that stood in for what a snapshot records ({"checkpoint", "kind", "batch", "amp_dtype",
     # "scale", "seed", "logs", "notes": [...]}); None for a snapshot.
     checkpoint: dict | None = None
-    advice_lines: tuple[AdviceLine, ...] = field(default=(), repr=False)
+    advice_lines: tuple[AdviceLine, ...] = ()
     # A step that accumulated gradients (snapshot format 6): the snapshot's micro_batches entry (count,
     # combine, divisor, source, num_items_in_batch), every micro-batch replayed; None otherwise.
     micro_batches: dict | None = None
     # A snapshot of a torch.compile'd model: the step re-run compiled as training compiled it
-    # (analyzer.replay._compiled_replay; "reproduced": False with a one-line "note" when it could not be);
+    # (analyzer.replay.compiled.replay; "reproduced": False with a one-line "note" when it could not be);
     # None for an eager model.
     compiled: dict | None = None
+    # The diagnosis the verdict, summary and advice were written from (its culprit trace without the
+    # captured tensors); its ``evidence`` holds what the probes found. None for an update replay.
+    diagnosis: Diagnosis | None = field(default=None, repr=False)
+
+    @property
+    def advice(self) -> list[str]:
+        """The advice's texts, most specific first (``advice_lines`` without the fixes they name)."""
+        return [a.text for a in self.advice_lines]
+
+    @property
+    def evidence(self) -> Mapping[str, Any]:
+        """What the probes found, by probe name (``Diagnosis.evidence``); empty without a diagnosis."""
+        return {} if self.diagnosis is None else self.diagnosis.evidence
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {tuple(VERDICTS)}, got {self.verdict!r}")
-        if self.advice_lines and [a.text for a in self.advice_lines] != list(self.advice):
-            raise ValueError("advice_lines must hold the advice's own lines")
+        if not all(isinstance(a, AdviceLine) for a in self.advice_lines):
+            raise ValueError("advice_lines must be AdviceLine values")
         if self.precision_mode not in ("autocast", "parameters", "fsdp_param_dtype"):
             raise ValueError(f"precision_mode must be autocast, parameters or fsdp_param_dtype, "
                              f"got {self.precision_mode!r}")
@@ -149,4 +161,14 @@ class ReplayResult:
             "checkpoint": self.checkpoint,
             "micro_batches": None if self.micro_batches is None else dict(self.micro_batches),
             "compiled": self.compiled,
+            **self._evidence_fields(),
         })
+
+    def _evidence_fields(self) -> dict:
+        """Top-level fields the probes' evidence spreads into (``Probe.into == "result"``), by the
+        registry; none for the built-in probes, whose fields are the culprit's."""
+        if not self.evidence:
+            return {}
+        from .probes.registry import spread
+
+        return spread(self.evidence, "result")

@@ -6,8 +6,9 @@ the fixes it recommends (``fixes.FIXES``), so a line is tied to its fixes by nam
 wording. The fixes tried for a verdict are those it names (``Verdict.fixes``, in that order),
 then the other registered fixes that serve it (``FixSpec.serves``).
 
-The built-in verdicts' sentences and their registration live in ``_builtin_verdicts.py``
-(imported first by the package). Adding a verdict is one ``register(Verdict(...))`` plus its detection: either in
+The built-in verdicts' sentences live in ``_builtin_verdicts.py``, each registered beside its
+functions (``cancellation`` in ``_cancellation.py``, ``compile_specific`` in ``compiled/verdict.py``);
+``ORDER`` is their order, whichever module is imported first. Adding a verdict is one ``register(Verdict(...))`` plus its detection: either in
 ``_diagnose.diagnose``, or, for a verdict that narrows one the diagnosis already reached, a
 ``detect`` predicate on the ``Diagnosis`` and the verdicts it ``refines``:
 
@@ -30,7 +31,7 @@ import torch
 from ._actionable import BATCH_FAULT_ADVICE, installed_line
 from .diagnosis import Diagnosis
 
-__all__ = ["AdviceLine", "Verdict", "VERDICTS", "register", "refine", "summary", "advice", "respect_runs",
+__all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
            "PRECISION_FIXES"]
 
 
@@ -83,6 +84,11 @@ class Verdict:
 
 
 VERDICTS: dict[str, Verdict] = {}
+# The order of ``VERDICTS``, whatever order their modules are imported in: ``refine`` tries the
+# verdicts that refine another in this order (the first that detects itself wins). A verdict not
+# listed here comes after these, in the order registered.
+ORDER = ("healthy", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
+         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific")
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
@@ -91,11 +97,19 @@ _GUARDS = frozenset({"guard_clamp", "guard_eps"})  # an edit at the culprit's ow
 
 
 def register(verdict: Verdict) -> Verdict:
-    """Add `verdict` to ``VERDICTS`` (a name already there is refused)."""
+    """Add `verdict` to ``VERDICTS``, in its place in ``ORDER`` (a name already there is refused)."""
     if verdict.name in VERDICTS:
         raise ValueError(f"verdict {verdict.name!r} is already registered")
     VERDICTS[verdict.name] = verdict
+    in_order(VERDICTS, ORDER)
     return verdict
+
+
+def in_order(registry: dict, order: tuple[str, ...]) -> None:
+    """Sort `registry` in place: the names in `order` first, in that order, then the others as registered."""
+    items = sorted(registry.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    registry.clear()
+    registry.update(items)
 
 
 def refine(d: Diagnosis) -> Diagnosis:
@@ -107,7 +121,8 @@ def refine(d: Diagnosis) -> Diagnosis:
 
 
 def summary(d: Diagnosis) -> str:
-    """The one-sentence summary of `d`'s verdict (and what is wrong with the batch, when known)."""
+    """The one-sentence summary of `d`'s verdict, then the notes of the evidence (``Diagnosis.evidence``:
+    what is wrong with the batch, the micro-batch, ...)."""
     text = VERDICTS[d.verdict].summary(d)
     h, c = d.hidden, d.culprit
     if h is not None and c is not None and h["phase"] == "forward" and c["phase"] != "forward":
@@ -116,7 +131,17 @@ def summary(d: Diagnosis) -> str:
         text = (f"First, {h['op']} in `{h['module']}` (forward, {h['precision']}){src} made {h['output_kind']} "
                 f"from inputs up to {_fmt(h['input_absmax'])}, and a later forward op hid it (the loss stayed "
                 f"finite); then, in backward, {text}")
-    return f"{text} The cause is the batch: {d.batch_fault}." if d.batch_fault else text
+    return text + _notes(d.evidence)
+
+
+def _notes(evidence: Mapping) -> str:
+    """The notes of the evidence, each after a space, in the order the probes ran (``probes.registry.ORDER``)."""
+    out = ""
+    for ev in evidence.values():
+        note = getattr(ev, "note", None)
+        text = note() if note is not None else None
+        out += f" {text}" if text else ""
+    return out
 
 
 def advice(d: Diagnosis) -> list[AdviceLine]:
@@ -130,7 +155,7 @@ def advice(d: Diagnosis) -> list[AdviceLine]:
     whose gradients ``unscale_`` refuses), "switch to BF16" not for a run already in BF16.
     """
     v = VERDICTS[d.verdict]
-    fault = [AdviceLine(BATCH_FAULT_ADVICE)] if d.batch_fault else []
+    fault = [AdviceLine(BATCH_FAULT_ADVICE)] if "batch_fault" in d.evidence else []  # probes/batch_fault.py
     own = [a for a in v.advice(d) if a.text]
     if d.culprit is not None and installed_line(d.culprit.get("source")):  # no guard inside a library
         own = [a for a in own if not a.fixes or not set(a.fixes) <= _GUARDS]

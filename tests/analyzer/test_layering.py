@@ -9,16 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ANALYSES = ("analyzer.load", "analyzer.replay", "analyzer.report", "analyzer.inspect", "analyzer.autopsy")
 
-# Cycles known to go through `if TYPE_CHECKING:` imports, being removed on another branch: DELETE at merge.
-KNOWN_TYPE_CHECKING_CYCLES = [
-    # autopsy/answer.py <-> autopsy.py: AutopsyResult lives beside the code that produces it
-    {"analyzer.autopsy.answer", "analyzer.autopsy.autopsy"},
-    # _accumulate -> _runs / diagnosis: RunTrace lives beside the runs
-    {"analyzer.replay._accumulate", "analyzer.replay._runs"},
-    {"analyzer.replay._accumulate", "analyzer.replay._runs", "analyzer.replay.diagnosis"},
-]
-
-
 def _modules(package: str = "analyzer") -> dict[str, Path]:
     out = {}
     for path in (ROOT / package).rglob("*.py"):
@@ -84,7 +74,7 @@ def _private_recorder_imports(modules: dict[str, Path]) -> list[tuple[str, str]]
 
 
 def test_the_analyzer_has_no_import_cycle_type_checking_imports_included():
-    assert [c for c in _cycles(_graph()) if set(c) not in KNOWN_TYPE_CHECKING_CYCLES] == []
+    assert _cycles(_graph()) == []
 
 
 def test_the_analyzer_imports_no_private_module_of_the_recorder():

@@ -128,7 +128,7 @@ def test_eager_and_compiled_replays_rerun_every_micro_batch_and_name_micro_batch
 def test_the_compiled_run_sums_the_micro_batch_losses_as_the_eager_run_does(aot_nan):
     """Without the NaN the two runs must agree: aot_eager keeps eager numerics, so the summed losses and
     gradients match; a compiled run of the first micro-batch alone would give another loss."""
-    from analyzer.replay._compiled_run import compiled_once
+    from analyzer.replay.compiled._run import compiled_once
     from analyzer.replay._runs import run_once
 
     _, _, replay, _ = aot_nan

@@ -26,8 +26,8 @@ from click.testing import CliRunner
 from analyzer.cli import main
 from analyzer.replay import Replay
 from recorders import Recorder
-from analyzer.replay._compiled_replay import _kernel_fields
-from analyzer.replay._compiled_run import compiled_once
+from analyzer.replay.compiled.replay import _kernel_fields
+from analyzer.replay.compiled._run import compiled_once
 from tests.analyzer.replay.compile_models import (Gate, build_chain_net, build_drop_gate_net, build_drop_net,
                                                   build_gate_net, chain_batch, drop_batch, drop_seeds,
                                                   fresh_inductor, gate_batch, mse_loss)
@@ -332,7 +332,7 @@ def test_a_compiled_only_nan_beside_dropout_is_localized_and_fixed_with_eagers_m
 _STALE = """
 import sys, torch
 from analyzer.replay import Replay
-from analyzer.replay._compiled_run import compiled_once
+from analyzer.replay.compiled._run import compiled_once
 from tests.analyzer.replay.compile_models import build_gate_net, gate_batch, mse_loss
 try:  # training's way: torch.compile, Inductor's caches on
     with torch.autocast("cpu", dtype=torch.float16):

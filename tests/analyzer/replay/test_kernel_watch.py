@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.replay._kernel_watch import KernelWatch, _sources
+from analyzer.replay.compiled._kernel_watch import KernelWatch, _sources
 
 GENERATED = '''# AOT ID: ['0_forward']
 def call(args):

@@ -90,7 +90,7 @@ def test_json_safe_maps_non_finite_floats_to_strings(value, expected):
 
 def test_an_unknown_verdict_is_refused():
     with pytest.raises(ValueError, match="verdict must be one of"):
-        ReplayResult(verdict="on_fire", summary="", culprit=None, runs={}, advice=[], snapshot="s", step=None,
+        ReplayResult(verdict="on_fire", summary="", culprit=None, runs={}, snapshot="s", step=None,
                      reason=None, device="cpu", recorded_device="cpu", device_note=None, amp_dtype=None,
                      scale=1.0, recorded_loss=None)
 
@@ -138,3 +138,31 @@ def test_the_culprit_and_context_ops_are_frozen_records_whose_json_is_their_set_
     assert list(as_json) == list(culprit) and as_json["op"] == culprit.op and as_json["index"] == culprit.index
     assert "input" not in culprit and "zeros" not in culprit and culprit.get("input") is None
     assert [op["index"] for op in res.to_dict()["context_ops"]] == [op.index for op in res.context_ops]
+
+
+def _tensors(obj, seen=None) -> list[str]:
+    """Paths to every torch.Tensor reachable from `obj` through dataclass fields, mappings and sequences."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return ["<tensor>"]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(enumerate(obj))
+    else:
+        return []
+    return [f"{k}.{p}" for k, v in items for p in _tensors(v, seen)]
+
+
+def test_a_result_holds_no_tensor_the_culprits_captured_inputs_stay_with_the_replay(results):
+    # the overflow's culprit was re-run with its inputs captured (the shadow, the sqrt(head_dim) probe)
+    r = results["overflow"]
+    assert r.verdict == "overflow" and r.culprit_trace is not None and r.diagnosis is not None
+    assert _tensors(r) == []

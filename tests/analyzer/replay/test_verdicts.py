@@ -109,7 +109,7 @@ def test_rewording_every_advice_line_keeps_which_fix_each_rests_on_and_its_statu
     kinds = {"bce": {"changes_result", "fails"}, "log_zero": {"verified"}}[step]
     assert {f.status for f in fixes} >= kinds  # between the two steps, every kind of tie is exercised
     lines = tuple(AdviceLine(f"Reworded {i}: {a.text[::-1]}", a.fixes) for i, a in enumerate(r.advice_lines))
-    reworded = dataclasses.replace(r, advice=[a.text for a in lines], advice_lines=lines)
+    reworded = dataclasses.replace(r, advice_lines=lines)
     before = [(a.status, a.fix) for a in advice_with_status(r, fixes)]
     after = [(a.status, a.fix) for a in advice_with_status(reworded, fixes)]
     assert after == before
@@ -122,7 +122,7 @@ def test_a_line_worded_like_a_fix_but_naming_none_is_kept_and_a_line_naming_a_fa
     alike = AdviceLine("Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range.")
     tied = AdviceLine("Any wording at all.", fixes=("bf16",))
     lines = (*r.advice_lines, alike, tied)
-    r2 = dataclasses.replace(r, advice=[a.text for a in lines], advice_lines=lines)
+    r2 = dataclasses.replace(r, advice_lines=lines)
     texts = {a.text: a for a in advice_with_status(r2, fixes)}
     assert texts[alike.text].status == "untested" and texts[alike.text].fix is None
     assert tied.text not in texts

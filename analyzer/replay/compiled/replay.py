@@ -1,11 +1,11 @@
 """A compiled model's replay: the eager result, then the failing precision compiled as training compiled it.
 
 ``with_compiled`` runs the step once more with the snapshot's ``compile`` entry applied
-(``_compiled_run``) and compares it with the eager run of the same precision:
+(``_run``) and compares it with the eager run of the same precision:
 
 - both non-finite, or both finite: the eager verdict stands (``compiled`` says the compiled run agreed);
-- they disagree: verdict ``compile_specific`` (``_compile_verdict``). A compiled-only failure is
-  localized to the smallest module (``_compile_localize``), which becomes the culprit (op
+- they disagree: verdict ``compile_specific`` (``verdict``). A compiled-only failure is
+  localized to the smallest module (``_localize``), which becomes the culprit (op
   ``<compiled>``, index -1: no eager op is blamed); an eager-only failure keeps no culprit, and
   its eager origin is kept as ``compiled["eager_only"]``;
 - the compiled step cannot be built or run here (no C++ compiler, Inductor failing to build a
@@ -27,20 +27,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from . import _compile_fix  # noqa: F401 - registers the fix compile_disable (and, through it, compile_specific)
-from . import verdicts
-from ._accumulate import micro_summary
-from ._compile_localize import localize
-from ._compile_verdict import COMPILE_SPECIFIC, masks_sentence
-from ._compiled_run import CompiledOnce, compiled_once
-from ._runs import ReplayContext, RunTrace
-from .diagnosis import Diagnosis
-from .records import Culprit
-from .result import ReplayResult
+from .. import verdicts
+from .._runs import ReplayContext
+from ..diagnosis import Diagnosis
+from ..probes.micro_batch import MicroBatch
+from ..records import Culprit
+from ..result import ReplayResult
+from ..trace import RunTrace
+from ._localize import localize
+from ._run import CompiledOnce, compiled_once
+from .verdict import COMPILE_SPECIFIC, masks_sentence
 
 __all__ = ["with_compiled", "NOT_REPRODUCED"]
 
@@ -89,8 +91,7 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
         same_masks = " with eager's dropout masks" if same is not None else ""
         info.update(note=f"the compiled step{same_masks} is {agree} too: the eager verdict stands" + (
                     f"; {masks}" if masks else ""), seconds=round(time.perf_counter() - t0, 2))
-        summary = f"{result.summary} {masks[0].upper()}{masks[1:]}." if masks else result.summary
-        return dataclasses.replace(result, compiled=info, summary=summary)
+        return _stands(result, info)
     phase = "forward" if not compared.trace.forward_finite else "backward"
     found = localize(ctx, modules, prec, scale, phase, same_masks=same is not None)
     module = found.module
@@ -102,6 +103,31 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
         info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
     culprit = None if module is None else _culprit(module, info["phase"], prec, run, compared.micro_batch)
     return _verdict(result, info, culprit)
+
+
+@dataclass(frozen=True)
+class CompiledRun:
+    """Evidence: the step compiled as training compiled it agreed with the eager replay (``compiled``)."""
+
+    info: Mapping[str, Any]
+
+    def to_dict(self) -> dict:
+        return {"compiled": dict(self.info)}
+
+    def note(self) -> str | None:
+        """When training's dropout masks and eager's decide finiteness differently, say so."""
+        masks = masks_sentence(self.info)
+        return f"{masks[0].upper()}{masks[1:]}." if masks else None
+
+
+def _stands(result: ReplayResult, info: dict) -> ReplayResult:
+    """`result` with the compiled run that agreed with it: its evidence in the diagnosis, the summary rewritten
+    from that diagnosis (the masks sentence, when dropout decides finiteness, is that evidence's note)."""
+    if result.diagnosis is None:
+        return dataclasses.replace(result, compiled=info)
+    d = dataclasses.replace(result.diagnosis, compiled=info,
+                            evidence={**result.diagnosis.evidence, "compiled": CompiledRun(info)})
+    return dataclasses.replace(result, compiled=info, summary=verdicts.summary(d), diagnosis=d)
 
 
 def _random_info(run: RunTrace, same: CompiledOnce) -> dict:
@@ -184,10 +210,12 @@ def _culprit(module: str, phase: str, prec: str, run: RunTrace, micro_batch: int
 
 
 def _verdict(result: ReplayResult, info: dict, culprit: Culprit | None) -> ReplayResult:
+    micro = None if culprit is None or result.micro_batches is None else culprit.get("micro_batch")
+    evidence = {} if micro is None else {"micro_batch": MicroBatch(micro, result.micro_batches["count"])}
     d = Diagnosis(COMPILE_SPECIFIC, culprit=culprit, compiled=info, scale=result.scale,
-                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype)
+                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype, evidence=evidence)
     lines = tuple(verdicts.advice(d))
-    summary = micro_summary(verdicts.summary(d), d, result.micro_batches)
+    summary = verdicts.summary(d)
     return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=summary, culprit=culprit,
-                               advice=[a.text for a in lines], advice_lines=lines, culprit_trace=None,
-                               compiled=info)
+                               advice_lines=lines, culprit_trace=None,
+                               compiled=info, diagnosis=d)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._compiled_run import compiled_once
-from ._runs import ReplayContext
+from ._run import compiled_once
+from .._runs import ReplayContext
 
 __all__ = ["Localized", "localize", "MAX_RUNS"]
 

@@ -1,9 +1,9 @@
 """The ``compile_specific`` verdict: the compiled step and the eager replay disagree about finiteness.
 
-Two ways (``Diagnosis.compiled``, built by ``_compiled_replay``):
+Two ways (``Diagnosis.compiled``, built by ``compiled.replay``):
 
 - compiled non-finite, eager finite: the culprit is the smallest module whose compiled version
-  alone makes the step non-finite (``_compile_localize``); the fix tried is that module excluded
+  alone makes the step non-finite (``_localize``); the fix tried is that module excluded
   from compilation (``compile_disable``).
 - eager non-finite, compiled finite: training's compiled step is finite; the eager replay's
   NaN/Inf is eager-only (Inductor keeps a fused chain's intermediates in FP32 and rounds once),
@@ -28,8 +28,8 @@ training's masks and eager's decide finiteness differently, the summary says so.
 """
 from __future__ import annotations
 
-from .diagnosis import Diagnosis
-from .verdicts import AdviceLine, Verdict, register
+from ..diagnosis import Diagnosis
+from ..verdicts import AdviceLine, Verdict, register
 
 __all__ = ["COMPILE_SPECIFIC", "masks_sentence"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._compile_verdict import COMPILE_SPECIFIC
-from ._compiled_run import compiled_once
-from .fixes import Fix, FixSpec, _judge, register_fix
-from ._runs import ReplayContext
-from .result import ReplayResult
+from .._runs import ReplayContext
+from ..fixes import Fix, FixSpec, _judge, register_fix
+from ..result import ReplayResult
+from ._run import compiled_once
+from .verdict import COMPILE_SPECIFIC
 
 __all__: list[str] = []
 

@@ -1,0 +1,11 @@
+"""The evidence a replay gathers around its diagnosis: one module per kind, each a registered probe.
+
+The registry, the order the probes run in and the input they read are ``registry.py``; importing
+this package registers the built-in probes (their order is ``registry.ORDER``, not this import list).
+"""
+from __future__ import annotations
+
+from . import autocast_off, batch_fault, magnitude, micro_batch, outside_writes, sqrt_d  # noqa: F401  (register the probes)
+from .registry import ORDER, PROBES, Evidence, Probe, ProbeInput, probe, run_probes, spread
+
+__all__ = ["ORDER", "PROBES", "Evidence", "Probe", "ProbeInput", "probe", "run_probes", "spread"]
