@@ -68,11 +68,14 @@ def _primary_first(replays: list, report: Report | None, ranks: dict[str, Any]) 
     earlier loss-scale overflow heads it only when the report's first error is that overflow
     (``scale_collapse``, ``frequent_overflow``). Without such a replay: the earliest that is not healthy.
 
+    A failure the replay did not reproduce (``not_reproduced``) comes after every reproduced one.
     NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy; the
     rank that holds the fault is the answer even when the healthy one has the lower rank. When
     every replay is healthy, the earliest comes first.
     """
-    failing = [r for r in replays if r.verdict != "healthy"]
+    # a failure the replay reproduced first, then one it did not (not_reproduced: no op to show)
+    failing = ([r for r in replays if r.verdict not in ("healthy", "not_reproduced")]
+               + [r for r in replays if r.verdict == "not_reproduced"])
     first_error = _first_error(report)
     pointed = [] if first_error is None else [
         r for r in failing if r.step is not None and r.step >= first_error.step
