@@ -295,13 +295,12 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
     progress = sys.stderr.isatty() and not as_json
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
-    if batch is None and (rng is not None or factory_kwargs is not None):
-        raise click.UsageError("--rng and --factory-kwargs go with --batch here; for a run directory's snapshot: "
-                               "analyzer replay SNAPSHOT --factory-kwargs JSON")
     target = _open_target(run, "autopsy", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
                           device=device, paths=paths, rng=rng, factory_kwargs=factory_kwargs)
+    kwargs = _factory_kwargs(factory_kwargs) if batch is None else None  # a checkpoint's: applied when opened
     result = run_autopsy(target.source, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
-                         progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None)
+                         progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None,
+                         factory_kwargs=kwargs)
     written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path,
                                     run_dir=target.run_dir)
     if as_json:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analyzer.load import load_snapshot  # noqa: E402  (at the top: --help proves every import works)
 from analyzer.replay._runs import run_once  # noqa: E402
-from analyzer.replay.replay import _context  # noqa: E402
+from analyzer.replay._setup import context  # noqa: E402
 from recorders.snapshot import build_snapshot, write_snapshot  # noqa: E402
 from samples.models import build_gpt, gpt_loss  # noqa: E402
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                               loss_fn="samples.models:gpt_loss", amp_dtype=torch.bfloat16,
                               device_type=args.device)
         path = write_snapshot(Path(tmp) / "snap.pt", snap)
-        ctx = _context(str(path), load_snapshot(path), args.device, None, None, ())  # samples.models: always importable
+        ctx = context(str(path), load_snapshot(path), args.device, None, None, ())  # samples.models: always importable
     model.to(args.device)
     batch = {k: v.to(args.device) for k, v in batch.items()}
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name()

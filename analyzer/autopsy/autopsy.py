@@ -68,11 +68,14 @@ def _primary_first(replays: list, report: Report | None, ranks: dict[str, Any]) 
     earlier loss-scale overflow heads it only when the report's first error is that overflow
     (``scale_collapse``, ``frequent_overflow``). Without such a replay: the earliest that is not healthy.
 
+    A failure the replay did not reproduce (``not_reproduced``) comes after every reproduced one.
     NB: a rank that snapshots only because a peer failed (``peer_failure``) replays healthy; the
     rank that holds the fault is the answer even when the healthy one has the lower rank. When
     every replay is healthy, the earliest comes first.
     """
-    failing = [r for r in replays if r.verdict != "healthy"]
+    # a failure the replay reproduced first, then one it did not (not_reproduced: no op to show)
+    failing = ([r for r in replays if r.verdict not in ("healthy", "not_reproduced")]
+               + [r for r in replays if r.verdict == "not_reproduced"])
     first_error = _first_error(report)
     pointed = [] if first_error is None else [
         r for r in failing if r.step is not None and r.step >= first_error.step
@@ -95,7 +98,8 @@ def _checkpoint_report(snap, progress: bool):
 
 def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
                 loss_fn: str | None = None, paths: tuple[str, ...] = (), progress: bool = False,
-                on_stage: Callable[[str], object] | None = None) -> AutopsyResult:
+                on_stage: Callable[[str], object] | None = None,
+                factory_kwargs: dict | None = None) -> AutopsyResult:
     """Report, pick, replay and try fixes on `run`.
 
     Args:
@@ -105,6 +109,8 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         rank: only this rank (the report's ``--rank``, and the snapshots picked).
         device: where to replay: ``auto``, ``cpu`` or ``cuda``.
         factory, loss_fn: override the snapshots' model factory / loss references.
+        factory_kwargs: merged over each picked snapshot's own (``--factory-kwargs``,
+            ``load.overrides.with_factory_kwargs``); a checkpoint's are applied when it is opened.
         paths: extra import roots for the snapshots' factory and loss (``--path``).
         progress: progress bars on stderr.
         on_stage: called with one line per stage started (the demo prints them).
@@ -117,7 +123,8 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     from ..report import build_report
     from ..report.checks.scaler import calibration_end
 
-    from ..load import Snapshot
+    from ..load import Snapshot, load_snapshot
+    from ..load.overrides import with_factory_kwargs
 
     say = on_stage or (lambda _line: None)
     if isinstance(run, Snapshot):  # a checkpoint and a batch (load.adhoc): its own logs, if any, are the report
@@ -137,8 +144,10 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
         snap = info.file
         say(f"replaying {snap} ({info.why})")
         try:
-            replay = Replay(run if isinstance(run, Snapshot) else snap, device=device, factory=factory,
-                            loss_fn=loss_fn, progress=progress, paths=paths)
+            target = run if isinstance(run, Snapshot) else snap
+            if factory_kwargs is not None and not isinstance(run, Snapshot):
+                target = with_factory_kwargs(load_snapshot(snap), factory_kwargs)
+            replay = Replay(target, device=device, factory=factory, loss_fn=loss_fn, progress=progress, paths=paths)
             result = replay.run()
         except (AnalyzerError, OSError, MemoryError) as e:
             failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))

@@ -44,7 +44,8 @@ def _micro_text(micro: dict) -> str:
 def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
     """A short diagnosis: verdict, what/where/why, runs per precision, op table, advice."""
     r = result
-    lines = [f"verdict: {r.verdict}", f"  {r.summary}"]
+    lines = [f"NB: {note}" for note in r.load_notes]  # what loading found implausible, before any verdict
+    lines += [f"verdict: {r.verdict}", f"  {r.summary}"]
     head = f"snapshot: {r.snapshot} (step {r.step}, {r.reason})" if r.step is not None else f"snapshot: {r.snapshot}"
     lines.append(head)
     if r.exception:  # an exception snapshot: what the step raised before end_step

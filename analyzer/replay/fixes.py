@@ -188,7 +188,7 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
         The fixes in the order tried; empty for a healthy step.
     """
     if result.culprit is None:
-        return [] if result.verdict in ("healthy", "compile_specific") else [_check_input(result)]
+        return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific") else [_check_input(result)]
     specs = plan(result)
     if not any(s.needs_model for s in specs):
         return [fix for s in specs if (fix := s.apply(None, result)) is not None]

@@ -112,14 +112,16 @@ class Replay:
 
     def run(self) -> ReplayResult:
         """Replay the step per precision and classify the first NaN/Inf-producing op."""
+        notes = tuple(getattr(self.snapshot, "load_notes", ()))  # what loading found implausible, said first
         if self.is_update:  # checkpoint: what a checkpoint replay read (load.adhoc), else None
             return dataclasses.replace(replay_update(self.path, self.snapshot),
-                                       checkpoint=getattr(self.snapshot, "source", None))
+                                       checkpoint=getattr(self.snapshot, "source", None), load_notes=notes)
         ctx = self.context()
         with sources_relative_to(recorded_cwd(self.snapshot)):  # source lines read the same from any directory
             result = _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress, self._autocast_off)
         compiled = getattr(self.snapshot, "compile", None)  # how training torch.compile'd the model (format 5)
-        return with_compiled(result, compiled, self.context) if compiled else result
+        result = with_compiled(result, compiled, self.context) if compiled else result
+        return dataclasses.replace(result, load_notes=notes) if notes else result
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
         """Try each fix that serves `result`'s verdict on this replay's rebuilt model, one run each at most.

@@ -102,6 +102,9 @@ class ReplayResult:
     # (analyzer.replay.compiled.replay; "reproduced": False with a one-line "note" when it could not be);
     # None for an eager model.
     compiled: dict | None = None
+    # What loading the snapshot found implausible but usable (``Snapshot.load_notes``: a loss scale of 1e30,
+    # integer weights beside float ones), printed before the verdict; in --json only when there are some.
+    load_notes: tuple[str, ...] = ()
     # The diagnosis the verdict, summary and advice were written from (its culprit trace without the
     # captured tensors); its ``evidence`` holds what the probes found. None for an update replay.
     diagnosis: Diagnosis | None = field(default=None, repr=False)
@@ -161,6 +164,7 @@ class ReplayResult:
             "checkpoint": self.checkpoint,
             "micro_batches": None if self.micro_batches is None else dict(self.micro_batches),
             "compiled": self.compiled,
+            **({"load_notes": list(self.load_notes)} if self.load_notes else {}),
             **self._evidence_fields(),
         })
 

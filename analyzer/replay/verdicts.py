@@ -87,7 +87,7 @@ VERDICTS: dict[str, Verdict] = {}
 # The order of ``VERDICTS``, whatever order their modules are imported in: ``refine`` tries the
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
-ORDER = ("healthy", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
+ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
          "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific")
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one

@@ -14,7 +14,8 @@ from analyzer.cli import main
 from analyzer.errors import BadInputError
 from analyzer.load.overrides import parse_factory_kwargs
 from recorders.snapshot import build_snapshot, write_snapshot
-from tests.recorders.models import build_mlp
+from recorders import Recorder
+from tests.recorders.models import build_mlp, mse_loss
 
 REFS = ["--factory", "tests.recorders.models:build_mlp", "--loss-fn", "tests.recorders.models:mse_loss"]
 
@@ -72,9 +73,25 @@ def test_bad_factory_kwargs_are_one_error_line_saying_what_to_pass(wide, command
     assert line.startswith(f"Error: {says}") and "pass a JSON object of the factory's keyword arguments" in line, line
 
 
-def test_autopsy_of_a_run_directory_says_factory_kwargs_go_to_replay(wide):
-    res = _cli("autopsy", wide, "--factory-kwargs", '{"width": 16}')
-    assert res.exit_code == 2 and "analyzer replay SNAPSHOT --factory-kwargs JSON" in res.output, res.output
+def test_autopsy_of_a_run_directory_replays_its_snapshots_with_the_factory_kwargs_given(tmp_path):
+    # a run whose recorded kwargs leave the width out: its snapshot replays only with it given
+    torch.manual_seed(0)
+    model = build_mlp(width=16)
+    with Recorder(tmp_path / "run", model, factory="tests.recorders.models:build_mlp", factory_kwargs={"depth": 2},
+                  loss_fn="tests.recorders.models:mse_loss") as rec:
+        for step in range(3):
+            batch = {"x": torch.randn(4, 16), "y": torch.randn(4, 1)}
+            if step == 2:
+                batch["x"][0, 0] = float("nan")  # a bad record: the step's loss is NaN
+            rec.begin_step(step, batch)
+            mse_loss(model, batch).backward()
+            rec.end_step(mse_loss(model, batch).detach())
+    without = _cli("autopsy", tmp_path / "run", "--json")
+    assert without.exit_code == 1 and "do not fit the model built by" in without.output, without.output
+    res = _cli("autopsy", tmp_path / "run", "--json", "--factory-kwargs", '{"width": 16}')
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["verdict"] == "nonfinite_input" and out["culprit"]["input"] == "batch:x"
 
 
 @settings(max_examples=80, deadline=None)
