@@ -100,8 +100,14 @@ register(Verdict(
 # -- overflow --------------------------------------------------------------------------------------
 def _overflow_summary(d: Diagnosis) -> str:
     c = d.culprit
-    shadow32 = (c.get("shadow") or {}).get("float32")
     limit = float(_finfo(c["precision"]).max)
+    raised = c.get("raised")
+    if raised:  # the op refused a value beyond the dtype's range (_raised.py)
+        vals = ", ".join(_fmt(v) for v in raised["values"])
+        given = f" was given {vals}, beyond {c['precision']}'s max {limit:g}, and" if vals else ""
+        fp32 = " The FP32 run of the step is finite." if (d.tried or {}).get("float32") else ""
+        return f"{_where(c)}{given} raised {raised['error']}.{fp32}"
+    shadow32 = (c.get("shadow") or {}).get("float32")
     return (f"{_where(c)} produced {c['output_kind']} from finite inputs: recomputed in FP32 from the "
             f"same inputs its largest value is {_fmt(shadow32)}, beyond {c['precision']}'s max {limit:g}."
             + jump_sentence(_jump(d)))
@@ -132,6 +138,12 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
     c = d.culprit
     module = c["module"]
     out = []
+    raised = c.get("raised")
+    if raised and raised["values"]:
+        v = raised["values"][0]
+        bound = "min" if v < 0 else "max"
+        out.append(AdviceLine(f"Use a value {c['precision']} can hold: torch.finfo(x.dtype).{bound} instead of "
+                              f"{_fmt(v)} (it follows the tensor's dtype under any autocast)."))
     check = d.evidence.get("sqrt_d")  # the sqrt_d probe (probes/sqrt_d.py)
     out += sqrt_d_advice(None if check is None else check.check, c["precision"])
     if c["precision"] != "bfloat16":  # else "switch to BF16" names what already failed

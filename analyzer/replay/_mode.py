@@ -94,6 +94,9 @@ class _OpStatsMode(TorchDispatchMode):
         self.on_ops = on_ops  # called with the op count every 256 ops (a progress bar)
         self.capture = capture
         self.captured: tuple[Any, Any] | None = None
+        # the op that raised (an FP16 cast of a constant beyond 65504): its record, the exception and the
+        # Python numbers it was given; the record is the run's last
+        self.raised: tuple[_OpRecord, BaseException, list[float]] | None = None
         self.records: list[_OpRecord] = []
         self.module_stack: list[str] = []   # pushed/popped by the module hooks
         self.current_source: str | None = None  # set by the function mode around each call
@@ -159,7 +162,15 @@ class _OpStatsMode(TorchDispatchMode):
             self.captured = (tree_map(_clone_tensor, args), tree_map(_clone_tensor, kwargs))
 
         fn = self.override.get(index) if self.override else None
-        out = func(*args, **kwargs) if fn is None else fn(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs) if fn is None else fn(func, args, kwargs)
+        except Exception as e:
+            if self.raised is None:  # NB: the first op that raised; later ones are its consequences
+                numbers = [float(a) for a in _flat(args) + _flat(list(kwargs.values()))
+                           if isinstance(a, (int, float)) and not isinstance(a, bool)]
+                self.records.append(rec)
+                self.raised = (rec, e, numbers)
+            raise
 
         flat_out = _flat(out) if isinstance(out, (list, tuple)) else [out]
         # NB: autograd bumps the version counter of an in-place op's output after this hook

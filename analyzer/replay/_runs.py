@@ -25,7 +25,19 @@ from ._writes import BufferReads
 from .backends import record_calls, sdpa_switches
 from .trace import LOW_PRECISION, RunTrace
 
-__all__ = ["ReplayContext", "run_once", "RunTrace", "LOW_PRECISION"]  # RunTrace, LOW_PRECISION: from .trace
+__all__ = ["ReplayContext", "run_once", "RunTrace", "LOW_PRECISION", "OpRaised"]  # RunTrace, LOW_PRECISION: from .trace
+
+
+class OpRaised(FactoryError):
+    """An op of the replayed step raised (the model code's error, one line, as any ``FactoryError``).
+
+    ``trace`` is the run up to that op, whose last record is the op; ``error`` is the exception's type and
+    first line; ``numbers`` are the Python numbers the op was given (a constant it could not cast).
+    """
+
+    def __init__(self, message: str, *, path, fix: str, trace: RunTrace, error: str, numbers: list[float]):
+        super().__init__(message, path=path, fix=fix)
+        self.trace, self.error, self.numbers = trace, error, numbers
 
 @dataclass
 class ReplayContext:
@@ -172,10 +184,11 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
                     except AnalyzerError:
                         raise
                     except Exception as e:  # noqa: BLE001 - user code failing is reported
-                        raise FactoryError(
-                            f"loss_fn {ctx.loss_ref!r} raised {type(e).__name__}: {_first_line(e)}",
-                            path=ctx.path, fix="check the model code, or pass --loss-fn pkg.module:function",
-                        ) from e
+                        msg = f"loss_fn {ctx.loss_ref!r} raised {type(e).__name__}: {_first_line(e)}"
+                        fix = "check the model code, or pass --loss-fn pkg.module:function"
+                        if mode.raised is not None:  # inside an op: the run up to it is evidence
+                            raise _InOp(msg, fix) from e
+                        raise FactoryError(msg, path=ctx.path, fix=fix) from e
                 _check_loss(ctx, loss)
                 if reads is not None:
                     reads.finish(loss)
@@ -184,6 +197,8 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
                 backward_ran = loss.requires_grad
                 if backward_ran:
                     _backward(ctx, mode, loss, scale, divisor)
+    except _InOp as r:  # the modes are left: the run up to the op that raised is read now
+        raise _op_raised(ctx, mode, precision, scale, r.msg, r.fix) from r.__cause__
     finally:
         for h in handles:
             h.remove()
@@ -210,6 +225,14 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     )
 
 
+class _InOp(Exception):
+    """An op raised inside the recording modes; ``run_once`` makes it an ``OpRaised`` once they are left."""
+
+    def __init__(self, msg: str, fix: str):
+        super().__init__(msg)
+        self.msg, self.fix = msg, fix
+
+
 def _backward(ctx: ReplayContext, mode: _OpStatsMode, loss: torch.Tensor, scale: float,
               divisor: float | None) -> None:
     """``(loss * scale).backward()``; a micro-batch's loss is first divided by `divisor`, as training did."""
@@ -217,10 +240,23 @@ def _backward(ctx: ReplayContext, mode: _OpStatsMode, loss: torch.Tensor, scale:
     try:
         scaled_loss(loss, scale, divisor).backward()
     except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
-        raise AnalyzerError(f"backward of the replayed step raised RuntimeError: {_first_line(e)}",
-                            path=ctx.path, fix="check the model's backward code") from e
+        msg, fix = f"backward of the replayed step raised RuntimeError: {_first_line(e)}", "check the model's backward code"
+        if mode.raised is not None:
+            raise _InOp(msg, fix) from e
+        raise AnalyzerError(msg, path=ctx.path, fix=fix) from e
     finally:
         mode.module_stack.pop()
+
+
+def _op_raised(ctx: ReplayContext, mode: _OpStatsMode, precision: str, scale: float, msg: str, fix: str) -> OpRaised:
+    """The run up to the op that raised, as a non-finite ``RunTrace`` whose last record is that op."""
+    rec, e, numbers = mode.raised
+    absmax, nonzero = mode.finalize()  # NB: the run's one host sync
+    trace = RunTrace(precision=precision, scale=scale, records=mode.records, absmax=absmax, nonzero=nonzero,
+                     loss=math.nan, loss_dtype="-", loss_producer=None, grads_finite=False, grad_absmax=None,
+                     backward_ran=rec.phase == "backward")
+    return OpRaised(msg, path=ctx.path, fix=fix, trace=trace, error=f"{type(e).__name__}: {_first_line(e)}",
+                    numbers=numbers)
 
 
 def _nan_max(vals: list[float]) -> float:

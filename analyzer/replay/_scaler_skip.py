@@ -81,6 +81,10 @@ def scaler_skip(ctx: ReplayContext, result: ReplayResult) -> Fix:
     if fp32 is None or not fp32.finite:
         return not_tried("the FP32 replay of the step is non-finite too: skipping it would hide a real numerical "
                          "bug, not a low-precision overflow")
+    raised = result.culprit.get("raised") if result.culprit is not None else None
+    if raised:
+        return not_tried(f"the {prec} step raised inside {result.culprit['op']} ({raised['error']}): it never "
+                         "reached a backward, so there are no gradients for GradScaler to skip")
     if low.grads_finite:
         return not_tried(f"the {prec} replay at loss scale {low.scale:g} has finite gradients: GradScaler would "
                          "not skip it, so the exception has another cause")

@@ -84,6 +84,9 @@ class Culprit(OpRecord):
         magnitude_jump: the op feeding it where the magnitude jumped the most (verdict ``overflow``;
             ``_magnitude.magnitude_jump``).
         micro_batch: in a step that accumulated gradients, the micro-batch (0-based) the op ran for.
+        raised: the op raised instead of returning (only in low precision: FP32 ran the step):
+            ``error`` (type and first line), ``values`` (the numbers it was given beyond the dtype's
+            range), ``dtype_max``.
     """
 
     input: Any = UNSET
@@ -94,4 +97,5 @@ class Culprit(OpRecord):
     underflow_at: Any = UNSET
     cancelled_at: Any = UNSET
     magnitude_jump: Any = UNSET
+    raised: Any = UNSET
     micro_batch: Any = UNSET

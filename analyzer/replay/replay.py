@@ -36,7 +36,8 @@ from .compiled.replay import with_compiled
 from ._diagnose import diagnose, precision_run, with_roots
 from ._precision import precision_mode
 from ._progress import Progress
-from ._runs import ReplayContext, run_once
+from ._raised import raised_diagnosis
+from ._runs import OpRaised, ReplayContext, run_once
 from ._setup import amp_dtype, autocast_was_off, context, device_note, float_or_none, loss_scale, precisions, scan_inputs
 from ._update_result import replay_update
 from .backends import backend_of
@@ -167,8 +168,16 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         runs: dict[str, RunTrace] = {}
         at_one: dict[str, RunTrace] = {}
 
+        raised: dict[str, OpRaised] = {}
+
         def run_precision(p: str, scale: float = scale) -> None:
-            runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
+            try:
+                runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
+            except OpRaised as e:  # an op raised: the culprit when FP32 ran the step (_raised.py)
+                if p == "float32" or "float32" not in runs:
+                    raise
+                raised[p], runs[p] = e, e.trace
+                return
             if runs[p].forward_finite and not runs[p].grads_finite and scale != 1.0:
                 bar.extra(f"{p} at loss scale 1")
                 at_one[p] = run_once(ctx, p, 1.0, on_ops=bar.ops)
@@ -184,7 +193,12 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
                           tried={p: r.finite for p, r in runs.items()}, scaler=snap.has_scaler,
                           mode=mode.kind, low=mode.dtype)
         bar.extra("diagnosis")
-        diag = diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops)
+        first = next(iter(raised.items()), None)
+        diag = raised_diagnosis(facts, *first) if first is not None else None
+        if first is not None and diag is None:  # not a value beyond the dtype's range: the model code's error
+            raise first[1]
+        if diag is None:
+            diag = diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops)
         diag = run_probes(path, snap, ctx, runs, diag)  # the evidence around the verdict (probes/)
         diag = verdicts.refine(diag)  # a registered verdict that narrows this one, by its detect()
         if needs_bf16(diag, runs):  # advice to switch to BF16 is given only with BF16's own run behind it
