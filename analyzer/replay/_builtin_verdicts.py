@@ -144,6 +144,12 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
         bound = "min" if v < 0 else "max"
         out.append(AdviceLine(f"Use a value {c['precision']} can hold: torch.finfo(x.dtype).{bound} instead of "
                               f"{_fmt(v)} (it follows the tensor's dtype under any autocast)."))
+    small = d.evidence.get("small_input")  # the small_input probe (probes/small_input.py): where it became small
+    if small is not None and small.cast is not None:
+        out.append(AdviceLine(
+            f"Keep this value in FP32 from the cast at {small.cast['source'] or small.cast['op']} to {small.op} at "
+            f"{c.get('source') or c['op']} (drop that cast, or cast to torch.float32 there): {small.op} of "
+            f"{small.smallest:.3g} is beyond {small.dtype}'s range."))
     check = d.evidence.get("sqrt_d")  # the sqrt_d probe (probes/sqrt_d.py)
     out += sqrt_d_advice(None if check is None else check.check, c["precision"])
     if c["precision"] != "bfloat16":  # else "switch to BF16" names what already failed
