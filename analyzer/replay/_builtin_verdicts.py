@@ -149,7 +149,7 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
         out.append(AdviceLine(
             f"Keep this value in FP32 from the cast at {small.cast['source'] or small.cast['op']} to {small.op} at "
             f"{c.get('source') or c['op']} (drop that cast, or cast to torch.float32 there): {small.op} of "
-            f"{small.smallest:.3g} is beyond {small.dtype}'s range."))
+            f"{small.smallest:.3g} is beyond {small.dtype}'s range.", ("region_fp32",)))
     check = d.evidence.get("sqrt_d")  # the sqrt_d probe (probes/sqrt_d.py)
     out += sqrt_d_advice(None if check is None else check.check, c["precision"])
     if c["precision"] != "bfloat16":  # else "switch to BF16" names what already failed

@@ -70,7 +70,8 @@ class Fix:
         detail: what happened, or why it was not tried.
         precision: the precision the fix was run in.
         failing_op: where it is still non-finite (status ``fails``).
-        max_safe_scale: ``lower_scale`` only: the largest power-of-two loss scale found finite.
+        max_safe_scale: ``lower_scale`` and ``region_fp32`` only: the power-of-two loss scale the fixed step was
+            found finite at (``region_fp32``: the one GradScaler backs off to).
         loss / reference_loss: a finite fixed step's loss, and the loss it was judged against
             (``_reference``: the FP32 run's, or the last finite recorded one; None: no reference).
         covers: ``module_fp32`` only: the other modules of the culprit's class it also kept in FP32
@@ -150,7 +151,7 @@ class FixSpec:
 FIXES: dict[str, FixSpec] = {}
 # The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
 # their modules are imported in; a fix not listed here comes after these, in the order registered.
-ORDER = ("guard_clamp", "guard_eps", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
+ORDER = ("guard_clamp", "guard_eps", "region_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
          "scaler_skip", "compile_disable")
 
 

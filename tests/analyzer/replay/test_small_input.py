@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -40,3 +41,20 @@ def test_the_summary_and_the_advice_name_the_cast_line(replayed):
     assert "Its input was small, not large" in out["summary"] and "became float16 at aten._to_copy" in out["summary"]
     assert any(a.startswith(f"Keep this value in FP32 from the cast at {cast}") for a in out["advice"])
     assert cast in text
+
+
+def test_keeping_that_region_in_fp32_is_verified_against_fp32_at_the_scale_gradscaler_backs_off_to(tmp_path):
+    crashed = dm.train_until_nonfinite(tmp_path, save_rng="batch")
+    res = CliRunner().invoke(main, ["autopsy", str(crashed["checkpoint"]), "--batch", str(crashed["batch"]),
+                                    "--factory", f"{dm.REF}:build_denoiser", "--loss-fn",
+                                    f"{dm.REF}:denoiser_loss", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    [fix] = [f for f in out["fixes"] if f["name"] == "region_fp32"]
+    cast, culprit = _line("sigma = sigma.to(pred.dtype)"), _line("weight = 1 / sigma ** 2")
+    assert fix["status"] == "verified" and cast in fix["title"] and culprit in fix["title"]
+    # the weight 1/sigma**2 ~ 8e4 makes the FP16 gradients large: verified where GradScaler's back-offs land
+    recorded = out["replays"][0]["scale"]
+    s = fix["max_safe_scale"]
+    assert s is not None and s < recorded and s == 2 ** round(math.log2(s))
+    assert f"backs off to {s:g}" in fix["detail"] and abs(fix["loss"] - fix["reference_loss"]) <= 1e-2 * abs(fix["reference_loss"])
