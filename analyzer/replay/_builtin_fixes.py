@@ -18,6 +18,7 @@ from ._runs import ReplayContext
 from .fixes import _NAMES, _NO_MODULE, Fix, FixSpec, _attempt, _check_input, _culprit_run, _judge, register_fix
 from .result import ReplayResult
 from .trace import LOW_PRECISION, RunTrace
+from .verdicts import loss_feeds_model
 
 __all__ = ["guard_expr"]
 
@@ -111,9 +112,13 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
     prec, scale = _culprit_run(result)
     title = f"keep {module} in FP32 (autocast off inside it, inputs upcast)"
     if module in _NO_MODULE:
+        feeds = loss_feeds_model(result.culprit_trace) if module == "<loss_fn>" else None
+        then = (f"and it computes the model's input itself ({feeds}), so computing the loss in FP32 would run the "
+                "whole model in FP32 too" if feeds else
+                "so compute the loss in FP32 (after the autocast block, on .float() inputs)")
         return Fix(name="module_fp32", title=title, status="not_tried", precision=prec,
                    detail=f"the culprit runs in {module}, outside any module of the model: the loss function "
-                          "counts, so compute the loss in FP32 (after the autocast block, on .float() inputs)")
+                          f"counts, {then}")
     if not getattr(getattr(ctx, "mode", None), "autocast", True):
         return Fix(name="module_fp32", title=title, status="not_tried", precision=prec,
                    detail="the run trained without autocast (low-precision parameters): a module in FP32 would "

@@ -10,7 +10,7 @@ import math
 
 from ._magnitude import jump_sentence
 from .diagnosis import Diagnosis
-from .verdicts import AdviceLine, Verdict, _finfo, _finite, _fmt, _keep_fp32, _noted, _where, register
+from .verdicts import AdviceLine, Verdict, _finfo, _finite, _fmt, _keep_fp32, _noted, _where, from_model, register
 
 __all__ = ["BACKEND_SWITCH", "sqrt_d_advice"]
 
@@ -156,9 +156,11 @@ def _overflow_advice(d: Diagnosis) -> list[AdviceLine]:
         out.append(AdviceLine("Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)): it has FP32's range, "
                               "so this value fits.", ("bf16",)))
     where = "the loss" if module == "<loss_fn>" else f"`{module}`"
-    return out + [_keep_fp32(module),
-                  AdviceLine("If activations grow over training, lower the learning rate or add weight decay / "
-                             f"normalisation before {where}.")]
+    out.append(_keep_fp32(module, d))
+    if from_model(d):  # a value of the batch or a random draw alone does not grow with training
+        out.append(AdviceLine("If activations grow over training, lower the learning rate or add weight decay / "
+                              f"normalisation before {where}."))
+    return out
 
 
 register(Verdict(
@@ -182,7 +184,7 @@ def _underflow_advice(d: Diagnosis) -> list[AdviceLine]:
                       f"~{_finfo(prec).smallest_normal * _finfo(prec).eps:.1g} to zero; "
                       "1e-5 as in nn.LayerNorm is safe), or clamp the value before this op: "
                       f"x.clamp_min(torch.finfo(torch.{prec}).tiny).", ("guard_eps", "guard_clamp")),
-           _keep_fp32(c["module"])]
+           _keep_fp32(c["module"], d)]
     if prec != "bfloat16":
         out.append(AdviceLine("Switch to BF16: its smallest normal value is ~1e-38, the same as FP32.", ("bf16",)))
     return out
@@ -209,7 +211,7 @@ def _unregistered_advice(d: Diagnosis) -> list[AdviceLine]:
                    "decorate forward with @torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32).",
                    ("op_fp32",)),
         AdviceLine("Or cast its inputs to FP32 yourself before calling it.", ("op_fp32",)),
-        _keep_fp32(c["module"]),
+        _keep_fp32(c["module"], d),
     ]
 
 
@@ -289,7 +291,7 @@ def _bug_advice(d: Diagnosis) -> list[AdviceLine]:
     else:
         out += [AdviceLine("Add eps or clamp at this op: the FP32 run is finite, but from the rounded "
                            f"{c['precision']} inputs this op fails even in FP32.", ("guard_clamp", "guard_eps")),
-                _keep_fp32(c["module"])]
+                _keep_fp32(c["module"], d)]
     return out
 
 

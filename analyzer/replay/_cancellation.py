@@ -196,7 +196,7 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
     out = []
     if k.get("pattern") in _STABLE:
         out.append(AdviceLine(_STABLE[k["pattern"]]))
-    out.append(_keep_fp32(c["module"]))
+    out.append(_keep_fp32(c["module"], d))
     if k["module"] != c["module"] and not k["module"].startswith("<"):
         out.append(AdviceLine(f"Or compute {k['op']} in `{k['module']}`{' at ' + k['source'] if k.get('source') else ''}"
                               " and its operands in FP32 (.float() inputs under torch.autocast(device_type, "

@@ -32,7 +32,7 @@ from ._actionable import BATCH_FAULT_ADVICE, installed_line
 from .diagnosis import Diagnosis
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
-           "PRECISION_FIXES"]
+           "PRECISION_FIXES", "loss_feeds_model", "from_model"]
 
 
 @dataclass(frozen=True)
@@ -201,10 +201,68 @@ def _outside_module(module: str) -> bool:
     return module.startswith("<")
 
 
-def _keep_fp32(module: str) -> AdviceLine:
-    """Keep the culprit's module in FP32; for the loss function, compute the loss in FP32; nothing
-    for the other places outside any module, which no autocast region covers."""
+# ops that only move, cast or view data: a loss function that does just these before calling the model
+# leaves the model's forward separable from the loss's own maths
+_MOVES = frozenset({"aten._to_copy", "aten.clone", "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view",
+                    "aten.reshape", "aten.expand", "aten.slice", "aten.select", "aten.unsqueeze", "aten.squeeze",
+                    "aten.permute", "aten.t", "aten.transpose", "aten.contiguous", "aten.lift_fresh"})
+
+
+def loss_feeds_model(trace) -> str | None:
+    """The first op of the loss function that computes a value the model's forward reads (``op at source``),
+    or None when the model runs on the batch as given (only moves, casts and views before it).
+
+    Then "compute the loss in FP32" would run the model in FP32 too: the loss function is not separable."""
+    if trace is None:
+        return None
+    recs = trace.records
+    for rec in recs:
+        if rec.phase != "forward" or _outside_module(rec.module):
+            continue
+        todo, seen = [p for _s, p in rec.inputs if p is not None], set()
+        while todo and len(seen) < 200:
+            p = todo.pop()
+            if p in seen or p >= len(recs):
+                continue
+            seen.add(p)
+            r = recs[p]
+            if r.module != "<loss_fn>":
+                continue
+            if r.name not in _MOVES:
+                return f"{r.name} at {r.source}" if r.source else r.name
+            todo.extend(q for _s, q in r.inputs if q is not None)
+    return None
+
+
+def from_model(d: Diagnosis) -> bool:
+    """Whether the culprit's inputs derive from the model's forward (an op upstream of it ran in a module),
+    rather than from the batch or a random draw alone. Unknown (no trace): True."""
+    t, c = d.trace, d.culprit
+    if t is None or c is None or not isinstance(c.get("index"), int) or c["index"] >= len(t.records):
+        return True
+    todo, seen = [c["index"]], set()
+    while todo and len(seen) < 5000:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        rec = t.records[i]
+        if i != c["index"] and not _outside_module(rec.module):
+            return True
+        todo.extend(p for _s, p in rec.inputs if p is not None)
+    return False
+
+
+def _keep_fp32(module: str, d: Diagnosis | None = None) -> AdviceLine:
+    """Keep the culprit's module in FP32; for the loss function, compute the loss in FP32 (unless the loss
+    function's own ops feed the model, which that would run in FP32 too); nothing for the other places
+    outside any module, which no autocast region covers."""
     if module == "<loss_fn>":
+        feeds = loss_feeds_model(d.trace) if d is not None else None
+        if feeds is not None:
+            return AdviceLine(f"Computing the loss in FP32 would run the whole model in FP32 here: the loss function "
+                              f"computes the model's input itself ({feeds}); keep only the culprit's region in FP32.",
+                              checked=True)
         return AdviceLine("Compute the loss in FP32: call the loss function on .float() inputs inside "
                           "torch.autocast(device_type, enabled=False), nested in the training step's autocast block.")
     if _outside_module(module):

@@ -58,3 +58,19 @@ def test_keeping_that_region_in_fp32_is_verified_against_fp32_at_the_scale_grads
     s = fix["max_safe_scale"]
     assert s is not None and s < recorded and s == 2 ** round(math.log2(s))
     assert f"backs off to {s:g}" in fix["detail"] and abs(fix["loss"] - fix["reference_loss"]) <= 1e-2 * abs(fix["reference_loss"])
+
+
+def test_advice_fits_a_loss_that_draws_the_models_input_and_a_value_that_does_not_come_from_the_weights(tmp_path):
+    crashed = dm.train_until_nonfinite(tmp_path, save_rng="batch")
+    out = json.loads(CliRunner().invoke(main, [
+        "autopsy", str(crashed["checkpoint"]), "--batch", str(crashed["batch"]), "--factory",
+        f"{dm.REF}:build_denoiser", "--loss-fn", f"{dm.REF}:denoiser_loss", "--json"]).output)
+    lines = [a["text"] for a in out["advice"]]
+    noise = _line("pred = model(x + sigma * noise)")
+    # "compute the loss in FP32" would run the model in FP32 too: the loss function computes its input
+    assert any(t.startswith("Computing the loss in FP32 would run the whole model in FP32") and noise in t for t in lines)
+    assert not any(t.startswith("Compute the loss in FP32") for t in lines)
+    [module_fix] = [f for f in out["fixes"] if f["name"] == "module_fp32"]
+    assert "would run the whole model in FP32 too" in module_fix["detail"]
+    # 1/sigma**2 comes from a random draw alone: no learning-rate advice
+    assert not any("learning rate" in t for t in lines)
