@@ -3,7 +3,8 @@
 A replay that finds every precision finite is ``healthy`` only when it replayed the step that failed.
 Two things say it did not:
 
-- ``reproduction``: the recorder saw the step fail (a NaN/Inf loss, or NaN/Inf gradients), and the
+- ``reproduction``: the recorder saw the step fail (a NaN/Inf loss, or NaN/Inf gradients; not a
+  ``peer_failure`` snapshot, whose rank the recorder already knew to be healthy), and the
   replay in the recorded precision, with the recorded RNG state, device type and loss scale, is
   finite. What is left is nondeterminism (atomics, another kernel, another device's autocast policy)
   or a transient hardware fault (silent data corruption, a bad memory page): the question large runs
@@ -127,6 +128,8 @@ class Reproduction:
 
 
 def _recorded_failure(snap) -> str | None:
+    if snap.reason == schema.PEER_FAILURE:  # the recorder knew: another rank failed; this one replays finite
+        return None
     loss = snap.loss
     if isinstance(loss, (int, float)) and not math.isfinite(loss):
         return "a NaN/Inf loss"
