@@ -25,6 +25,7 @@ __all__ = ["check_nesting", "validate_snapshot"]
 
 _REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
 _MAX_TEXT = 4096
+_MAX_KEY = 64  # a spike entry's texts: a reason or metric name
 
 
 def _walk_tensors(obj: Any, prefix: str):
@@ -119,6 +120,19 @@ def _check_sdpa(sdpa: Any, path) -> None:
             or not isinstance(sdpa.get("math_reduced_precision"), (bool, type(None)))):
         shape = ", ".join(f"'{b}': bool" for b in schema.SDPA_BACKENDS)
         raise _bad("sdpa", f"should be None or {{'enabled': {{{shape}}}, 'math_reduced_precision': bool | None}}",
+                   path)
+
+
+def _check_spike(spike: Any, path) -> None:
+    """None, or the measurement of a spike snapshot (version 7): ``schema.SPIKE_KEYS``, each a number, a
+    short text or None (``recorders/_spikes.py``)."""
+    if spike is None:
+        return
+    ok = (isinstance(spike, dict) and set(spike) <= set(schema.SPIKE_KEYS)
+          and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                  or (isinstance(v, str) and len(v) <= _MAX_KEY) for v in spike.values()))
+    if not ok:
+        raise _bad("spike", f"should be None or a dict of {', '.join(schema.SPIKE_KEYS)}: numbers, short texts or None",
                    path)
 
 
@@ -254,5 +268,6 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_update(snap.get("update"), path)
     _check_exception(snap.get("exception"), path)
     _check_compile(snap.get("compile"), path)
+    _check_spike(snap.get("spike"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)
