@@ -439,11 +439,14 @@ def test_layer_ids_outside_meta_jsons_params_are_named_in_a_warning(tmp_path, ba
     assert f["evidence"]["params"] == 8 and "layer ids outside 0..7" in f["message"]
 
 
-def test_duplicate_steps_are_named_in_a_note(tmp_path):
+def test_duplicate_steps_are_named_in_a_note_and_a_repeated_steps_finding(tmp_path):
     run = _trace_run(tmp_path, steps=lambda df: pl.concat([df, df.head(3)]))
     res = invoke(["report", str(run)])
     assert res.exit_code == 0, res.output
     assert "3 step rows repeat a step number" in res.stdout
+    out = json.loads(invoke(["report", str(run), "--json"]).stdout)
+    [f] = [f for f in out["findings"] if f["check"] == "repeated_steps"]
+    assert f["severity"] == "info" and f["evidence"] == {"rows": 3} and "3 step row(s) repeat" in f["message"]
 
 
 def test_rows_of_another_rank_under_rank_0s_name_are_refused(tmp_path):

@@ -19,7 +19,7 @@ from .learning import flat_loss, tiny_updates
 from .loss import loss_spike, low_precision_loss, nonfinite_loss
 from .mistakes import autocast_inactive, scaled_loss
 from .nonfinite import nonfinite_grads
-from .plausible import implausible_trace
+from .plausible import implausible_trace, repeated_steps
 from .recorder_warnings import recorder_warning
 from .ranks import rank_divergence, repeated_rank_failure
 from .scaler import frequent_overflow, scale_collapse, startup_calibration
@@ -51,6 +51,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "scaled_loss": scaled_loss,
     "autocast_inactive": autocast_inactive,
     "implausible_trace": implausible_trace,
+    "repeated_steps": repeated_steps,
     "recorder_warning": recorder_warning,
     "tiny_updates": tiny_updates,
     "flat_loss": flat_loss,

@@ -57,6 +57,7 @@ class Frames:
     source_format: str = "amp-autopsy"
     layer_window: Callable[[int, int], pl.DataFrame] | None = None
     notes: list[str] = field(default_factory=list)
+    repeated_rows: int = 0  # step rows that repeat a rank's step number (a reused directory, a resumed run)
     layer_rows: Callable[[int, int], pl.DataFrame] | None = None
     # FSDP2 runs: (step, rank, layer, weights_bad, grads_bad) of every shard at the first step whose
     # shards held non-finite weights and at the first with non-finite gradients; None otherwise
@@ -227,7 +228,7 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
     layer_nulls = rest[0] if run.layers is not None else None
     lf = all_steps if rank is None else all_steps.filter(pl.col("rank") == rank)
     n_ranks = ranks.height if rank is None else 1
-    notes = []
+    notes, repeated = [], 0
     progress_line(progress, "aggregating steps")
     merged = _merged_steps(run, lf, n_ranks)
     rows = int(merged["n_ranks"].sum()) if merged.height else 0
@@ -235,7 +236,8 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
         # a reused run directory or a resumed run repeats step numbers; parts are read in order,
         # so keep each rank's latest row of a step (checked on the small merged frame: no extra scan)
         merged = _merged_steps(run, lf.unique(["rank", "step"], keep="last", maintain_order=True), n_ranks)
-        notes.append(f"{rows - int(merged['n_ranks'].sum())} step rows repeat a step number: the run "
+        repeated = rows - int(merged["n_ranks"].sum())
+        notes.append(f"{repeated} step rows repeat a step number: the run "
                      "directory was reused or the run resumed; the latest row of each step is used, "
                      "per-layer statistics mix both")
     layer_bins, width, window, rows, shard_faults = None, 1, None, None, None
@@ -280,4 +282,4 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
                   layer_window=window, notes=notes, layer_rows=rows, shard_faults=shard_faults,
-                  meta=dict(run.meta or {}), metas=dict(run.metas or {}))
+                  meta=dict(run.meta or {}), metas=dict(run.metas or {}), repeated_rows=repeated)

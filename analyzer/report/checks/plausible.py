@@ -33,7 +33,7 @@ from ...findings import Finding
 from ...load.logs import LOG_PROBLEMS
 from .frames import Frames
 
-__all__ = ["implausible_trace", "MAX_STEP"]
+__all__ = ["implausible_trace", "repeated_steps", "MAX_STEP"]
 
 MAX_STEP = 10**12  # a trillion optimizer steps: beyond any run; int64 arithmetic on steps overflows near 2**63
 
@@ -115,3 +115,14 @@ def _scaler_settings(scaler, ev: dict) -> list[str]:
     ev.update(bad_scaler_settings={k: str(v)[:40] for k, v in bad.items()})
     return ["meta.json's scaler settings " + ", ".join(f"{k} {str(v)[:40]!r}" for k, v in bad.items())
             + " are not GradScaler's (torch's defaults are used: growth_interval 2000)"]
+
+
+def repeated_steps(frames: Frames) -> list[Finding]:
+    """Step rows that repeat a rank's step number: named, as info (a resumed run writes them too)."""
+    n = frames.repeated_rows
+    if not n:
+        return []
+    return [Finding("repeated_steps", "info", None,
+                    f"{n} step row(s) repeat a step number already recorded for their rank: the run directory was "
+                    "reused or the run resumed; the latest row of each step is used, and per-layer statistics mix "
+                    "both", {"rows": n})]
