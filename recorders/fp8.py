@@ -88,6 +88,11 @@ class CastStats:
     def subnormal_frac(self) -> float:
         return self.subnormal / self.numel if self.numel else 0.0
 
+    @classmethod
+    def from_counts(cls, fmt: str, granularity: str, v: list[float]) -> CastStats:
+        """From ``cast_counts``'s eight values, read to the host."""
+        return cls(fmt, granularity, int(v[0]), int(v[1]), v[2], int(v[3]), int(v[4]), int(v[5]), v[6], v[7])
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(saturated_frac=self.saturated_frac, flushed_frac=self.flushed_frac,
@@ -153,5 +158,4 @@ def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim:
 
 def cast_stats(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim: int = -1) -> CastStats:
     """``cast_counts`` read to the host (one sync) as a ``CastStats``."""
-    v = cast_counts(x, fmt, granularity, dim).tolist()  # NB: a device-to-host sync
-    return CastStats(fmt, granularity, int(v[0]), int(v[1]), v[2], int(v[3]), int(v[4]), int(v[5]), v[6], v[7])
+    return CastStats.from_counts(fmt, granularity, cast_counts(x, fmt, granularity, dim).tolist())  # NB: a sync

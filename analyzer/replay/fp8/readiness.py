@@ -131,9 +131,8 @@ class _Collect:
         median = nz.median() if nz.numel() else torch.zeros((), device=x.device)
         rows = [torch.stack([absx.amax() if absx.numel() else median, median]).double()]
         for recipe, fmts in RECIPES.items():
-            g = "tensorwise" if recipe == "tensorwise" else recipe
             for _use, dim in _USES[role]:
-                rows.append(cast_counts(x, fmts[role], g, dim=dim))
+                rows.append(cast_counts(x, fmts[role], recipe, dim=dim))
         self.counts.append((name, role, torch.cat(rows)))
 
     @contextlib.contextmanager
@@ -183,8 +182,7 @@ def fp8_readiness(ctx: ReplayContext) -> Readiness:
             worst = None
             for j, (use, _dim) in enumerate(_USES[role]):
                 c = v[2 + i * per_recipe + j * 8: 2 + i * per_recipe + (j + 1) * 8]
-                s = CastStats(RECIPES[recipe][role], "tensorwise" if recipe == "tensorwise" else recipe,
-                              int(c[0]), int(c[1]), c[2], int(c[3]), int(c[4]), int(c[5]), c[6], c[7])
+                s = CastStats.from_counts(RECIPES[recipe][role], recipe, c)
                 if worst is None or _loss_of(s) > _loss_of(worst[1]):
                     worst = (use, s)
             casts[recipe] = worst
