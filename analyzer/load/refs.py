@@ -17,7 +17,7 @@ from recorders import imports
 from ..errors import FactoryError
 from .snapshot import Snapshot
 
-__all__ = ["INSTALLED_SAMPLES", "import_plan", "plan_imports", "recorded_cwd", "resolve_ref", "root_sources",
+__all__ = ["INSTALLED_SAMPLES", "missing_extra", "import_plan", "plan_imports", "recorded_cwd", "resolve_ref", "root_sources",
            "samples_package", "samples_roots", "snapshot_roots"]
 
 # The bundled samples are the repository's ``samples/`` directory; a wheel installs them as
@@ -60,7 +60,7 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
     except Exception as e:  # noqa: BLE001 - any import-time failure of user code is reported
         raise FactoryError(
             f"cannot import {what} {ref!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            fix=_ref_fix("missing", option),
+            fix=missing_extra(e) or _ref_fix("missing", option),
         ) from e
 
     def call_under_roots(*args, **kwargs):
@@ -68,6 +68,22 @@ def resolve_ref(ref: str, *, what: str = "factory", option: str = "--factory", r
             return obj(*args, **kwargs)
 
     return functools.update_wrapper(call_under_roots, obj, updated=())
+
+
+# the optional extra that installs a package model code may import (pyproject's [project.optional-dependencies])
+_EXTRAS = {"torchao": "fp8", "transformers": "hf", "accelerate": "hf", "lightning": "lightning",
+           "pytorch_lightning": "lightning", "tensorboard": "tensorboard"}
+
+
+def missing_extra(e: BaseException) -> str | None:
+    """For model code that failed on a package one of amp-autopsy's extras installs (torchao for an FP8 model),
+    the fix naming that extra; else None."""
+    name = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    extra = _EXTRAS.get((name or "").partition(".")[0])
+    if extra is None:
+        return None
+    return (f"the model code needs {name.partition('.')[0]}, from amp-autopsy's [{extra}] extra: "
+            f"pip install 'amp-autopsy[{extra}]' (from a checkout: pip install -e '.[{extra}]')")
 
 
 def _ref_fix(kind: str, option: str) -> str:

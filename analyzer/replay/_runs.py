@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import AnalyzerError, BadInputError, FactoryError
+from ..load.refs import missing_extra
 from ._accumulate import micro_parts, scaled_loss, step_loss
 from ._attribution import _ForwardTagMode, attach_module_hooks
 from ._compiled import fit_state, original_module
@@ -85,7 +86,7 @@ class ReplayContext:
         except Exception as e:  # noqa: BLE001 - user code failing is reported, not crashed on
             raise FactoryError(
                 f"factory {self.factory_ref!r} raised {type(e).__name__}: {_first_line(e)}",
-                path=self.path, fix="pass a working factory with --factory pkg.module:function",
+                path=self.path, fix=missing_extra(e) or "pass a working factory with --factory pkg.module:function",
             ) from e
         if not isinstance(model, torch.nn.Module):
             raise FactoryError(
