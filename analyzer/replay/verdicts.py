@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ._actionable import BATCH_FAULT_ADVICE, installed_line
+from ._magnitude import _THROUGH, _ancestors
 from .diagnosis import Diagnosis
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
@@ -201,13 +202,6 @@ def _outside_module(module: str) -> bool:
     return module.startswith("<")
 
 
-# ops that only move, cast or view data: a loss function that does just these before calling the model
-# leaves the model's forward separable from the loss's own maths
-_MOVES = frozenset({"aten._to_copy", "aten.clone", "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view",
-                    "aten.reshape", "aten.expand", "aten.slice", "aten.select", "aten.unsqueeze", "aten.squeeze",
-                    "aten.permute", "aten.t", "aten.transpose", "aten.contiguous", "aten.lift_fresh"})
-
-
 def loss_feeds_model(trace) -> str | None:
     """The first op of the loss function that computes a value the model's forward reads (``op at source``),
     or None when the model runs on the batch as given (only moves, casts and views before it).
@@ -228,7 +222,7 @@ def loss_feeds_model(trace) -> str | None:
             r = recs[p]
             if r.module != "<loss_fn>":
                 continue
-            if r.name not in _MOVES:
+            if r.name not in _THROUGH:  # views and casts move data; anything else computes it
                 return f"{r.name} at {r.source}" if r.source else r.name
             todo.extend(q for _s, q in r.inputs if q is not None)
     return None
@@ -240,17 +234,7 @@ def from_model(d: Diagnosis) -> bool:
     t, c = d.trace, d.culprit
     if t is None or c is None or not isinstance(c.get("index"), int) or c["index"] >= len(t.records):
         return True
-    todo, seen = [c["index"]], set()
-    while todo and len(seen) < 5000:
-        i = todo.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        rec = t.records[i]
-        if i != c["index"] and not _outside_module(rec.module):
-            return True
-        todo.extend(p for _s, p in rec.inputs if p is not None)
-    return False
+    return any(not _outside_module(t.records[p].module) for p in _ancestors(t, c["index"]))
 
 
 def _keep_fp32(module: str, d: Diagnosis | None = None) -> AdviceLine:
