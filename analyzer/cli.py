@@ -99,7 +99,8 @@ def _checkpoint_options(fn):
 
 
 def _open_target(path, command, batch, amp, scale, accumulate, *, rng=None, factory_kwargs=None, **kw):
-    """What PATH (and --batch) name, opened by ``load.target`` (a snapshot, a run, or a checkpoint and its batch)."""
+    """What PATH (and --batch) name, opened by ``load.target`` (a snapshot, a run, or a checkpoint and its batch);
+    `factory_kwargs` already parsed (``_factory_kwargs``)."""
     from .load.target import open_target
 
     if batch is None and (amp is not None or scale is not None or accumulate is not None):
@@ -107,7 +108,7 @@ def _open_target(path, command, batch, amp, scale, accumulate, *, rng=None, fact
     if batch is None and rng is not None:
         raise click.UsageError("--rng goes with --batch (a recorder snapshot holds its own RNG state)")
     return open_target(path, command=command, batch=batch, amp=amp, scale=scale, accumulate=accumulate, rng=rng,
-                       factory_kwargs=_factory_kwargs(factory_kwargs), **kw)
+                       factory_kwargs=factory_kwargs, **kw)
 
 
 def _override_options(fn):
@@ -140,11 +141,13 @@ _device_option = click.option(
     help="Where to replay: cuda when present (auto), else cpu.")
 
 
-def _replay_options(*, culprit: str, snapshot: str):
-    """The options ``replay`` and ``autopsy`` share: --ops, --factory, --loss-fn, --path."""
+def _replay_options(*, culprit: str | None, snapshot: str):
+    """The options ``replay`` and ``autopsy`` share: --ops (without a `culprit`, none), --factory, --loss-fn, --path."""
     options = [
         click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
                      help=f"Ops to show around {culprit}."),
+    ] if culprit is not None else []
+    options += [
         click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function."),
         click.option("--loss-fn", "loss_fn", default=None, metavar="REF",
                      help="Override the loss function, pkg.mod:function."),
@@ -203,7 +206,8 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
     dtype_list = None if dtypes is None else [d.strip() for d in dtypes.split(",") if d.strip()]
     target = _open_target(snapshot, "replay", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
-                          device=device, paths=paths, rng=rng, factory_kwargs=factory_kwargs, rank=rank)
+                          device=device, paths=paths, rng=rng, factory_kwargs=_factory_kwargs(factory_kwargs),
+                          rank=rank)
     result = replay_snapshot(target.source, device=device, dtypes=dtype_list, factory=factory, loss_fn=loss_fn,
                              progress=sys.stderr.isatty() and not as_json, paths=paths,
                              rank=rank if isinstance(target.source, str) else None)  # a loaded snapshot is that rank's
@@ -295,12 +299,12 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
     progress = sys.stderr.isatty() and not as_json
     if batch is not None and rank is not None:
         raise click.UsageError("--rank picks a run's snapshots, not a checkpoint with --batch")
+    kwargs = _factory_kwargs(factory_kwargs)  # parsed once: a checkpoint's are applied when it is opened
     target = _open_target(run, "autopsy", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
-                          device=device, paths=paths, rng=rng, factory_kwargs=factory_kwargs)
-    kwargs = _factory_kwargs(factory_kwargs) if batch is None else None  # a checkpoint's: applied when opened
+                          device=device, paths=paths, rng=rng, factory_kwargs=kwargs)
     result = run_autopsy(target.source, rank=rank, device=device, factory=factory, loss_fn=loss_fn, paths=paths,
                          progress=progress, on_stage=(lambda line: click.echo(line, err=True)) if progress else None,
-                         factory_kwargs=kwargs)
+                         factory_kwargs=kwargs if batch is None else None)
     written = write_autopsy_outputs(result, plots_dir=out_dir, replays_dir=out_dir, html=html_path,
                                     run_dir=target.run_dir)
     if as_json:
@@ -353,11 +357,7 @@ def inspect(checkpoint, checkpoint_b, as_json, top, device, all_tensors, fail_on
 @_checkpoint_options
 @_json_option
 @_device_option
-@click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function.")
-@click.option("--loss-fn", "loss_fn", default=None, metavar="REF", help="Override the loss function, pkg.mod:function.")
-@click.option("--path", "paths", multiple=True, metavar="DIR",
-              type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
-              help="Also import the factory and loss function from under DIR (repeatable).")
+@_replay_options(culprit=None, snapshot="the snapshot's")
 @_one_line_errors
 def fp8_readiness(snapshot, batch, amp, accumulate, scale, as_json, device, factory, loss_fn, paths):
     """What FP8 training would flush or saturate in a BF16 step, per Linear and operand, and which to keep in BF16.
