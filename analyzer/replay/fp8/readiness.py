@@ -12,11 +12,12 @@ A cast *breaks* when more than ``FLUSH_LIMIT`` of its non-zero values flush to z
 ``SATURATE_LIMIT`` of its values pass the format's max. A Linear that breaks under a recipe is printed in
 the ``module_filter_fn`` that keeps it in BF16 under that recipe.
 
-Example (a SwiGLU block whose w1/w3 rows align on one token: w2's input amax is 2e4 against a median of
-0.01; one tensorwise scale flushes most of it, rowwise scales only the rows of that token):
+Real output (a SwiGLU block whose w1/w3 rows align on one rare token, ``tests/analyzer/replay/fp8/``:
+w2's input amax is 2e4 against a median of 0.005; one tensorwise scale flushes most of it, rowwise scales
+lose only the rows of that token, 2 of 64)::
 
-    blocks.0.mlp.w2  input   amax 2.0e+04  amax/median 1.6e+06  tensorwise: 87% flushed (forward)
-                                                                 rowwise: 1.6% flushed  mxfp8: 0.8% flushed
+    block.mlp.w2  input  amax 1.98e+04  amax/median 4.06e+06  tensorwise: BREAKS 97.8% flushed (forward)
+                                                            rowwise: 3.1% flushed  mxfp8: 1.5% flushed
 """
 from __future__ import annotations
 

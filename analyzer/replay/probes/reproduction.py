@@ -22,9 +22,10 @@ Real output (a denoiser whose loss draws its noise level, replayed from a checkp
 without the RNG state)::
 
     verdict: not_reproduced
-    Every replayed precision is finite, but the step draws random numbers (aten.normal_ in <loss_fn>
-    at denoiser_models.py:40, forward) and no RNG state was given: they ran from a fixed seed (0), so
-    this replay need not be the step that failed.
+      Every replayed precision is finite, but the step draws random numbers (aten.randn in <loss_fn> at
+      tests/analyzer/replay/denoiser_models.py:39, forward; aten.randn_like in <loss_fn> at
+      tests/analyzer/replay/denoiser_models.py:40, forward) and no RNG state was given: they ran from a
+      fixed seed (0), so this replay need not be the step that failed.
 """
 from __future__ import annotations
 

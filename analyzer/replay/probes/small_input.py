@@ -11,9 +11,9 @@ cast to the culprit (untested: the replay does not edit the code).
 Real output (a denoiser whose loss casts its noise level sigma to the prediction's dtype, then weights by
 ``1 / sigma**2``)::
 
-    ... Its input was small, not large: the smallest non-zero |x| of aten.reciprocal's input is 0.00386
-    (float16), made by aten.pow in <loss_fn> at denoiser_models.py:43; the value became float16 at
-    aten._to_copy in <loss_fn> at denoiser_models.py:42.
+    ... Its input was small, not large: the smallest non-zero |x| of aten.reciprocal's input is 1.29e-05
+    (float16), made by aten.pow in <loss_fn> at tests/analyzer/replay/denoiser_models.py:43; the value
+    became float16 at aten._to_copy in <loss_fn> at tests/analyzer/replay/denoiser_models.py:42.
 """
 from __future__ import annotations
 
