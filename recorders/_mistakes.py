@@ -23,7 +23,6 @@ None of this touches training: it reads host-side autograd metadata and autocast
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -200,7 +199,7 @@ class MistakeWatch:
                 return
         self._warned.add("scaled_loss")
         self._warn("scaled_loss",
-                   f"amp-autopsy recorder: end_step() was given the scaled loss (loss x the GradScaler's scale"
+                   "amp-autopsy recorder: end_step() was given the scaled loss (loss x the GradScaler's scale"
                    + (f", {value:.4g} at scale {scale:g}" if isinstance(value, float) and isinstance(scale, float)
                       else "") + "), so the trace records loss x scale. Pass the unscaled loss: "
                    "scaler.scale(loss).backward(); rec.end_step(loss)", step)

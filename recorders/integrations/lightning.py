@@ -68,7 +68,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .. import imports, schema
+from .. import imports
 from .._exception import record_exception
 from ..recorder import Recorder
 from ..refs import import_class
