@@ -44,6 +44,11 @@ _APPLY = frozenset({"aten.mul", "aten.mul_"})  # a factor multiplied in (a divis
 _LIMIT = 20000  # ops visited at most (a deep model's whole forward)
 
 
+# Growths within 1% of each other are one tie, kept by the earlier op: a few low-precision ulps
+# (FP16's is 2**-10) of rounding that moves with the CPU's SIMD must not move the answer.
+_TIE = 1e-2
+
+
 def _ancestors(run: RunTrace, i: int) -> set[int]:
     seen: set[int] = set()
     stack = [p for _, p in run.records[i].inputs if p is not None]
@@ -93,7 +98,7 @@ def _jump(run: RunTrace, fed: set[int], culprit: int) -> tuple[int, int, float, 
             v = run.absmax[s]
             if _through(run, p) is None or not math.isfinite(v) or v <= 0:
                 continue  # a parameter, buffer or batch entry is read, not grown
-            if best is None or out / v > best[2]:
+            if best is None or out / v > best[2] * (1 + _TIE):  # a tie keeps the earlier op
                 best = (k, pos, out / v, v, out)
     return best
 

@@ -63,7 +63,8 @@ def test_the_demo_overflow_names_the_rsqrt_of_tau_that_multiplied_the_logits_inp
     for a in j["applied_by"]:
         assert f["index"] in [p for _, p in t.records[a["index"]].inputs]
     assert j["growth"] == pytest.approx(j["output_absmax"] / j["input_absmax"])
-    assert j["growth"] >= max(_edges(t, r.culprit["index"])) * (1 - 1e-9) and j["growth"] >= MIN_GROWTH
+    # the largest growth, up to the 1% within which the earlier op wins a tie (_magnitude._TIE)
+    assert j["growth"] >= max(_edges(t, r.culprit["index"])) / (1 + 1e-2) and j["growth"] >= MIN_GROWTH
     d = json.loads(json.dumps(r.to_dict(), allow_nan=False))  # strict JSON, the same key in --json
     assert d["culprit"]["magnitude_jump"]["factor"]["reads"] == "blocks.0.attn.temperature"
     ops = " and ".join(f"#{a['index']}" for a in j["applied_by"])
