@@ -195,15 +195,23 @@ def _update_lines(u: dict, shown: int = 3) -> list[str]:
 def _table(trace, center: int, ops: int) -> str:
     half = max(ops // 2, 1)
     lo, hi = max(0, center - half), min(len(trace.records), center + half + 1)
-    rows = [("", "#", "phase", "op", "module", "dtype", "in abs-max", "out abs-max", "source")]
+    rows = [("", "#", "phase", "op", "module", "dtypes", "in abs-max", "out abs-max", "source")]
     for i in range(lo, hi):
         rec = trace.records[i]
         ins = [trace.absmax[s] for s, _ in rec.inputs]
         outs = [trace.absmax[s] for s in rec.outputs]
-        rows.append((">>" if i == center else "", str(i), rec.phase[:3], rec.name, rec.module,
-                     str(rec.out_dtype).removeprefix("torch.") if rec.out_dtype else "-", _num(_mx(ins)), _num(_mx(outs)), rec.source or "-"))
+        rows.append((">>" if i == center else "", str(i), rec.phase[:3], rec.name, rec.module, _dtypes(rec),
+                     _num(_mx(ins)), _num(_mx(outs)), rec.source or "-"))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _dtypes(rec) -> str:
+    """``float32 -> float16``: an op's floating input dtypes (sorted, comma-joined) and its output dtype, so a
+    cast reads as one; ``-`` for an op with no floating input or output (a mask's bool ops)."""
+    ins = ",".join(sorted(str(d).removeprefix("torch.") for d in rec.in_dtypes)) or "-"
+    out = str(rec.out_dtype).removeprefix("torch.") if rec.out_dtype is not None else "-"
+    return "-" if ins == out == "-" else f"{ins} -> {out}"
 
 
 def _mx(vals):
