@@ -60,7 +60,9 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         lines.append(f"  {_micro_text(r.micro_batches)}")
     for note in (r.checkpoint or {}).get("notes", ()):  # a checkpoint and a batch: what stood in for the snapshot
         lines.append(f"  NB: {note}")
-    c = r.culprit
+    from ..replay.records import headline  # loaded with the replay that made `result`
+
+    c = headline(r.culprit)  # the op the answer leads with, as --json's culprit
     if c:
         lines += ["", "culprit:",
                   f"  op        {c['op']}" + (f".{c['overload']}" if c["phase"] != "optimizer" else "")
@@ -91,9 +93,14 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
             lines.append(f"  grew at   {jump['op']} in `{jump['module']}` op #{jump['index']} ({jump['phase']}) at "
                          f"{jump.get('source') or '-'} abs-max {_num(jump['input_absmax'])} -> "
                          f"{_num(jump['output_absmax'])} (x{_num(jump['growth'])}{by})")
+        s = c.get("surfaced_at")
+        if s:  # the culprit is a forward NaN/Inf a later op hid: where it made the step fail
+            lines.append(f"  surfaced  {s['op']} in `{s['module']}` op #{s['index']} ({s['phase']}"
+                         + (f", {s['node']}" if s.get("node") else "") + f") at {s.get('source') or '-'}: "
+                         f"output {_num(s['output_absmax'])} from inputs up to {_num(s['input_absmax'])}")
         for key, label in (("underflow_at", "zeros from"), ("literal_nonfinite", "mask value"),
                            ("hidden", "hidden")):
-            o = c.get(key)
+            o = c.get(key) if not (key == "hidden" and s) else None  # the hidden op is the culprit itself
             if o:
                 extra = f" zeros {o['zeros']} vs {o['fp32_zeros']} in FP32" if key == "underflow_at" else ""
                 lines.append(f"  {label:<9} {o['op']} in `{o['module']}` op #{o['index']} "

@@ -31,6 +31,7 @@ import torch
 from ._actionable import BATCH_FAULT_ADVICE, installed_line
 from ._magnitude import _THROUGH, _ancestors
 from .diagnosis import Diagnosis
+from .records import hidden_first
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
            "PRECISION_FIXES", "loss_feeds_model", "from_model"]
@@ -126,7 +127,7 @@ def summary(d: Diagnosis) -> str:
     what is wrong with the batch, the micro-batch, ...)."""
     text = VERDICTS[d.verdict].summary(d)
     h, c = d.hidden, d.culprit
-    if h is not None and c is not None and h["phase"] == "forward" and c["phase"] != "forward":
+    if hidden_first(c):
         # the first event in time heads the sentence: the forward op, then the backward symptom
         src = f" at {h['source']}" if h.get("source") else ""
         text = (f"First, {h['op']} in `{h['module']}` (forward, {h['precision']}){src} made {h['output_kind']} "
