@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -86,7 +85,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from .. import imports
 from .._exception import record_exception
-from ..recorder import Recorder, RecorderWarning
+from ..recorder import Recorder
 from ..refs import import_class
 from ._hf_accum import dataloader_length, step_micro_batches
 from ._hf_amp import trainer_amp_dtype
@@ -384,11 +383,8 @@ class AmpAutopsyCallback(TrainerCallback):
 
     def _warn(self, kind: str, message: str, step: int | None = None) -> None:
         """One RecorderWarning of `kind` (``schema.WARNING_KINDS``), kept in meta.json's ``warnings`` like the
-        Recorder's own, so that ``analyzer report`` repeats it. Never raises."""
-        if self.recorder is not None:
-            self.recorder._recorder_warning(kind, message, stacklevel=3, step=step)
-        else:  # NB: no Recorder, no meta.json to keep it in
-            warnings.warn(message, RecorderWarning, stacklevel=3)
+        Recorder's own (``analyzer report`` repeats it). Called once the Recorder exists."""
+        self.recorder._recorder_warning(kind, message, stacklevel=3, step=step)
 
     def _refs(self, model) -> tuple[Any, dict, Any]:
         factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn
