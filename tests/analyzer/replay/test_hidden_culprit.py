@@ -69,3 +69,18 @@ def test_a_culprit_nothing_hid_has_no_surfaced_at(tmp_path):
     [snap] = (tmp_path / "snapshots").glob("*.pt")
     c = json.loads(_invoke("replay", str(snap), "--json"))["culprit"]
     assert (c["op"], c["phase"]) == ("aten.log", "forward") and "surfaced_at" not in c
+
+
+def test_the_replay_figure_marks_the_forward_log_as_the_culprit_and_the_backward_div_where_it_surfaced(run_dir):
+    from analyzer.render.plots import plt
+    from analyzer.render.replay import replay_figure
+    from analyzer.replay import replay_snapshot
+
+    r = replay_snapshot(next((run_dir / "snapshots").glob("*.pt")))
+    fig = replay_figure(r)
+    try:
+        lines = {gid: [a for ax in fig.axes for a in ax.lines if a.get_gid() == gid] for gid in ("culprit", "surfaced_at")}
+        at = {gid: {float(a.get_xdata()[0]) for a in found} for gid, found in lines.items()}
+    finally:
+        plt.close(fig)
+    assert at == {"culprit": {float(r.hidden_nonfinite["index"])}, "surfaced_at": {float(r.culprit["index"])}}
