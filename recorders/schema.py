@@ -206,6 +206,14 @@ WARNING_KINDS: dict[str, str] = {
     "no_step_hook": "check_update=True without a torch.optim.Optimizer: optimizer steps were not checked",
     "post_forward_buffers": "a snapshot holds buffers written in place by the forward (post-forward values)",
     "exception_not_recorded": "the exception the loop raised could not be recorded completely",
+    # the HF Trainer callback's own (recorders/integrations/hf.py)
+    "fp16_cpu_as_fp32": "HF Trainer fp16=True on CPU made no autocast or GradScaler: the run trained, and is recorded, "
+                        "in FP32",
+    "grads_post_clip": "HF Trainer: the backward did not run through the model's loss, so the gradients were read "
+                       "after clipping (post-clip norms)",
+    "positional_inputs": "HF Trainer: the model was called with positional inputs; only keyword inputs are in the "
+                         "recorded batch",
+    "step_not_recorded": "HF Trainer: recording a step failed inside the Trainer's backward; that step is missing",
 }
 META_KEYS_ADDED["spikes"] = 7  # the spike triggers' settings (recorders/_spikes.py); older runs: None
 META_FORMAT = "amp-autopsy.run"

@@ -62,12 +62,15 @@ def _where(result: Any, info: SnapshotInfo | None) -> str:
 
 def _first_nonfinite(result: Any) -> list[str]:
     """The forward op whose NaN/Inf a later op hid, when the culprit is in backward: the first event in time."""
-    h, c = result.hidden_nonfinite, result.culprit
-    if h is None or h["phase"] != "forward" or c["phase"] == "forward":
+    from ..replay.records import hidden_first  # loaded with the replay that made `result`
+
+    c = result.culprit
+    if not hidden_first(c):
         return []
+    h = c["hidden"]
     at = f" at {h['source']}" if h["source"] else ""
     return [f"first non-finite op: {h['op']} in {h['module'] or '(no module)'}{at}, forward, {h['precision']}, "
-            f"{h['output_kind']} (hidden by a later forward op; the culprit below is where backward broke)"]
+            f"{h['output_kind']} (hidden by a later forward op; it surfaced in backward where the next line says)"]
 
 
 def _fix_lines(autopsy: AutopsyResult, snapshot: str) -> list[str]:

@@ -91,6 +91,10 @@ class AutopsyResult:
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` object: ``report`` and each of ``replays`` exactly as their own commands print them."""
         culprit = self.culprit
+        if culprit is not None:  # a replay ran, so analyzer.replay (and torch) is loaded already
+            from ..replay.records import headline
+
+            culprit = headline(culprit)  # the op the answer leads with: replay --json's culprit
         return json_safe({
             "autopsy_version": AUTOPSY_VERSION,
             "run": self.run,

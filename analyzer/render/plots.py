@@ -271,11 +271,16 @@ def _mark_common(ax, result, trace, lo: float = -math.inf, hi: float = math.inf)
         ax.axvline(b - 0.5, color="0.25", ls="-.", lw=0.9, gid="backward_start")
         ax.text(b - 0.5, 1.0, " backward ->", transform=top, fontsize=8, color="0.25", va="bottom")
         ax.text(b - 0.5, 1.0, "<- forward ", transform=top, fontsize=8, color="0.25", va="bottom", ha="right")
-    c = result.culprit
+    c = _headline(result)
     if c and lo <= c["index"] <= hi:
         ax.axvline(c["index"], color="red", lw=1.2, gid="culprit")
         ax.text(c["index"], 0.9, f" culprit #{c['index']} {_plain(c['op'])} ({_plain(c['module'])})", transform=top,
                 color="red", fontsize=8, va="top")
+    s = c.get("surfaced_at") if c else None  # a forward NaN/Inf a later op hid: where backward failed
+    if s and lo <= s["index"] <= hi:
+        ax.axvline(s["index"], color="red", ls=":", lw=1.2, gid="surfaced_at")
+        ax.text(s["index"], 0.66, f" surfaced #{s['index']} {_plain(s['op'])}", transform=top, color="red",
+                fontsize=8, va="top")
     u = result.underflow_at
     if u and lo <= u["index"] <= hi:
         ax.axvline(u["index"], color="darkorange", ls="--", lw=1.2, gid="underflow_at")
@@ -373,8 +378,15 @@ def _cover_every_op(ax, result) -> None:
         ax.set_xlim(-pad, n - 1 + pad)
 
 
+def _headline(result):
+    """The culprit the answer leads with (``replay.records.headline``): the text's and ``--json``'s."""
+    from ..replay.records import headline  # loaded with the replay that made `result`
+
+    return headline(result.culprit)
+
+
 def _zoom_panel(ax, result, trace, zoom: int, underflow: bool) -> None:
-    c = result.culprit
+    c = _headline(result)
     lo, hi = max(0, c["index"] - zoom), min(len(trace.records) - 1, c["index"] + zoom)
     xs, ys, bad, zero = _op_series(trace)
     keep = (xs >= lo) & (xs <= hi)

@@ -60,7 +60,9 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         lines.append(f"  {_micro_text(r.micro_batches)}")
     for note in (r.checkpoint or {}).get("notes", ()):  # a checkpoint and a batch: what stood in for the snapshot
         lines.append(f"  NB: {note}")
-    c = r.culprit
+    from ..replay.records import headline  # loaded with the replay that made `result`
+
+    c = headline(r.culprit)  # the op the answer leads with, as --json's culprit
     if c:
         lines += ["", "culprit:",
                   f"  op        {c['op']}" + (f".{c['overload']}" if c["phase"] != "optimizer" else "")
@@ -91,9 +93,14 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
             lines.append(f"  grew at   {jump['op']} in `{jump['module']}` op #{jump['index']} ({jump['phase']}) at "
                          f"{jump.get('source') or '-'} abs-max {_num(jump['input_absmax'])} -> "
                          f"{_num(jump['output_absmax'])} (x{_num(jump['growth'])}{by})")
+        s = c.get("surfaced_at")
+        if s:  # the culprit is a forward NaN/Inf a later op hid: where it made the step fail
+            lines.append(f"  surfaced  {s['op']} in `{s['module']}` op #{s['index']} ({s['phase']}"
+                         + (f", {s['node']}" if s.get("node") else "") + f") at {s.get('source') or '-'}: "
+                         f"output {_num(s['output_absmax'])} from inputs up to {_num(s['input_absmax'])}")
         for key, label in (("underflow_at", "zeros from"), ("literal_nonfinite", "mask value"),
                            ("hidden", "hidden")):
-            o = c.get(key)
+            o = c.get(key) if not (key == "hidden" and s) else None  # the hidden op is the culprit itself
             if o:
                 extra = f" zeros {o['zeros']} vs {o['fp32_zeros']} in FP32" if key == "underflow_at" else ""
                 lines.append(f"  {label:<9} {o['op']} in `{o['module']}` op #{o['index']} "
@@ -195,15 +202,23 @@ def _update_lines(u: dict, shown: int = 3) -> list[str]:
 def _table(trace, center: int, ops: int) -> str:
     half = max(ops // 2, 1)
     lo, hi = max(0, center - half), min(len(trace.records), center + half + 1)
-    rows = [("", "#", "phase", "op", "module", "dtype", "in abs-max", "out abs-max", "source")]
+    rows = [("", "#", "phase", "op", "module", "dtypes", "in abs-max", "out abs-max", "source")]
     for i in range(lo, hi):
         rec = trace.records[i]
         ins = [trace.absmax[s] for s, _ in rec.inputs]
         outs = [trace.absmax[s] for s in rec.outputs]
-        rows.append((">>" if i == center else "", str(i), rec.phase[:3], rec.name, rec.module,
-                     str(rec.out_dtype).removeprefix("torch.") if rec.out_dtype else "-", _num(_mx(ins)), _num(_mx(outs)), rec.source or "-"))
+        rows.append((">>" if i == center else "", str(i), rec.phase[:3], rec.name, rec.module, _dtypes(rec),
+                     _num(_mx(ins)), _num(_mx(outs)), rec.source or "-"))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _dtypes(rec) -> str:
+    """``float32 -> float16``: an op's floating input dtypes (sorted, comma-joined) and its output dtype, so a
+    cast reads as one; ``-`` for an op with no floating input or output (a mask's bool ops)."""
+    ins = ",".join(sorted(str(d).removeprefix("torch.") for d in rec.in_dtypes)) or "-"
+    out = str(rec.out_dtype).removeprefix("torch.") if rec.out_dtype is not None else "-"
+    return "-" if ins == out == "-" else f"{ins} -> {out}"
 
 
 def _mx(vals):

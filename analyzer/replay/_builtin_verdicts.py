@@ -81,7 +81,7 @@ def _broken_weights(d: Diagnosis) -> list[AdviceLine]:
 def _input_advice(d: Diagnosis) -> list[AdviceLine]:
     kinds = {i.partition(":")[0] for i in d.nonfinite_inputs}
     out = []
-    if kinds & {"param", "buffer", "state"}:
+    if from_model(d):  # the weights were broken: the learning rate and the update are what to change
         out += [AdviceLine("The weights were already NaN/Inf: an earlier step broke them. Replay the earliest "
                            "snapshot of the run, and look at `analyzer report` for the step where grads first "
                            "blew up."),

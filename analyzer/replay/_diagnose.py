@@ -21,7 +21,7 @@ from .trace import LOW_PRECISION, RunTrace
 from ._shadow import shadow
 from .backends import CUDA_ONLY, call_of
 from .diagnosis import Diagnosis, PrecisionRun, SdpaCheck
-from .records import Culprit, OpRecord
+from .records import Culprit, OpRecord, headline
 from .verdicts import VERDICTS
 
 __all__ = ["diagnose", "precision_run", "try_backends", "with_roots"]
@@ -171,8 +171,9 @@ def _finish(found: Diagnosis, verdict: str, run: RunTrace, o, *, shadow_=None, r
     if cancelled_at is not None:
         extra["cancelled_at"] = cancelled_at
     culprit = Culprit(**_op_fields(run, o.index), literal_nonfinite=literal, hidden=hidden, **extra)
+    center = headline(culprit)["index"]  # around the op the answer leads with, as the text's table
     return dataclasses.replace(found, verdict=verdict, culprit=culprit, literal=literal, hidden=hidden,
-                               underflow_at=underflow_at, trace=run, context_ops=_context_ops(run, o.index))
+                               underflow_at=underflow_at, trace=run, context_ops=_context_ops(run, center))
 
 
 def _dname(dtype) -> str | None:

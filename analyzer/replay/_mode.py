@@ -67,6 +67,7 @@ class _OpRecord:
     in_dtypes: tuple = ()     # torch.dtype of the floating inputs (unordered)
     out_dtype: torch.dtype | None = None
     literal_nonfinite: bool = False   # a non-tensor argument is NaN/Inf (masked_fill(-inf), full(-inf))
+    reads_param: bool = False         # an input is an nn.Parameter: the values downstream derive from the weights
 
 
 class _OpStatsMode(TorchDispatchMode):
@@ -156,6 +157,7 @@ class _OpStatsMode(TorchDispatchMode):
                 literal = literal or not math.isfinite(a.item())
             else:
                 inputs.append((self.add_stat(a), None))
+                rec.reads_param = rec.reads_param or isinstance(a, torch.nn.Parameter)
         rec.inputs = inputs
         rec.literal_nonfinite = literal
         if index == self.capture:

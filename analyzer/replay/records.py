@@ -8,10 +8,10 @@ in the order the ``--json`` output has always had, with fields that do not apply
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Culprit", "OpRecord"]
+__all__ = ["Culprit", "OpRecord", "hidden_first", "headline"]
 
 
 class _Unset:
@@ -87,6 +87,8 @@ class Culprit(OpRecord):
         raised: the op raised instead of returning (only in low precision: FP32 ran the step):
             ``error`` (type and first line), ``values`` (the numbers it was given beyond the dtype's
             range), ``dtype_max``.
+        surfaced_at: only on the ``headline`` of a hidden forward NaN/Inf: the backward op where it
+            surfaced and made the step fail.
     """
 
     input: Any = UNSET
@@ -99,3 +101,26 @@ class Culprit(OpRecord):
     magnitude_jump: Any = UNSET
     raised: Any = UNSET
     micro_batch: Any = UNSET
+    surfaced_at: Any = UNSET
+
+
+def hidden_first(culprit: Mapping | None) -> bool:
+    """Whether the answer leads with the culprit's ``hidden`` op: a forward op made the NaN/Inf first, a later
+    forward op hid it (the loss stayed finite), and the culprit is the backward op where it surfaced."""
+    h = None if culprit is None else culprit.get("hidden")
+    return h is not None and h["phase"] == "forward" and culprit["phase"] != "forward"
+
+
+def headline(culprit: Culprit | None) -> Culprit | None:
+    """The culprit as ``--json`` gives it: the op the answer leads with, first in time.
+
+    Where a forward op's NaN/Inf was hidden and surfaced in backward (``hidden_first``), that forward op,
+    with ``surfaced_at``: the backward op that made the step fail (the culprit the diagnosis worked from,
+    its shadow and FP32 fields included); its ``hidden`` names the op itself, as ``hidden_nonfinite`` does.
+    Any other culprit is returned as it is.
+    """
+    if culprit is None or not hidden_first(culprit):
+        return culprit
+    h = culprit["hidden"]
+    return Culprit(**{f.name: getattr(h, f.name) for f in fields(OpRecord)}, hidden=h,
+                   surfaced_at=replace(culprit, hidden=UNSET))

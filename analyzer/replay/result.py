@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..findings import json_safe
 from .diagnosis import Diagnosis, PrecisionRun
-from .records import Culprit, OpRecord
+from .records import Culprit, OpRecord, headline
 from .verdicts import VERDICTS, AdviceLine
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class ReplayResult:
             "format_version": 1,
             "verdict": self.verdict,
             "summary": self.summary,
-            "culprit": self.culprit,
+            "culprit": headline(self.culprit),  # the op the answer leads with (``records.headline``)
             "runs": self.runs,
             "advice": list(self.advice),
             "snapshot": self.snapshot,

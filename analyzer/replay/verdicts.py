@@ -31,6 +31,7 @@ import torch
 from ._actionable import BATCH_FAULT_ADVICE, installed_line
 from ._magnitude import _THROUGH, _ancestors
 from .diagnosis import Diagnosis
+from .records import hidden_first
 
 __all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
            "PRECISION_FIXES", "loss_feeds_model", "from_model"]
@@ -126,7 +127,7 @@ def summary(d: Diagnosis) -> str:
     what is wrong with the batch, the micro-batch, ...)."""
     text = VERDICTS[d.verdict].summary(d)
     h, c = d.hidden, d.culprit
-    if h is not None and c is not None and h["phase"] == "forward" and c["phase"] != "forward":
+    if hidden_first(c):
         # the first event in time heads the sentence: the forward op, then the backward symptom
         src = f" at {h['source']}" if h.get("source") else ""
         text = (f"First, {h['op']} in `{h['module']}` (forward, {h['precision']}){src} made {h['output_kind']} "
@@ -229,12 +230,29 @@ def loss_feeds_model(trace) -> str | None:
 
 
 def from_model(d: Diagnosis) -> bool:
-    """Whether the culprit's inputs derive from the model's forward (an op upstream of it ran in a module),
-    rather than from the batch or a random draw alone. Unknown (no trace): True."""
+    """Whether the value the verdict is about derives from the weights, so that training can have grown it and
+    learning-rate, weight-decay or activation-growth advice applies. Every verdict giving such advice asks here.
+
+    - ``nonfinite_input``: a parameter, buffer or optimizer state was NaN/Inf before the step (an earlier
+      update broke it), not only batch entries;
+    - a culprit that raised on a constant beyond the dtype's range (``raised`` values): no, the constant is
+      the value;
+    - otherwise: the culprit or an op upstream of it read an ``nn.Parameter``; in a trace where no op read one
+      (weights held as plain tensors), an op upstream of it ran in a module of the model.
+
+    A value computed from the batch or a random draw alone is not. Unknown (no trace): True.
+    """
+    if d.verdict == "nonfinite_input":
+        return any(i.partition(":")[0] in ("param", "buffer", "state") for i in d.nonfinite_inputs)
     t, c = d.trace, d.culprit
     if t is None or c is None or not isinstance(c.get("index"), int) or c["index"] >= len(t.records):
         return True
-    return any(not _outside_module(t.records[p].module) for p in _ancestors(t, c["index"]))
+    if (c.get("raised") or {}).get("values"):
+        return False
+    up = _ancestors(t, c["index"])
+    if any(r.reads_param for r in t.records):
+        return any(t.records[p].reads_param for p in up | {c["index"]})
+    return any(not _outside_module(t.records[p].module) for p in up)
 
 
 def _keep_fp32(module: str, d: Diagnosis | None = None) -> AdviceLine:

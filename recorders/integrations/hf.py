@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -86,7 +85,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from .. import imports
 from .._exception import record_exception
-from ..recorder import Recorder, RecorderWarning
+from ..recorder import Recorder
 from ..refs import import_class
 from ._hf_accum import dataloader_length, step_micro_batches
 from ._hf_amp import trainer_amp_dtype
@@ -199,7 +198,9 @@ class AmpAutopsyCallback(TrainerCallback):
             return
         scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer holds it
         inner = getattr(optimizer, "optimizer", optimizer)
-        amp_dtype = self.amp_dtype if self.amp_dtype != "auto" else trainer_amp_dtype(args, scaler, model)
+        pending: list[str] = []  # warned before the Recorder exists: kept once it does
+        amp_dtype = self.amp_dtype if self.amp_dtype != "auto" else trainer_amp_dtype(args, scaler, model,
+                                                                                        pending.append)
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         self._clips = (getattr(args, "max_grad_norm", 0) or 0) > 0
         try:  # a shared-state singleton: the Trainer sets sync_gradients before each micro-batch
@@ -218,6 +219,8 @@ class AmpAutopsyCallback(TrainerCallback):
             scaler=scaler, amp_dtype=amp_dtype, optimizer=inner,
             **{"step_numbering": "hf_trainer", "micro_batches": self._accum, **self.recorder_kwargs},
         )
+        for message in pending:
+            self._warn("fp16_cpu_as_fp32", message)
         if self._accum > 1:
             self.recorder._update_meta(micro_batches_kept=True)  # every snapshot holds all N micro-batches
         self._handles = [
@@ -239,11 +242,11 @@ class AmpAutopsyCallback(TrainerCallback):
             self._in_step = False
             if self._clips and not self._warned_clip:
                 self._warned_clip = True
-                warnings.warn(
+                self._warn(
+                    "grads_post_clip",
                     f"amp-autopsy: step {self._step_number}'s backward did not run through the model's loss output "
                     "(a custom compute_loss or label smoothing?), so its gradients were read after HF clipped "
-                    "them to max_grad_norm: the recorded gradient norms are post-clip", RecorderWarning,
-                    stacklevel=2)
+                    "them to max_grad_norm: the recorded gradient norms are post-clip", self._step_number)
             self.recorder.end_step(self._step_loss())
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -303,8 +306,8 @@ class AmpAutopsyCallback(TrainerCallback):
             return None  # eval / predict forwards
         if args and not self._warned_args:
             self._warned_args = True
-            warnings.warn("amp-autopsy: the model was called with positional inputs; only keyword "
-                          "inputs are recorded as the batch", stacklevel=2)
+            self._warn("positional_inputs", "amp-autopsy: the model was called with positional inputs; only keyword "
+                       "inputs are recorded as the batch", self._step)
         if self._accum > 1:
             self._batches = [dict(kwargs)]  # grows with the step's forwards; the Recorder holds this list
             self.recorder.begin_step(self._step, self._batches)
@@ -362,8 +365,8 @@ class AmpAutopsyCallback(TrainerCallback):
         try:
             self.recorder.end_step(self._step_loss())
         except Exception as e:  # noqa: BLE001 - raised inside the Trainer's backward: never take it down
-            warnings.warn(f"amp-autopsy: step {self._step_number} not recorded ({type(e).__name__}: {e})",
-                          RecorderWarning, stacklevel=2)
+            self._warn("step_not_recorded", f"amp-autopsy: step {self._step_number} not recorded "
+                       f"({type(e).__name__}: {e})", self._step_number)
 
     def _step_loss(self) -> torch.Tensor | None:
         """The step's loss as Trainer.training_step returns and logs it, summed over micro-batches."""
@@ -377,6 +380,11 @@ class AmpAutopsyCallback(TrainerCallback):
         return total / max(self._step_forwards, len(self._losses))
 
     # ---------------------------------------------------------------- helpers
+
+    def _warn(self, kind: str, message: str, step: int | None = None) -> None:
+        """One RecorderWarning of `kind` (``schema.WARNING_KINDS``), kept in meta.json's ``warnings`` like the
+        Recorder's own (``analyzer report`` repeats it). Called once the Recorder exists."""
+        self.recorder._recorder_warning(kind, message, stacklevel=3, step=step)
 
     def _refs(self, model) -> tuple[Any, dict, Any]:
         factory, factory_kwargs, loss_fn = self.factory, self.factory_kwargs, self.loss_fn

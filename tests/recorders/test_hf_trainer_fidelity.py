@@ -94,6 +94,33 @@ def test_a_compute_loss_outside_the_models_loss_records_post_clip_norms_and_says
     run = train_hf(tmp_path, steps=1, trainer_cls=LogitsLoss)
     [w] = [w for w in run["warnings"] if "post-clip" in str(w.message)]
     assert w.category is RecorderWarning
+    # kept in meta.json like the Recorder's own warnings, under the HF step it is about, and repeated by report
+    meta = json.loads((run["run_dir"] / schema.META_FILE).read_text())
+    assert meta["warnings"] == [{"kind": "grads_post_clip", "step": 1, "message": str(w.message)}]
+    from analyzer.report import build_report
+
+    [f] = [f for f in build_report(run["run_dir"]).findings if f.check == "recorder_warning"]
+    assert (f.evidence["kind"], f.step) == ("grads_post_clip", 1) and "post-clip" in f.message
     hf = logged_steps(run)[0]["grad_norm"]
     recorded = _steps(run)["grad_norm"][0]
     assert hf > 1.0 and recorded == pytest.approx(1.0, rel=1e-3)  # clipped to max_grad_norm: the warning is true
+
+
+def test_a_model_called_with_positional_inputs_is_warned_once_and_the_warning_is_kept(tmp_path):
+    require("transformers", "hf")
+    from transformers import Trainer
+
+    from tests.hf_runs import train_hf
+
+    class Positional(Trainer):
+        """A custom compute_loss that passes input_ids positionally: the recorded batch cannot hold them."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(inputs["input_ids"], labels=inputs["labels"]).loss
+
+    run = train_hf(tmp_path, steps=2, trainer_cls=Positional)
+    [w] = [w for w in run["warnings"] if "positional inputs" in str(w.message)]
+    assert w.category is RecorderWarning
+    meta = json.loads((run["run_dir"] / schema.META_FILE).read_text())
+    kept = [e for e in meta["warnings"] if e["kind"] == "positional_inputs"]
+    assert kept == [{"kind": "positional_inputs", "step": 1, "message": str(w.message)}]  # HF's first step is 1

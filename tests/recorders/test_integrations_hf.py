@@ -152,6 +152,30 @@ def test_fp16_on_cpu_trains_in_fp32_so_the_callback_records_fp32_and_warns(tmp_p
     assert cb.recorder.closed  # on_train_end closed it
 
 
+def test_the_callbacks_fp16_on_cpu_warning_is_a_kept_recorder_warning_that_report_repeats(tmp_path):
+    require("transformers", "hf")
+    import json
+
+    from click.testing import CliRunner
+
+    from analyzer.cli import main
+    from recorders.recorder import RecorderWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(tmp_path / "run", tmp_path / "out", fp16=True)
+    [w] = [w for w in caught if "recording the run as FP32" in str(w.message)]
+    assert issubclass(w.category, RecorderWarning)
+    meta = json.loads((tmp_path / "run" / schema.META_FILE).read_text())
+    # warned in on_train_begin, before any step began: no step
+    assert meta["warnings"] == [{"kind": "fp16_cpu_as_fp32", "step": None, "message": str(w.message)}]
+    assert "fp16_cpu_as_fp32" in schema.WARNING_KINDS
+    out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--json"])
+    found = [f for f in json.loads(out.output)["findings"] if f["check"] == "recorder_warning"]
+    assert [f["evidence"]["kind"] for f in found] == ["fp16_cpu_as_fp32"]
+    assert "recording the run as FP32" in found[0]["message"] and found[0]["severity"] == "warning"
+
+
 def test_a_model_that_is_not_a_pretrained_model_needs_an_explicit_factory(tmp_path):
     require("transformers", "hf")
 

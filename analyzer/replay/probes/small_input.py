@@ -13,7 +13,7 @@ Real output (a denoiser whose loss casts its noise level sigma to the prediction
 
     ... Its input was small, not large: the smallest non-zero |x| of aten.reciprocal's input is 1.29e-05
     (float16), made by aten.pow in <loss_fn> at tests/analyzer/replay/denoiser_models.py:43; the value
-    became float16 at aten._to_copy in <loss_fn> at tests/analyzer/replay/denoiser_models.py:42.
+    became float16 at aten._to_copy in <loss_fn> at tests/analyzer/replay/denoiser_models.py:42 (float32 -> float16).
 """
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ def _applies(d: Diagnosis) -> bool:
             and d.trace.captured is not None and d.culprit["op"] in _ARG)
 
 
+def _dname(d) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
 def _op(rec) -> dict[str, Any]:
-    return {"op": rec.name, "module": rec.module, "source": rec.source, "index": rec.index}
+    """The op as the evidence names it, with its dtypes (a cast reads ``float32 -> float16``)."""
+    return {"op": rec.name, "module": rec.module, "source": rec.source, "index": rec.index,
+            "input_dtypes": sorted(_dname(d) for d in rec.in_dtypes), "output_dtype": _dname(rec.out_dtype)}
 
 
 def _where(op: dict) -> str:
@@ -68,7 +74,8 @@ class SmallInput:
     def note(self) -> str:
         made = f", made by {_where(self.producer)}" if self.producer else ""
         zeros = f" ({self.zeros} exact zero(s))" if self.zeros else ""
-        cast = (f"; the value became {self.dtype} at {_where(self.cast)}" if self.cast else "")
+        cast = (f"; the value became {self.dtype} at {_where(self.cast)} "
+                f"({', '.join(self.cast['input_dtypes']) or '-'} -> {self.cast['output_dtype']})" if self.cast else "")
         return (f"Its input was small, not large: the smallest non-zero |x| of {self.op}'s input is "
                 f"{self.smallest:.3g}{zeros} ({self.dtype}){made}{cast}.")
 
@@ -96,7 +103,7 @@ def small_input(inp: ProbeInput) -> SmallInput | None:
     for _ in range(_HOPS):
         if cur is None:
             break
-        out = str(cur.out_dtype).removeprefix("torch.") if cur.out_dtype is not None else None
+        out = _dname(cur.out_dtype)
         if cur.name == "aten._to_copy" and out in LOW_PRECISION and torch.float32 in cur.in_dtypes:
             cast = _op(cur)
             break

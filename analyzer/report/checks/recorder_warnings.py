@@ -28,7 +28,10 @@ __all__ = ["recorder_warning", "stored_warnings", "OWN_CHECK"]
 # warning kinds whose finding comes from a check of the same name (checks/mistakes.py)
 OWN_CHECK = ("scaled_loss", "autocast_inactive")
 _SEVERITY = {"write_error": "warning", "stopped": "warning", "shared_rank": "warning",
-             "end_step_missing": "warning", "autocast_dtype": "warning", "exception_not_recorded": "warning"}
+             "end_step_missing": "warning", "autocast_dtype": "warning", "exception_not_recorded": "warning",
+             # the HF Trainer callback's: a step, a batch entry or the pre-clip norms missing; FP16 asked, FP32 run
+             "step_not_recorded": "warning", "positional_inputs": "warning", "grads_post_clip": "warning",
+             "fp16_cpu_as_fp32": "warning"}
 
 
 def stored_warnings(frames: Frames, kind: str | None = None) -> list[dict[str, Any]]:

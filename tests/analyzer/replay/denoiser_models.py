@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["REF", "P_MEAN", "P_STD", "WIDTH", "build_denoiser", "denoiser_loss", "make_batch", "train_until_nonfinite"]
+__all__ = ["REF", "P_MEAN", "P_STD", "WIDTH", "build_denoiser", "denoiser_loss", "make_batch", "train_until_nonfinite",
+           "train_recorded"]
 
 REF = "tests.analyzer.replay.denoiser_models"
 P_MEAN, P_STD = -1.2, 1.6  # log σ ~ N(P_MEAN, P_STD): σ < 0.0039 (log σ < -5.55) for ~0.3% of the samples
@@ -87,3 +88,35 @@ def train_until_nonfinite(out: Path, *, steps: int = 400, save_rng: str = "batch
         scaler.update()
         opt.zero_grad()
     raise AssertionError(f"the denoiser trained {steps} steps without a non-finite loss")
+
+
+def train_recorded(run_dir: Path, *, steps: int = 400) -> Path:
+    """The same loop as ``train_until_nonfinite`` (FP16 autocast, ``GradScaler("cpu")`` at its default init_scale)
+    with the Recorder, as the README's loop has it, until the recorder sees a non-finite loss.
+
+    Returns the ``nonfinite_loss`` snapshot the recorder wrote for that step.
+    """
+    from recorders import Recorder
+
+    torch.manual_seed(0)
+    model = build_denoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with Recorder(run_dir, model, factory=f"{REF}:build_denoiser", loss_fn=f"{REF}:denoiser_loss", scaler=scaler,
+                  amp_dtype=torch.float16, optimizer=opt) as rec:
+        for step in range(steps):
+            batch = make_batch(step)
+            rec.begin_step(step, batch)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = denoiser_loss(model, batch)
+            scaler.scale(loss).backward()
+            rec.end_step(loss)
+            if not torch.isfinite(loss):
+                break
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    snaps = [p for p in rec.snapshots if p.name.endswith("-nonfinite_loss.pt")]
+    if not snaps:
+        raise AssertionError(f"the recorded denoiser wrote no nonfinite_loss snapshot in {steps} steps")
+    return snaps[0]

@@ -364,6 +364,34 @@ def build_buffer_net(d: int = 4) -> nn.Module:
     return BufferNet(d)
 
 
+# -- a Gram matrix that overflows FP16: of the batch alone, or of a projection by the weights ---------
+class Gram(nn.Module):
+    """``h @ h^T``: FP16 under autocast, inf once a row's squared norm passes 65504."""
+
+    def forward(self, h):
+        return h @ h.transpose(-2, -1)
+
+
+class GramNet(nn.Module):
+    def __init__(self, project: bool, d: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=False) if project else None
+        self.gram, self.head = Gram(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.gram(self.proj(x) if self.proj is not None else x))
+
+
+def build_gram(project: bool = False) -> nn.Module:
+    """Without `project` the overflowing value is the batch's alone; with it, the batch times the weights."""
+    torch.manual_seed(0)
+    model = GramNet(project)
+    if project:
+        with torch.no_grad():
+            model.proj.weight.copy_(torch.eye(8) * 300.0)  # rows of norm ~850: squared ~7e5 > 65504
+    return model
+
+
 def train_until_failure(run_dir: str | Path, *, factory: str, loss_fn: str, batches: list[dict],
                         amp_dtype: torch.dtype | None, factory_kwargs: dict | None = None) -> tuple[int, Path]:
     """Train with the Recorder over `batches` (SGD, no GradScaler) until a step fails.

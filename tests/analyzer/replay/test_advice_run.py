@@ -185,3 +185,38 @@ def test_the_fp32_clip_inf_update_is_told_to_skip_the_step_itself_not_to_use_a_g
     assert (r.verdict, r.culprit["phase"], r.amp_dtype) == ("numerical_bug", "optimizer", None)
     text = _text(r)
     assert "GradScaler" not in text and "error_if_nonfinite=True" in text and "torch.isfinite(total_norm)" in text
+
+
+# -- learning-rate and growth advice only for a value derived from the weights ----------------------
+_LR = ("learning rate", "weight decay")
+
+
+def _nan_batch_step(tmp_path: Path) -> Path:
+    """One FP16-autocast step of ``build_mlp`` on a batch with a NaN, the weights intact."""
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(4, 4, generator=g), "y": torch.randn(4, 1, generator=g)}
+    batch["x"][1, 2] = float("nan")
+    return rm.record_step(tmp_path, factory="build_mlp", loss_fn="mse", batch=batch, amp_dtype=torch.float16)
+
+
+def test_a_nan_in_the_batch_alone_gets_no_learning_rate_advice_and_nan_weights_do(tmp_path):
+    batch_only = replay_snapshot(_nan_batch_step(tmp_path / "batch"))
+    assert batch_only.verdict == "nonfinite_input" and batch_only.nonfinite_inputs == ["batch:x"]
+    assert "data pipeline" in _text(batch_only)
+    assert not any(w in a for a in batch_only.advice for w in _LR), batch_only.advice
+    weights = _replay(_mlp_step(tmp_path / "weights", scaler=True))
+    assert any(a.startswith("Lower the learning rate") for a in weights.advice)
+
+
+@pytest.mark.parametrize("project, advised", [(False, False), (True, True)])
+def test_an_overflow_gets_growth_advice_only_when_an_op_upstream_read_a_parameter(tmp_path, project, advised):
+    # x @ x^T of a batch scaled to ~300 overflows FP16 inside the module `gram`: no parameter upstream, though
+    # the op runs in a module; with `project`, the rows are the batch times the weights
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g) * (1.0 if project else 300.0)
+    batch = {"x": x, "y": torch.zeros(4, 1)}
+    snap = rm.record_step(tmp_path, factory="build_gram", loss_fn="mse", batch=batch, amp_dtype=torch.float16,
+                          factory_kwargs={"project": project})
+    r = replay_snapshot(snap)
+    assert r.verdict == "overflow" and (r.culprit["op"], r.culprit["module"]) == ("aten.mm", "gram"), r.summary
+    assert any("learning rate" in a for a in r.advice) is advised, r.advice

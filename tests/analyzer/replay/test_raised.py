@@ -58,6 +58,8 @@ def test_the_text_says_what_was_given_and_the_fix_names_finfo(exception_snapshot
     assert "was given -1e+09, beyond float16's max 65504, and raised RuntimeError" in res.output
     assert "The FP32 run of the step is finite." in res.output
     assert "torch.finfo(x.dtype).min instead of -1e+09" in res.output
+    # the value beyond the range is the constant, not an activation training grew: no learning-rate advice
+    assert "learning rate" not in res.output
 
 
 def test_autopsy_names_the_same_op_and_exits_0(exception_snapshot):

@@ -74,3 +74,19 @@ def test_advice_fits_a_loss_that_draws_the_models_input_and_a_value_that_does_no
     assert "would run the whole model in FP32 too" in module_fix["detail"]
     # 1/sigma**2 comes from a random draw alone: no learning-rate advice
     assert not any("learning rate" in t for t in lines)
+
+
+def test_the_op_table_and_the_json_read_the_cast_as_float32_to_float16(replayed):
+    out, text = replayed
+    cast = _line("sigma = sigma.to(pred.dtype)")
+    table = text.split("ops around the culprit (float16):\n")[1].split("\n\n")[0].splitlines()
+    [row] = [r for r in table if "aten._to_copy" in r and r.rstrip().endswith(cast)]
+    assert " float32 -> float16 " in row
+    # the pow that follows reads and writes float16: its row is no cast
+    [pow_row] = [r for r in table if "aten.pow" in r and r.rstrip().endswith(_line("weight = 1 / sigma ** 2"))]
+    assert " float16 -> float16 " in pow_row
+    ev = out["small_input"]["cast"]
+    assert (ev["input_dtypes"], ev["output_dtype"]) == (["float32"], "float16")
+    assert "(float32 -> float16)" in out["summary"]
+    [op] = [o for o in out["context_ops"] if o["index"] == ev["index"]]
+    assert (op["op"], op["input_dtypes"], op["output_dtype"]) == ("aten._to_copy", ["float32"], "float16")
