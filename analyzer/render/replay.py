@@ -230,7 +230,7 @@ def _mx(vals):
 
 
 def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
-    """Write a PNG of ``plots.plot_replay_ops``: per-op output abs-max along execution order, one
+    """Write a PNG of ``replay_plot.plot_replay_ops``: per-op output abs-max along execution order, one
     line per precision, the forward/backward boundary, the culprit, and a zoom on the ops around it.
 
     An update snapshot's result (``result.update`` set, no forward/backward runs) gets
@@ -257,7 +257,7 @@ def plot_replay(result: ReplayResult, path: str | os.PathLike) -> str:
 def replay_figure(result: ReplayResult):
     """The matplotlib Figure ``plot_replay`` writes: the per-op figure of a forward/backward
     replay, or the update forensics' figure when ``result.update`` is set (no runs to draw)."""
-    from .plots import plot_replay_ops
+    from .replay_plot import plot_replay_ops
     from .update_plot import plot_update_forensics
 
     return plot_update_forensics(result) if result.update is not None else plot_replay_ops(result)

@@ -3,7 +3,7 @@
 An update snapshot (``Recorder(check_update=True)``), or one whose NaN/Inf weights its saved
 optimizer state explains, is not replayed forward and backward (``ReplayResult.runs`` is empty,
 ``ReplayResult.update`` holds ``analyzer.replay.update``'s forensics), so the per-op figure of
-``plots.plot_replay_ops`` would be empty axes. This one draws the forensics instead:
+``replay_plot.plot_replay_ops`` would be empty axes. This one draws the forensics instead:
 
 - top: per parameter (most NaN/Inf elements first), its NaN/Inf elements as one bar split by the
   factor that explains them (``grad``, ``state``, ``eps_flush``, ``update_overflow``,

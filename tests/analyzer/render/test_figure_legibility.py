@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from matplotlib.colors import to_rgba
 from PIL import Image
 
-from analyzer.render import heatmap, plots
+from analyzer.render import heatmap, plots, replay_plot
 from analyzer.render.heatmap import NONFINITE_COLOR
 from analyzer.render.png import figure_png
 from analyzer.render.update_plot import plot_update_forensics
@@ -163,7 +163,7 @@ def underflow_replay(tmp_path_factory):
 def test_no_replay_legend_covers_a_point_in_the_overview_or_the_zoom(fp16_attention_replay, underflow_replay):
     for result in (fp16_attention_replay, underflow_replay):
         assert result.culprit is not None
-        fig = plots.plot_replay_ops(result)
+        fig = replay_plot.plot_replay_ops(result)
         try:
             assert _no_legend_covers_a_point(fig) == 2  # the overview's and the zoom's
         finally:
@@ -183,7 +183,7 @@ def test_no_update_forensics_legend_covers_a_point_or_a_bar(fp16_adam_eps_update
 
 
 def test_a_palette_png_looks_like_matplotlibs_at_a_fraction_of_its_bytes(fp16_attention_replay):
-    fig = plots.plot_replay_ops(fp16_attention_replay)
+    fig = replay_plot.plot_replay_ops(fp16_attention_replay)
     try:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=90, facecolor="white")

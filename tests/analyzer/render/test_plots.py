@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.render import heatmap, plots
+from analyzer.render import heatmap, plots, replay_plot
 from analyzer.replay import replay_snapshot
 from analyzer.report import build_report
 
@@ -146,7 +146,7 @@ def figure(replays):
     made = []
 
     def make(name):
-        made.append(plots.plot_replay_ops(replays[name]))
+        made.append(replay_plot.plot_replay_ops(replays[name]))
         return made[-1]
 
     yield make
@@ -185,7 +185,7 @@ def test_the_overflow_figure_marks_the_culprit_and_backward_start_and_zooms_by_o
     assert c["index"] in marks.get_offsets()[:, 0]
     zoom = fig.axes[1]
     lo, hi = zoom.get_xlim()
-    assert lo < c["index"] < hi and hi - lo <= 2 * plots._ZOOM + 1
+    assert lo < c["index"] < hi and hi - lo <= 2 * replay_plot._ZOOM + 1
     red = [t.get_text() for t in zoom.get_xticklabels() if t.get_color() == "red"]
     assert red == [f"bmm #{c['index']}"]
     _legend_ok(fig)
