@@ -67,6 +67,8 @@ def test_any_entry_is_a_recipe_or_one_bad_input_error_naming_the_key(entry):
         assert "'fp8_recipe'" in str(e) and "s.pt" in str(e)
         return
     assert got is entry  # None is no entry at all: the model decides
+    if got is not None:  # what convert reads: every module names one of the configs
+        assert all(isinstance(i, int) and 0 <= i < len(got["configs"]) for i in got["modules"].values())
     for c in (got or {}).get("configs", []):
         try:
             assert isinstance(float8_config(c["fields"], path="s.pt"), f8.Float8LinearConfig)
