@@ -37,3 +37,31 @@ def test_the_dispatch_mode_reads_float8_outputs_dequantised():
     absmax, _ = mode.finalize()
     assert dequantised(q).tolist() == [3.0, -512.0]  # e5m2 rounds 500 to 512
     assert absmax[mode.records[-1].outputs[0]] == 512.0
+
+
+def test_a_saturating_cast_in_a_step_that_leaves_bf16_refines_healthy_to_fp8_saturation():
+    import dataclasses
+
+    from analyzer.replay import verdicts
+    from analyzer.replay.diagnosis import Diagnosis
+    from analyzer.replay.fp8.diagnose import Fp8Evidence, Judgement
+    from analyzer.replay.fp8.step import agreement
+
+    x = torch.linspace(-300.0, 300.0, 64).reshape(4, 16)
+    watch = CastWatch()
+    with _OpStatsMode(casts=watch):  # a stale scale (set when |x| was 112) on an e4m3 gradient
+        (x * torch.tensor(4.0)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    (cast,) = watch.finalize()
+    cast = dataclasses.replace(cast, module="fc", role="grad_output", use="input gradient", phase="backward")
+    ref = {"fc.weight": torch.ones(8)}
+    bad = Judgement(tuple(agreement({"fc.weight": -torch.ones(8)}, ref)), {"fc": 1.0})  # cosine -1
+    good = Judgement(tuple(agreement(ref, ref)), {"fc": 0.0})
+    ev = Fp8Evidence(roles={}, modules=("fc",), precision="bfloat16", losses={}, casts=(cast,), vs_bf16=bad,
+                     vs_fp32=bad, bf16_vs_fp32=good, nonfinite_at=None, reference=None)
+    d = verdicts.refine(Diagnosis("healthy", evidence={"fp8": ev}))
+    assert d.verdict == "fp8_saturation"
+    # |x * 4| > 448 for |x| > 112: 40 of the 64 values of linspace(-300, 300) (20 on each side)
+    assert cast.stats.saturated == 40 and "saturated 40 of 64 values" in verdicts.summary(d)
+    assert [line.fixes for line in verdicts.VERDICTS[d.verdict].advice(d)][0] == ("fp8_e5m2_grads",)
+    # the same cast in a step that still agrees with BF16: reported, not a verdict
+    assert verdicts.refine(Diagnosis("healthy", evidence={"fp8": dataclasses.replace(ev, vs_bf16=good)})).verdict == "healthy"
