@@ -117,3 +117,18 @@ def test_without_torchao_an_fp8_snapshot_gets_one_error_line_naming_the_extra(al
     errors = [line for line in res.stderr.splitlines() + res.stdout.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "[fp8]" in errors[0] and str(aligned) in errors[0]
     assert "Traceback" not in res.stderr
+
+
+def test_a_snapshot_whose_fp8_recipe_no_recorder_writes_gets_one_error_line_and_stays_unchanged(aligned, tmp_path):
+    import torch
+
+    data = torch.load(aligned, weights_only=True)
+    data["fp8_recipe"] = {"configs": [{"kind": "float8", "fields": {}}], "modules": {"block.mlp.w2": 7}}
+    bad = tmp_path / aligned.name
+    torch.save(data, bad)
+    before = bad.read_bytes()
+    res = CliRunner().invoke(main, ["replay", str(bad), "--device", "cpu"])
+    assert res.exit_code != 0
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "'fp8_recipe'" in errors[0] and str(bad) in errors[0]
+    assert "Traceback" not in res.output and bad.read_bytes() == before
