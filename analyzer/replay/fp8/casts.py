@@ -36,12 +36,14 @@ FLOAT8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 def dequantised(t: torch.Tensor) -> torch.Tensor | None:
     """The values an FP8 tensor stands for, as FP32: a float8 tensor as is, a torchao ``Float8TrainingTensor``
-    as ``_data / _scale``; None for another tensor subclass (its values are not read)."""
+    as ``_data / _scale``, an ``MXTensor`` by its own ``dequantize``; None for another tensor subclass."""
     if t.dtype in FLOAT8_DTYPES:
         return t.float()
     data, scale = getattr(t, "_data", None), getattr(t, "_scale", None)
     if isinstance(data, torch.Tensor) and data.dtype in FLOAT8_DTYPES and isinstance(scale, torch.Tensor):
         return data.float() / scale.float()
+    if type(t).__name__ == "MXTensor" and callable(getattr(t, "dequantize", None)):  # torchao's MX blocks
+        return t.dequantize(torch.float32)
     return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -136,8 +137,6 @@ def _smooth_swiglu(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 def _mxfp8(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
     def make(c: ReplayContext, ev: Fp8Evidence) -> ReplayContext:
-        import dataclasses  # noqa: PLC0415
-
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: PLC0415
         from torchao.quantization import quantize_  # noqa: PLC0415
 
