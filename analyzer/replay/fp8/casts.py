@@ -61,6 +61,8 @@ class Fp8Cast:
         shape: the shape of the cast's input.
         outlier: ``(row, column)`` of its largest |value| in the input flattened to 2-D around its last
             dim: the value whose amax set a tensorwise scale; ``column`` is the channel (feature) index.
+        channel_gap: the largest channel amax over the second largest (inf when only one channel is
+            non-zero, 1 for one channel): the aligned-channel pattern puts one channel far above the others.
     """
 
     index: int
@@ -73,6 +75,7 @@ class Fp8Cast:
     stats: CastStats
     shape: tuple[int, ...]
     outlier: tuple[int, int]
+    channel_gap: float = 1.0
 
     @property
     def where(self) -> str:
@@ -81,6 +84,7 @@ class Fp8Cast:
     def to_dict(self) -> dict:
         return {"index": self.index, "module": self.module, "phase": self.phase, "role": self.role, "use": self.use,
                 "shape": list(self.shape), "outlier": {"row": self.outlier[0], "column": self.outlier[1]},
+                "channel_gap": self.channel_gap if self.channel_gap != float("inf") else None,
                 **self.stats.to_dict()}
 
 
@@ -122,8 +126,11 @@ class CastWatch:
         fmt = FLOAT8_DTYPES[out.dtype]
         flat = x.detach().reshape(-1, x.shape[-1]) if x.dim() >= 1 else x.detach().reshape(1, 1)
         counts = scaled_counts(x, xs, scale, fmt)
-        where = flat.abs().float().flatten().argmax().double().reshape(1)  # the value that set the scale
-        self._counts.append(torch.cat([counts, where]))
+        absx = flat.abs().float()
+        where = absx.flatten().argmax().double().reshape(1)  # the value that set the scale
+        top = absx.amax(0).topk(min(2, absx.shape[-1])).values.double()
+        gap = (top[0] / top[1] if top.numel() == 2 else torch.ones((), dtype=torch.float64)).reshape(1)
+        self._counts.append(torch.cat([counts, where, gap]))
         self._by_data[out.untyped_storage().data_ptr()] = len(self._pending)
         self._pending.append({"index": rec.index, "module": rec.module, "phase": rec.phase, "role": None,
                               "use": None, "fmt": fmt, "shape": tuple(x.shape), "cols": flat.shape[-1],
@@ -153,6 +160,7 @@ class CastWatch:
             stats = CastStats.from_counts(p["fmt"], p["granularity"], v[:8])
             flat = int(v[8])
             out.append(Fp8Cast(p["index"], p["module"], p["phase"], p["role"], p["use"], p["fmt"], p["granularity"],
-                               stats, p["shape"], (flat // p["cols"], flat % p["cols"])))
+                               stats, p["shape"], (flat // p["cols"], flat % p["cols"]),
+                               v[9] if v[9] == v[9] else 1.0))  # 0 / 0: an all-zero operand
         self._counts.clear()
         return out

@@ -8,8 +8,9 @@ does not agree; ``not_tried``: torchao could not run it here (the reason is give
 - ``fp8_rowwise``: torchao's ``rowwise`` recipe for the recorded modules (e4m3, a power-of-2 scale per row);
 - ``fp8_keep_bf16``: the modules whose casts broke left out of FP8 (the ``module_filter_fn`` is printed);
 - ``fp8_e5m2_grads``: the recorded recipe with gradients cast to e5m2 (``fp8_saturation`` of an e4m3 gradient);
-- ``fp8_smooth_swiglu``: a per-channel scale ``s`` on the broken Linear's input, ``x / s``, and its weight's
-  columns times ``s`` (exact in high precision); ``s = sqrt(amax_x / amax_w)`` per input channel, which
+- ``fp8_smooth_swiglu``: where the broken cast is a Linear's input whose largest channel amax is at least
+  ``verdicts.CHANNEL_GAP`` (10) times every other channel's (the aligned-channel pattern), a per-channel scale ``s`` on
+  that input, ``x / s``, and its weight's columns times ``s`` (exact in high precision); ``s = sqrt(amax_x / amax_w)`` per input channel, which
   gives the input and the weight the same range (SmoothQuant's alpha = 0.5);
 - ``fp8_mxfp8``: torchao's emulated MXFP8 training (``MXFP8TrainingOpConfig``, RCEIL) for the recorded modules.
 """
@@ -30,7 +31,7 @@ from .._runs import ReplayContext
 from .diagnose import Fp8Evidence, judge_values
 from .recipe import filter_source
 from .step import fp8_context, run_values
-from .verdicts import SATURATION, UNDERFLOW, keep_high
+from .verdicts import CHANNEL_GAP, SATURATION, UNDERFLOW, keep_high
 
 __all__: list[str] = []
 
@@ -127,8 +128,8 @@ def _smoothed(model: torch.nn.Module, name: str) -> Iterator[None]:
 def _smooth_swiglu(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
     ev = _evidence(result)
     c = ev.first if ev is not None else None
-    if c is None or c.role != "input":
-        return None
+    if c is None or c.role != "input" or c.channel_gap < CHANNEL_GAP:
+        return None  # not the aligned-channel pattern: the outlier is not one channel's alone
     title = (f"Smooth-SwiGLU: `{c.module}`'s input channels divided by a per-channel scale and its weight's "
              "columns multiplied by it")
     return _try(ctx, result, "fp8_smooth_swiglu", title, lambda cx, _ev: fp8_context(cx),

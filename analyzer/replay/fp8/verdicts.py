@@ -19,9 +19,11 @@ from .diagnose import Fp8Evidence, breaking
 from .step import OUT_REL_TOL
 from .recipe import filter_source
 
-__all__ = ["UNDERFLOW", "SATURATION", "keep_high"]
+__all__ = ["UNDERFLOW", "SATURATION", "CHANNEL_GAP", "keep_high"]
 
 UNDERFLOW, SATURATION = "fp8_underflow", "fp8_saturation"
+# the aligned-channel pattern (Smooth-SwiGLU applies): one input channel's amax at least 10x every other's
+CHANNEL_GAP = 10.0
 
 
 def _ev(d: Diagnosis) -> Fp8Evidence | None:
@@ -79,7 +81,7 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
                             "row's scale.", fixes=("fp8_rowwise",)))
     lines.append(AdviceLine(f"Keep {', '.join(keep_high(ev))} in BF16 when converting: {filter_source(keep_high(ev))}",
                             fixes=("fp8_keep_bf16",)))
-    if d.verdict == UNDERFLOW and c.role == "input":
+    if d.verdict == UNDERFLOW and c.role == "input" and c.channel_gap >= CHANNEL_GAP:
         lines.append(AdviceLine(f"Smooth the channels of `{c.module}`'s input (Smooth-SwiGLU): a per-channel scale "
                                 "before it, folded inversely into its weight's columns.", fixes=("fp8_smooth_swiglu",)))
     lines.append(AdviceLine("Train these Linears in MXFP8 (a scale per block of 32).", fixes=("fp8_mxfp8",)))

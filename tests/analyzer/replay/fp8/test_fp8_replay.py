@@ -50,6 +50,7 @@ def test_replay_names_fp8_underflow_at_w2s_forward_input_with_the_flushed_fracti
     # the outlier (2e4, the aligned channel on the rare token) sets the one scale: everything below ~0.04 flushes
     assert first["flushed_frac"] > 0.9 and first["amax"] > 1e4
     assert first["outlier"]["column"] == sm.OUTLIER  # the channel whose amax set the scale
+    assert first["channel_gap"] > 1e3  # the aligned channel alone: 2e4 against at most ~1 in any other channel
     assert "flushed 97.9% of its" in r["summary"] or f"{first['flushed_frac']:.1%}" in r["summary"]
     assert f"channel {sm.OUTLIER}" in r["summary"]
     # the same input re-cast in backward for w2's weight gradient: attributed to w2 and its pass
@@ -73,7 +74,8 @@ def test_autopsy_verifies_rowwise_and_keep_in_bf16_against_bf16_where_the_unchan
     assert fixes["fp8_rowwise"]["status"] == "verified"
     assert fixes["fp8_keep_bf16"]["status"] == "verified"
     assert "fqn not in {'block.mlp.w2'}" in fixes["fp8_keep_bf16"]["title"]  # the printed module_filter_fn
-    for name in ("fp8_rowwise", "fp8_keep_bf16"):
+    assert fixes["fp8_smooth_swiglu"]["status"] == "verified"  # the aligned-channel pattern is seen: tried
+    for name in ("fp8_rowwise", "fp8_keep_bf16", "fp8_smooth_swiglu"):
         assert "the unchanged FP8 step fails the same test" in fixes[name]["detail"]
     assert a["replays"][0]["fp8"]["agrees_with_bf16"] is False
 
