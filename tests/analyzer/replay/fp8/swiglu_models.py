@@ -92,11 +92,12 @@ def build_fp8(aligned: bool = True, recipe: str = "tensorwise") -> nn.Module:
 
 
 def train_fp8(run_dir, *, aligned: bool = True, recipe: str = "tensorwise", steps: int = 2, gate_at: int | None = None,
-              factory: str = "build", write_recipe: bool = True) -> Path:
+              factory: str = "build", write_recipe: bool = True, amp: bool = True, micro: int = 1) -> Path:
     """Train with torchao FP8 (BF16 autocast) under the real Recorder and snapshot the last step by hand (reason ``fp8``).
 
     `gate_at`: the step whose batch gates the SwiGLU branch by 0 (an all-zero w2 input). `write_recipe`
     adds ``describe_fp8(model)`` to the snapshot as its ``fp8_recipe`` entry where the recorder wrote none.
+    `amp=False`: FP8 with FP32 master weights and no autocast; `micro`: micro-batches accumulated per step.
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -108,15 +109,16 @@ def train_fp8(run_dir, *, aligned: bool = True, recipe: str = "tensorwise", step
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kwargs = {"aligned": aligned} if factory == "build" else {"aligned": aligned, "recipe": recipe}
     with Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=kwargs, loss_fn=f"{REF}:lm_loss",
-                  amp_dtype=torch.bfloat16, optimizer=opt) as rec:
+                  amp_dtype=torch.bfloat16 if amp else None, optimizer=opt) as rec:
         for step in range(steps):
-            b = batch(step)
-            if step == gate_at:
+            parts = [batch(step * micro + i) for i in range(micro)]
+            for b in parts if step == gate_at else ():
                 b["gate"] = torch.tensor(0.0)
-            rec.begin_step(step, b)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = lm_loss(model, b)
-            loss.backward()
+            rec.begin_step(step, parts[0] if micro == 1 else parts)
+            for b in parts:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = lm_loss(model, b) / micro
+                loss.backward()
             snap = rec.snapshot("fp8") if step == steps - 1 else None  # the reason the recorder's fp8 trigger writes
             rec.end_step(loss)
             opt.step()

@@ -134,3 +134,15 @@ def test_a_snapshot_whose_fp8_recipe_no_recorder_writes_gets_one_error_line_and_
     errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "'fp8_recipe'" in errors[0] and str(bad) in errors[0]
     assert "Traceback" not in res.output and bad.read_bytes() == before
+
+
+@pytest.mark.parametrize("loop", [{"amp": False}, {"micro": 2}], ids=["fp32_master_no_autocast", "two_micro_batches"])
+def test_loops_without_autocast_or_with_accumulation_name_the_same_cast(tmp_path, loop):
+    r = _json("replay", str(sm.train_fp8(tmp_path / "run", **loop)))
+    assert r["verdict"] == "fp8_underflow"
+    first = r["fp8"]["first"]
+    assert (first["module"], first["role"], first["use"], first["outlier"]["column"]) == (
+        "block.mlp.w2", "input", "forward", sm.OUTLIER)
+    assert r["fp8"]["precision"] == ("float32" if loop.get("amp") is False else "bfloat16")
+    # two micro-batches: each one's six casts per Linear, both replayed as training ran them
+    assert r["fp8"]["casts"] == 36 * loop.get("micro", 1)
