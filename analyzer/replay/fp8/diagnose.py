@@ -30,7 +30,7 @@ from .._origin import find_origin
 from .._runs import ReplayContext
 from .casts import Fp8Cast
 from .step import (GRAD_COS_TOL, GRAD_REL_TOL, OUT_REL_TOL, Agreement, StepValues, agreement, agrees, fp8_context,
-                   output_errors, run_values)
+                   output_errors, run_values, worst)
 
 __all__ = ["UNDERFLOW_LIMIT", "SATURATE_LIMIT", "Judgement", "Fp8Evidence", "fp8_diagnosis", "breaking", "judge_values"]
 
@@ -59,7 +59,7 @@ class Judgement:
         return agrees(list(self.grads), self.outputs)
 
     def worst_grad(self) -> Agreement | None:
-        return max(self.grads, key=lambda r: r.rel_err if not math.isnan(r.rel_err) else math.inf, default=None)
+        return worst(list(self.grads))
 
     def worst_output(self) -> tuple[str, float] | None:
         return max(self.outputs.items(), key=lambda kv: kv[1], default=None)

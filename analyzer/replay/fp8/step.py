@@ -87,7 +87,7 @@ def fp8_context(ctx: ReplayContext, recipe: Mapping | None = None, **convert_kw)
     return dataclasses.replace(ctx, convert=to_fp8, _model=None)
 
 
-def _tag_fp8_nodes(module: torch.nn.Module, name: str, out) -> None:
+def _tag_fp8_nodes(name: str, out) -> None:
     """Name the autograd node of a Float8Linear's GEMM (a custom Function the function mode never sees)."""
     todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
     for _ in range(4):  # the GEMM's node is within a reshape and a bias add of the output
@@ -108,7 +108,7 @@ def _capture(model: torch.nn.Module, grads: dict, outputs: dict, extra: Callable
 
     def post(mod, _args, out):
         if isinstance(out, torch.Tensor):
-            _tag_fp8_nodes(mod, names[mod], out)
+            _tag_fp8_nodes(names[mod], out)
             with _disable_current_modes():
                 prev = outputs.get(names[mod])
                 rows = out.detach().float().reshape(-1, out.shape[-1])  # one row per token
