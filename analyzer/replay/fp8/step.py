@@ -9,7 +9,7 @@ runs parameter by parameter: cosine and relative error ``|a - ref| / |ref|``.
 A step *agrees* with a reference when every parameter's gradient has cosine at least ``GRAD_COS_TOL`` and
 relative error at most ``GRAD_REL_TOL``, and every Linear's output a median per-token relative error
 (``output_errors``) at most ``OUT_REL_TOL``. The tolerances leave room for FP8's own rounding (e4m3 keeps
-3 mantissa bits: a healthy tensorwise step of the test models is within 0.11 of BF16 in every gradient
+3 mantissa bits: a healthy tensorwise step of the test models is within 0.12 of BF16 in every gradient
 and 0.07 in every output). The per-token median is there because a norm over the whole tensor hides a
 loss that an outlier's rows dominate: the aligned SwiGLU's tensorwise step flushes w2's input on 62 of
 64 tokens, and w2's weight gradient is still within 0.08 of BF16 (its outlier column carries the norm),
