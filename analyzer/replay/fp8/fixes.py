@@ -17,7 +17,6 @@ does not agree; ``not_tried``: torchao could not run it here (the reason is give
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
@@ -29,7 +28,7 @@ from ..fixes import Fix, FixSpec, register_fix
 from ..result import ReplayResult
 from .._runs import ReplayContext
 from .diagnose import Fp8Evidence, judge_values
-from .recipe import filter_source
+from .recipe import filter_source, with_gradients_in
 from .step import fp8_context, run_values
 from .verdicts import CHANNEL_GAP, SATURATION, UNDERFLOW, keep_high
 
@@ -80,14 +79,8 @@ def _keep_bf16(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 
 def _e5m2_grads(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
-    def make(c: ReplayContext, ev: Fp8Evidence) -> ReplayContext:
-        recipe = copy.deepcopy(dict(c.fp8_recipe))
-        for entry in recipe["configs"]:
-            for key in ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"):
-                if isinstance(entry["fields"].get(key), dict):
-                    entry["fields"][key]["target_dtype"] = "float8_e5m2"
-        return fp8_context(c, recipe)
-    return _try(ctx, result, "fp8_e5m2_grads", "gradients cast to e5m2 in the recorded recipe", make)
+    return _try(ctx, result, "fp8_e5m2_grads", "gradients cast to e5m2 in the recorded recipe",
+                lambda c, _ev: fp8_context(c, with_gradients_in(c.fp8_recipe, "float8_e5m2")))
 
 
 class _Smooth(torch.nn.Module):

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import copy
+
 import torch
 
 from recorders.fp8_recipe import describe_fp8, fp8_modules
@@ -27,7 +29,7 @@ from recorders.fp8_recipe import describe_fp8, fp8_modules
 from ...errors import BadInputError, FactoryError
 from ...load.refs import missing_extra
 
-__all__ = ["ENTRY", "recipe_of", "convert", "to_plain", "float8_config", "filter_source"]
+__all__ = ["ENTRY", "recipe_of", "convert", "to_plain", "float8_config", "with_gradients_in", "filter_source"]
 
 ENTRY = "fp8_recipe"  # the snapshot key (and meta.json key) the recorder writes describe_fp8's output under
 _CASTS = ("cast_config_input", "cast_config_input_for_grad_weight", "cast_config_weight",
@@ -115,6 +117,16 @@ def convert(model: torch.nn.Module, recipe: Mapping, *, keep_high: Iterable[str]
         cfg = config if config is not None else float8_config(entry["fields"], path=path)
         f8.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda _m, fqn, names=names: fqn in names)
     return model
+
+
+def with_gradients_in(recipe: Mapping, dtype: str) -> dict:
+    """A copy of `recipe` whose torchao configs cast the gradients (both GEMMs' ``grad_output``) to `dtype`."""
+    out = copy.deepcopy(dict(recipe))
+    for entry in out["configs"]:
+        for key in ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"):
+            if isinstance(entry["fields"].get(key), dict):
+                entry["fields"][key]["target_dtype"] = dtype
+    return out
 
 
 def to_plain(model: torch.nn.Module) -> torch.nn.Module:

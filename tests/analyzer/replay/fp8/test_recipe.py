@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from analyzer.errors import BadInputError
-from analyzer.replay.fp8.recipe import convert, float8_config, recipe_of, to_plain
+from analyzer.replay.fp8.recipe import convert, float8_config, recipe_of, to_plain, with_gradients_in
 from recorders.fp8_recipe import describe_fp8, fp8_modules
 from tests.extras import require
 
@@ -74,3 +74,12 @@ def test_any_entry_is_a_recipe_or_one_bad_input_error_naming_the_key(entry):
             assert isinstance(float8_config(c["fields"], path="s.pt"), f8.Float8LinearConfig)
         except BadInputError as e:
             assert "s.pt" in str(e)
+
+
+def test_with_gradients_in_e5m2_changes_only_the_gradient_casts_of_an_all_e4m3_recipe():
+    entry = describe_fp8(f8.convert_to_float8_training(sm.build(), config=f8.Float8LinearConfig.from_recipe_name("rowwise")))
+    cfg = float8_config(with_gradients_in(entry, "float8_e5m2")["configs"][0]["fields"])
+    assert cfg.cast_config_grad_output.target_dtype == torch.float8_e5m2
+    assert cfg.cast_config_grad_output_for_grad_weight.target_dtype == torch.float8_e5m2
+    assert cfg.cast_config_input.target_dtype == cfg.cast_config_weight.target_dtype == torch.float8_e4m3fn
+    assert entry["configs"][0]["fields"]["cast_config_grad_output"]["target_dtype"] == "float8_e4m3fn"  # a copy
