@@ -124,6 +124,22 @@ def test_without_torchao_an_fp8_snapshot_gets_one_error_line_naming_the_extra(al
     assert "Traceback" not in res.stderr
 
 
+
+def test_without_torchao_a_snapshot_without_an_fp8_recipe_replays_as_before(aligned, tmp_path):
+    import torch
+
+    data = torch.load(aligned, weights_only=True)
+    del data["fp8_recipe"]  # the same step, recorded as a plain BF16 run
+    plain = tmp_path / aligned.name
+    torch.save(data, plain)
+    code = ("import sys; sys.modules['torchao'] = None; from analyzer.cli import main; "
+            "sys.exit(main(['replay', sys.argv[1], '--device', 'cpu', '--json']))")
+    res = subprocess.run([sys.executable, "-c", code, str(plain)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["verdict"] == "healthy" and "fp8" not in out
+
+
 def test_a_snapshot_whose_fp8_recipe_no_recorder_writes_gets_one_error_line_and_stays_unchanged(aligned, tmp_path):
     import torch
 
