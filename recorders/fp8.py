@@ -33,7 +33,8 @@ import math
 
 import torch
 
-__all__ = ["FORMATS", "GRANULARITIES", "MX_BLOCK", "CastStats", "cast_counts", "cast_stats", "fp8_dtype"]
+__all__ = ["FORMATS", "GRANULARITIES", "MX_BLOCK", "CastStats", "cast_counts", "cast_stats", "fp8_dtype",
+           "scaled_counts"]
 
 FORMATS = ("e4m3", "e5m2")
 GRANULARITIES = ("tensorwise", "rowwise", "mxfp8", "mxfp8_floor")
@@ -137,11 +138,23 @@ def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim:
         if x.shape[-1] % MX_BLOCK:
             x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1] % MX_BLOCK))
         x = x.reshape(-1, MX_BLOCK)
+    scale = _scales(x, fmt, granularity)
+    return scaled_counts(x, x * scale, scale, fmt, numel=numel)
+
+
+def scaled_counts(x: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor, fmt: str, *,
+                  numel: int | None = None) -> torch.Tensor:
+    """``cast_counts``'s eight values for a cast whose scaled values `xs` (``x * scale``, before the
+    clamp) are known: the FP8 replay reads them from the cast's own ops (``analyzer/replay/fp8``).
+
+    `x` is the cast's input, `scale` its scale (broadcastable to `x`); nothing is read back. `numel`:
+    the elements cast, where `x` was padded (MX blocks).
+    """
     dtype = fp8_dtype(fmt)
     fmax = torch.finfo(dtype).max
     tiny = torch.finfo(dtype).tiny  # the smallest normal
-    scale = _scales(x, fmt, granularity)
-    xs = x * scale
+    x, xs, scale = x.detach().float(), xs.detach().float(), scale.detach().float()
+    numel = x.numel() if numel is None else numel
     q = xs.clamp(-fmax, fmax).to(dtype).float()
     nz = x != 0
     stats = [

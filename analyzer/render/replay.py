@@ -126,6 +126,9 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         where = f"; first at #{first['index']} {first['op']} in `{first['module']}` ({first['phase']})" if first else ""
         own = f" (at loss scale {run['scale']:g})" if run["scale"] != r.scale else ""  # BF16 run for its advice
         lines.append(f"  {p:<9} loss {_num(run['loss']):>10}  {state}{own}{at1}{where}")
+    fp8 = (r.evidence or {}).get("fp8")
+    if fp8 is not None:  # the step trained in FP8: its FP8 run, the casts that broke, the comparison with BF16
+        lines += _fp8_lines(fp8.to_dict()["fp8"])
     if r.compiled is not None:  # a compiled model: the step compiled as training compiled it
         lines += _compiled_lines(r.compiled)
     trace = r.culprit_trace
@@ -261,3 +264,27 @@ def replay_figure(result: ReplayResult):
     from .update_plot import plot_update_forensics
 
     return plot_update_forensics(result) if result.update is not None else plot_replay_ops(result)
+
+
+def _fp8_lines(f: dict) -> list[str]:
+    """The FP8 run beside the others, the casts that broke (at most 8) and the per-token error of each Linear."""
+    roles = ", ".join(f"{k} {v.get('format')} {v.get('granularity')}" for k, v in f["roles"].items())
+    agree = "agrees with BF16" if f["agrees_with_bf16"] else "does not agree with BF16"
+    lines = [f"  {'fp8':<9} loss {_num(f['losses'].get('fp8')):>10}  {agree} ({len(f['modules'])} modules: {roles})"]
+    t = f["thresholds"]
+    broken = f["breaking"]
+    lines += ["", f"fp8 casts: {f['casts']}, {len(broken)} broken (flushed > {t['flushed_frac']:.0%} of the non-zero "
+              f"values, or saturated > {t['saturated_frac']:.2%})" + (":" if broken else "")]
+    for c in broken[:8]:
+        what = (f"{c['flushed_frac']:.1%} flushed" if c["breaks"] == "underflow"
+                else f"{c['saturated']} of {c['numel']} saturated")
+        lines.append(f"  {c['module']} {c['role'] or 'operand'} ({c['use'] or '-'} GEMM, {c['phase']} pass, {c['fmt']} "
+                     f"{c['granularity']}): {what}; amax {_num(c['amax'])} at row {c['outlier']['row']}, "
+                     f"channel {c['outlier']['column']}")
+    if len(broken) > 8:
+        lines.append(f"  ... and {len(broken) - 8} more (--json)")
+    jump = (f.get("jump") or {}).get("layer")
+    outs = ", ".join(f"{o['layer']} {_num(o['rel_err_bf16'])}" + (" <-" if o["layer"] == jump else "")
+                     for o in f["outputs"])
+    lines.append(f"  Linear outputs against BF16, per token (median; tolerance {t['output_rel_err']}): {outs}")
+    return lines

@@ -31,10 +31,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ._attribution import _flat, user_source
 from ._cache import Memo
 from ._writes import BufferReads, unread_args, written_args
+from .fp8.casts import FLOAT8_DTYPES, CastWatch, dequantised
 
 __all__: list[str] = []
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# FP8 values are read dequantised (``fp8.casts.dequantised``): a float8 tensor as FP32, a torchao
+# Float8TrainingTensor as data / scale (float8 kernels lack aminmax)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FLOAT8_DTYPES)
 
 # Ops whose output holds exactly the values of their (first) input: the output statistic is
 # the input's, no kernel needed. (Slices and selects hold a subset, so they are measured.)
@@ -78,6 +81,7 @@ class _OpStatsMode(TorchDispatchMode):
         capture: op index whose inputs to clone (before it runs) for the shadow check.
         on_ops: optional callback, called with the number of ops so far every 256 ops.
         reads: follow these buffers' values through the run (which ones the step reads).
+        casts: follow the step's FP8 casts (``fp8.casts.CastWatch``: the FP8 replay).
         override: op index -> ``fn(func, args, kwargs)`` computing that op's output instead of
             ``func`` (a counterfactual fix: the culprit op alone in FP32, ``replay.fixes``). The
             mode is off inside it, so its own ops are not recorded and later indices do not move.
@@ -87,8 +91,9 @@ class _OpStatsMode(TorchDispatchMode):
     """
 
     def __init__(self, *, zeros: bool = False, capture: int | None = None, on_ops=None,
-                 reads: BufferReads | None = None, override: dict | None = None):
+                 reads: BufferReads | None = None, override: dict | None = None, casts: CastWatch | None = None):
         super().__init__()
+        self.casts = casts
         self.override = override
         self.reads = reads
         self.zeros = zeros
@@ -109,7 +114,7 @@ class _OpStatsMode(TorchDispatchMode):
     # -- statistics --------------------------------------------------------------------------
     def add_stat(self, t: torch.Tensor) -> int:
         """Queue the aminmax of `t` (no sync) and return its statistic index."""
-        mn, mx = torch.aminmax(t.detach())
+        mn, mx = torch.aminmax(_values(t.detach()))
         self._mins.append(mn)
         self._maxs.append(mx)
         return len(self._maxs) - 1
@@ -192,7 +197,7 @@ class _OpStatsMode(TorchDispatchMode):
             stat = rec.inputs[0][0] if alias else self.add_stat(t)
             rec.outputs.append(stat)
             if self.zeros:
-                self._nonzero.append(torch.count_nonzero(t))
+                self._nonzero.append(torch.count_nonzero(_values(t)))
                 rec.zeros.append((len(self._nonzero) - 1, t.numel()))
             hi = t._version + 1 if any(t is w for w in written) else max(t._version, view_hi)
             self._producers[t] = (index, stat, t._version, hi)
@@ -201,6 +206,8 @@ class _OpStatsMode(TorchDispatchMode):
         for w in written + skip:
             if not any(w is t for t in flat_out):
                 self._producers.pop(w, None)
+        if self.casts is not None:
+            self.casts.op(name, args, out, rec)
         self.records.append(rec)
         if self.on_ops is not None and not index & 255:
             self.on_ops(index)
@@ -257,6 +264,14 @@ def _widens(src: torch.dtype, out) -> bool:
     dst = out.dtype if isinstance(out, torch.Tensor) else None
     return (src in (torch.float16, torch.bfloat16) and dst in (torch.float32, torch.float64)) or (
         src == torch.float32 and dst == torch.float64)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or the FP32 values of an FP8 tensor (float8 kernels lack aminmax and count_nonzero)."""
+    if type(t) is torch.Tensor and t.dtype not in FLOAT8_DTYPES:
+        return t
+    d = dequantised(t)
+    return t if d is None else d
 
 
 def _stack(scalars: list[torch.Tensor]) -> torch.Tensor:

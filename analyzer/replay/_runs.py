@@ -23,6 +23,7 @@ from ._compiled import fit_state, original_module
 from ._mode import _OpStatsMode
 from ._precision import PrecisionMode, cast_batch, cast_model, io_hooks
 from ._writes import BufferReads
+from .fp8.casts import CastWatch
 from .backends import record_calls, sdpa_switches
 from .trace import LOW_PRECISION, RunTrace
 
@@ -59,6 +60,9 @@ class ReplayContext:
     sdpa: dict | None = None  # the snapshot's SDPA switches (recorders/_sdpa.py); None: the process's
     mode: PrecisionMode = field(default_factory=PrecisionMode)  # how low precision is replayed
     micro: dict | None = None  # the snapshot's micro_batches (format 6): batch is then their list
+    # applied to the factory's model before the weights load: the FP8 recipe (fp8/recipe.py), or its plain twin
+    convert: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    fp8_recipe: dict | None = None  # the FP8 recipe training ran (fp8/recipe.py); None: no FP8 run
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
@@ -94,6 +98,7 @@ class ReplayContext:
                 path=self.path, fix="pass --factory pkg.module:function returning the model",
             )
         model = original_module(model)  # a factory returning torch.compile(model): replay its original
+        model = self.convert(model) if self.convert is not None else model
         self.model_state = fit_state(model, self.model_state)  # names with or without _orig_mod. segments
         cast_model(model, self.mode, precision, self.model_state)
         self._load(model)
@@ -145,7 +150,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
              capture: int | None = None, on_ops=None, watch: list[str] | None = None,
              sdpa_backend: str | None = None,
              prepare: Callable[[torch.nn.Module], AbstractContextManager] | None = None,
-             op_override: dict[int, Callable] | None = None) -> RunTrace:
+             op_override: dict[int, Callable] | None = None, casts: CastWatch | None = None) -> RunTrace:
     """Replay the step once in `precision` with backward from ``loss * scale``.
 
     `watch` names buffers whose values are followed through the run (``RunTrace.buffers_read``).
@@ -155,6 +160,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     ``prepare(model)`` returns a context manager entered around forward and backward, inside the
     recording modes (module hooks it registers, a function mode it pushes); `op_override` maps
     an op index to ``fn(func, args, kwargs)`` run instead of that op (``_OpStatsMode``).
+    `casts` follows the step's FP8 casts (``fp8.casts.CastWatch``; read with its ``finalize()``).
     """
     model = ctx.build_model(precision)
     batch = cast_batch(_to_device(ctx.batch, ctx.device), ctx.mode, precision)
@@ -163,7 +169,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     if watch:
         named = dict(model.named_buffers())
         reads = BufferReads({n: named[n] for n in watch if n in named})
-    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads, override=op_override)
+    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads, override=op_override, casts=casts)
     sdpa_ctx = sdpa_switches(ctx.sdpa, only=sdpa_backend, device=ctx.device.type)
     sdpa_calls = record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)

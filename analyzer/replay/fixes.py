@@ -152,7 +152,8 @@ FIXES: dict[str, FixSpec] = {}
 # The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
 # their modules are imported in; a fix not listed here comes after these, in the order registered.
 ORDER = ("guard_clamp", "guard_eps", "region_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
-         "scaler_skip", "compile_disable")
+         "scaler_skip", "compile_disable", "fp8_rowwise", "fp8_keep_bf16", "fp8_e5m2_grads", "fp8_smooth_swiglu",
+         "fp8_mxfp8")
 
 
 def register_fix(spec: FixSpec) -> FixSpec:
@@ -188,12 +189,13 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
     Returns:
         The fixes in the order tried; empty for a healthy step.
     """
-    if result.culprit is None:
+    blameless = VERDICTS[result.verdict].without_culprit if result.verdict in VERDICTS else False
+    if result.culprit is None and not blameless:
         return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific") else [_check_input(result)]
     specs = plan(result)
     if not any(s.needs_model for s in specs):
         return [fix for s in specs if (fix := s.apply(None, result)) is not None]
-    if result.culprit["phase"] not in ("forward", "backward"):  # e.g. an optimizer update (replay/update.py)
+    if result.culprit is not None and result.culprit["phase"] not in ("forward", "backward"):  # e.g. an optimizer update (replay/update.py)
         op, where = result.culprit["op"], result.culprit["module"]
         return [Fix(name="check_input", status="not_tried",
                     title=f"change the optimizer's settings as the advice says: {op} in {where} made the NaN/Inf",

@@ -26,6 +26,7 @@ import os
 import torch
 
 from recorders import schema
+from recorders.fp8_recipe import fp8_modules
 
 from ..load import Snapshot, load_snapshot, recorded_cwd, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
@@ -43,6 +44,7 @@ from ._update_result import replay_update
 from .backends import backend_of
 from .diagnosis import Diagnosis
 from .fixes import Fix, run_fixes
+from .fp8.recipe import recipe_of, to_plain
 from .probes import run_probes, spread
 from .result import ReplayResult
 from .trace import RunTrace
@@ -106,7 +108,11 @@ class Replay:
             ctx = context(path, snap, self._device, self._factory, self._loss_fn, self.roots, state=state)
             fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
             with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was (a factory may draw)
-                params = {n for n, _ in ctx.build_model().named_parameters()}
+                model = ctx.build_model()
+                params = {n for n, _ in model.named_parameters()}
+                ctx.fp8_recipe = recipe_of(snap, model, path=path)  # the snapshot's entry, or a converted model's
+                if fp8_modules(model):  # a factory that converts: FP32 and BF16 replay its plain twin
+                    ctx.convert, ctx._model = to_plain, None
             ctx.mode = precision_mode(path, snap, amp, state, params)
             self._ctx = ctx
         return self._ctx

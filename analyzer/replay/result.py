@@ -170,7 +170,7 @@ class ReplayResult:
 
     def _evidence_fields(self) -> dict:
         """Top-level fields the probes' evidence spreads into (``Probe.into == "result"``), by the
-        registry; none for the built-in probes, whose fields are the culprit's."""
+        registry; of the built-in probes only ``fp8`` has one (its ``fp8`` key), the others' are the culprit's."""
         if not self.evidence:
             return {}
         from .probes.registry import spread

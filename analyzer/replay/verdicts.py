@@ -68,6 +68,8 @@ class Verdict:
             backends, and becomes ``kernel_specific`` when one of them is finite.
         precision_advice: the dtype is what to change: for a run without autocast (low-precision
             parameters, FSDP's param_dtype) the autocast advice is rewritten in its terms.
+        without_culprit: its fixes are tried though no op is blamed (the FP8 verdicts: a probe's evidence
+            names the cast, and the step is finite).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Verdict:
     detect: Callable[[Diagnosis], bool] | None = None
     sdpa_check: bool = False
     precision_advice: bool = False
+    without_culprit: bool = False
 
     def __post_init__(self):
         if bool(self.refines) != (self.detect is not None):
@@ -90,7 +93,7 @@ VERDICTS: dict[str, Verdict] = {}
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
 ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific")
+         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "fp8_underflow", "fp8_saturation")
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
