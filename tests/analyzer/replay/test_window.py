@@ -1,0 +1,127 @@
+"""``analyzer replay SNAPSHOT --steps K``: the rewind window replayed in FP32 and the run's precision, on real runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from analyzer.cli import main as cli
+from recorders import Recorder
+from tests.analyzer.replay.window_models import build_centered, shifted_batches, train
+from tests.recorders.spike_models import build_plain, linear_batches, train_with_lr_jumps
+
+REFS = {"factory": "tests.analyzer.replay.window_models:build_centered",
+        "loss_fn": "tests.analyzer.replay.window_models:centered_loss"}
+
+
+def _centered_run(d, amp_dtype, offset, **kw):
+    model = build_centered()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with Recorder(d, model, **REFS, optimizer=opt, amp_dtype=amp_dtype, rewind=6, spike_window=20, **kw) as rec:
+        train(model, shifted_batches(32, shift_at=30, offset=offset), opt=opt, rec=rec, amp_dtype=amp_dtype)
+    return rec.snapshots
+
+
+def _window(path, k, *extra):
+    res = CliRunner().invoke(cli, ["replay", str(path), "--steps", str(k), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)["window"]
+
+
+@pytest.fixture(scope="module")
+def bf16_shift(tmp_path_factory):
+    """BF16: the batch at step 30 carries an offset of 2000 that BF16 features cannot centre: a loss spike."""
+    snaps = _centered_run(tmp_path_factory.mktemp("bf16"), torch.bfloat16, 2000.0)
+    assert [p.name for p in snaps] == ["step00000030-r00000-loss_spike.pt"]
+    return snaps[0]
+
+
+def test_steps_k_names_the_step_where_bf16_parts_from_fp32_and_that_fp32_does_not_spike(bf16_shift):
+    w = _window(bf16_shift, 6)
+    assert [r["step"] for r in w["rows"]] == [25, 26, 27, 28, 29, 30] and w["fork_step"] == 25
+    assert w["start_step"] == 24 and w["steps_held"] == 7  # starts at 0, 6, ..., 24, 30: the older one
+    assert w["part_step"] == 30  # every earlier step within tolerance; the offset batch is step 30
+    assert w["fp32_spikes"] is False and w["spike"]["low_spikes"] is True
+    assert w["reproduction"] < 1e-6  # the BF16 replay retraces the recorded losses (same process, same kernels)
+    assert any("step 24 was replayed in bfloat16 first" in n for n in w["notes"])
+
+
+def test_the_text_marks_the_parting_step_and_says_the_spike_comes_from_low_precision(bf16_shift):
+    res = CliRunner().invoke(cli, ["replay", str(bf16_shift), "--steps", "6"])
+    assert res.exit_code == 0, res.output
+    part = [line for line in res.output.splitlines() if line.endswith("<- part")]
+    assert len(part) == 1 and part[0].split()[0] == "30"
+    assert "FP32 from the same state does not spike at step 30" in res.output
+    assert "the spike comes from low precision in these steps" in res.output
+
+
+def test_more_steps_than_the_window_holds_replays_the_window_and_says_so(bf16_shift):
+    w = _window(bf16_shift, 50)
+    assert w["steps_asked"] == 50 and w["fork_step"] == 24 and len(w["rows"]) == 7
+    assert any(n.startswith("--steps 50: the window holds 7 step(s) (from step 24") for n in w["notes"])
+
+
+def test_an_lr_jump_spikes_in_fp32_too_and_the_trajectories_stay_together(tmp_path):
+    model = build_plain()
+    opt = torch.optim.Adam(model.parameters(), lr=0.003)
+    refs = {"factory": "tests.recorders.spike_models:build_plain", "loss_fn": "tests.recorders.spike_models:plain_loss"}
+    with Recorder(tmp_path, model, **refs, optimizer=opt, amp_dtype=torch.bfloat16, rewind=4, grad_spike=None) as rec:
+        # the lr of step 100 is 1000x, set between end_step and opt.step: the window keeps the lr the step used
+        train_with_lr_jumps(model, linear_batches(102), opt=opt, rec=rec, jumps=(100,), amp_dtype=torch.bfloat16)
+    w = _window(rec.snapshots[0], 4)
+    assert w["step"] == 101 and w["fp32_spikes"] is True and w["spike"]["low_spikes"] is True
+    assert w["part_step"] is None and w["reproduction"] < 1e-6
+
+
+def test_a_nan_snapshot_parts_at_the_step_fp16_overflows_and_fp32_stays_finite(tmp_path):
+    snaps = _centered_run(tmp_path, torch.float16, 1e5)
+    assert [p.name for p in snaps] == ["step00000030-r00000-nonfinite_loss.pt"]
+    w = _window(snaps[0], 3)
+    assert w["part_step"] == 30 and w["spike"] is None and w["fp32_spikes"] is None
+    assert w["rows"][-1]["low_loss"] == "nan" and isinstance(w["rows"][-1]["fp32_loss"], float)
+    res = CliRunner().invoke(cli, ["replay", str(snaps[0]), "--steps", "3"])
+    assert "FP32 stays finite through step 30; float16 is NaN/Inf from step 30." in res.output
+
+
+def test_a_window_with_steps_gradscaler_skipped_skips_them_in_fp16_only(tmp_path):
+    model = build_centered()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")  # init_scale 65536: targets x 1e3 overflow its FP16 gradients at first
+    data = shifted_batches(10)
+    for b in data:
+        b["y"] = b["y"] * 1e3
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, amp_dtype=torch.float16, scaler=scaler, rewind=8) as rec:
+        train(model, data, opt=opt, rec=rec, amp_dtype=torch.float16, scaler=scaler, snapshot_at=7)
+    w = _window(rec.snapshots[0], 8)
+    skipped = [r["step"] for r in w["rows"] if r["recorded_skipped"]]
+    assert skipped and skipped[0] == 0  # the window holds the skipped steps from the very first one
+    for r in w["rows"][:-1]:
+        assert r["low_stepped"] is (not r["recorded_skipped"]) and r["fp32_stepped"] is True
+        assert r["low_scale"] == r["recorded_scale"]
+    # FP16 retraces the recorded run only if it skips where GradScaler skipped and scales as it scaled
+    assert w["reproduction"] < 1e-6 and w["scaler"] is True and w["unrecorded_skips"] == []
+
+
+def test_steps_on_a_snapshot_without_a_window_is_one_error_line_naming_the_fix(tmp_path):
+    model = build_centered()
+    opt = torch.optim.Adam(model.parameters())
+    with Recorder(tmp_path, model, **REFS, optimizer=opt) as rec:
+        train(model, shifted_batches(3), opt=opt, rec=rec, snapshot_at=2)
+    res = CliRunner().invoke(cli, ["replay", str(rec.snapshots[0]), "--steps", "4"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
+    assert str(rec.snapshots[0]) in lines[0] and "Recorder(..., rewind=K)" in lines[0]
+
+
+def test_replay_steps_of_a_wrong_typed_window_prints_one_error_line_naming_the_file(tmp_path):
+    path = _centered_run(tmp_path, torch.bfloat16, 2000.0)[0]
+    snap = torch.load(path, weights_only=True)
+    snap["rewind"]["steps"][2]["loss"] = "0.5"
+    bad = tmp_path / "edited.pt"
+    torch.save(snap, bad)
+    res = CliRunner().invoke(cli, ["replay", str(bad), "--steps", "2"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:") and str(bad) in lines[0]
+    assert "rewind" in lines[0]
