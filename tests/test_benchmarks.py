@@ -25,6 +25,7 @@ QUICK = {
     "fsdp_sync_cost.py": "synced / local",
     "log_parse_time.py": "ratio: t(10 N) / t(N)",
     "spike_false_triggers.py": "all real runs:",
+    "rewind_cost.py": "snapshot file:",
 }
 
 

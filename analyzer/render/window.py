@@ -3,17 +3,19 @@
 Real output (``tests/analyzer/replay/test_window.py``'s BF16 run whose batch at step 30 carries an offset
 its BF16 features cannot centre)::
 
-    rewind window: steps 25..30 replayed from one state in FP32 and bfloat16 (the window holds 24..30,
-    Recorder(rewind=6))
+    rewind window: steps 25..30 replayed from one state in FP32 and bfloat16 (the window holds 24..30, Recorder(rewind=6))
       step  recorded    fp32        bfloat16    difference
       25    0.01215     0.01211     0.01215     0.29%
-      ...
+      26    0.007298    0.007347    0.007298    0.66%
+      27    0.00823     0.008044    0.00823     2.3%
+      28    0.009009    0.008885    0.009009    1.4%
+      29    0.01228     0.01241     0.01228     1.1%
       30    0.3422      0.01281     0.3422      2571%  <- part
-    tolerance 17.3%: max(8 x bfloat16's unit roundoff 0.39%, half the recorded loss's median step-to-step
-    change 34.5%)
+    tolerance 17.3%: max(8 x bfloat16's unit roundoff 0.39%, half the recorded loss's median step-to-step change 34.5%)
     FP32 and bfloat16 part at step 30 (losses 0.01281 and 0.3422).
-    FP32 from the same state does not spike at step 30 (loss 0.01281 <= the trigger's threshold 0.1303);
-    bfloat16 does (0.3422): the spike comes from low precision in these steps.
+    FP32 from the same state does not spike at step 30 (loss 0.01281 <= the trigger's threshold 0.1303); bfloat16 does (0.3422): the spike comes from low precision in these steps.
+    The bfloat16 replay matches the recorded losses exactly.
+    note: step 24 was replayed in bfloat16 first, as training did, to reach the state before step 25
 
 How to read it: both trajectories start from the same weights and optimizer state and see the same
 batches, RNG, loss scales and learning rates; only their arithmetic differs. ``<- part`` marks the first
