@@ -151,6 +151,8 @@ def rows_of(window: list[dict], fp32: Trajectory, low: Trajectory | None) -> lis
 
 
 def reproduction(window: list[dict], run: Trajectory) -> float | None:
-    """The largest relative difference between the run-precision replay's losses and the recorded ones."""
-    diffs = [_rel(r, s["loss"]) for s, r in zip(window, run.losses) if s["loss"] is not None]
+    """The largest relative difference between the run-precision replay's losses and the recorded ones (steps of
+    one batch only: of micro-batches, the loop passes end_step the loss it chooses, not necessarily their sum)."""
+    diffs = [_rel(r, s["loss"]) for s, r in zip(window, run.losses)
+             if s["loss"] is not None and s["micro_batches"] is None]
     return max(diffs) if diffs else None

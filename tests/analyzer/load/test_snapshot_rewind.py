@@ -116,3 +116,10 @@ def test_any_changed_field_of_the_window_loads_or_gives_one_bad_input_error(tmp_
         assert text.startswith(f"{path}: ") and "rewind" in text.removeprefix(str(path)) and "\n" not in text
         return
     assert snap.rewind is not None and not drop  # a window missing a field never loads
+
+
+def test_a_version_7_snapshot_without_the_key_loads_with_no_window(tmp_path):
+    snap = snapshot_dict(format_version=7)
+    del snap["rewind"]
+    loaded = load_snapshot(write_snapshot(tmp_path / "s.pt", snap))
+    assert loaded.format_version == 7 and loaded.rewind is None

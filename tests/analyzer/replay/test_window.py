@@ -125,3 +125,36 @@ def test_replay_steps_of_a_wrong_typed_window_prints_one_error_line_naming_the_f
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:") and str(bad) in lines[0]
     assert "rewind" in lines[0]
+
+
+def test_a_window_of_accumulating_steps_replays_every_micro_batch_as_training_did(tmp_path):
+    from tests.analyzer.replay.window_models import centered_loss
+
+    model = build_centered()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = shifted_batches(16)
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, amp_dtype=torch.bfloat16, rewind=3) as rec:
+        for step in range(8):
+            micro = data[2 * step:2 * step + 2]  # two micro-batches per optimizer step, each loss / 2
+            rec.begin_step(step, micro)
+            step_loss = 0.0
+            for part in micro:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = centered_loss(model, part) / 2
+                loss.backward()
+                step_loss += loss.item()
+            rec.end_step(loss * 2)
+            if step == 7:
+                rec.snapshot()
+            opt.step()
+            opt.zero_grad()
+    w = _window(rec.snapshots[0], 3)
+    assert [r["step"] for r in w["rows"]] == [5, 6, 7]
+    # the replay's loss is the step's (each micro-batch's / 2, summed), from the weights training reached only
+    # if every replayed step summed both micro-batches' gradients
+    from analyzer.load import load_snapshot
+
+    rw = load_snapshot(rec.snapshots[0]).rewind
+    assert all(s["micro_batches"]["count"] == 2 for s in rw["steps"])
+    assert w["rows"][-1]["low_loss"] == pytest.approx(step_loss, rel=1e-6)  # step 7's, both micro-batches
+    assert w["reproduction"] is None  # end_step got the last micro-batch's loss x 2: nothing to compare with
