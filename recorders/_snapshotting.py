@@ -73,7 +73,7 @@ class Snapshotting:
 
         micro = self._micro.entry(self._batch)  # NB: before write(): a list that is not micro-batches raises nothing
         window = getattr(self, "_rewind", None)  # Recorder(rewind=K): the steps before this one (recorders/_rewind.py)
-        rewind = None if window is None else window.entry(self._step, last)
+        rewind = None if window is None else self._guard("copy the rewind window", window.entry, self._step, last)
 
         def write():
             snap = build_snapshot(

@@ -22,7 +22,7 @@ import torch
 from .._accumulate import micro_parts, scaled_loss, step_loss
 from .._precision import cast_batch, io_hooks
 from .._runs import ReplayContext, _to_device, _check_loss, _first_line
-from ...errors import FactoryError
+from ...errors import AnalyzerError, FactoryError
 from ._optim import rebuild_optimizer, set_hyperparameters
 
 __all__ = ["Trajectory", "run_trajectory", "steps_optimizer"]
@@ -124,7 +124,12 @@ def run_trajectory(ctx: ReplayContext, state: dict, optim: dict, steps: list[dic
             out.unrecorded_skips.append(s["step"])
         if step:
             set_hyperparameters(opt, s["param_groups"])
-            opt.step()
+            try:
+                opt.step()
+            except Exception as e:  # noqa: BLE001 - e.g. LBFGS, whose step needs a closure the window lacks
+                raise AnalyzerError(f"the rebuilt {type(opt).__name__}.step() raised {type(e).__name__} at window "
+                                    f"step {s['step']}: {_first_line(e)}", path=ctx.path,
+                                    fix="replay the snapshot's step alone (without --steps)") from e
         out.losses.append(loss)
         out.grad_norms.append(norm)
         out.stepped.append(None if last else step)
