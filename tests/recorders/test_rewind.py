@@ -111,3 +111,27 @@ def test_a_rewind_setting_the_window_cannot_use_is_refused_at_construction(tmp_p
     kwargs = {"optimizer": torch.optim.Adam(model.parameters()), **kwargs}
     with pytest.raises(ValueError, match=match):
         Recorder(tmp_path, model, **REFS, **kwargs)
+
+
+def test_the_window_adds_no_host_read_of_a_tensor_to_a_step(tmp_path):
+    from tests.recorders.test_spikes import _HostReads
+    from tests.analyzer.replay.window_models import centered_loss
+
+    def reads(d, rewind):
+        model = build_centered()
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3))  # a tensor lr: kept, not read
+        counts = []
+        with Recorder(d, model, **REFS, optimizer=opt, rewind=rewind, flush_every=1000) as rec:
+            for step, batch in enumerate(shifted_batches(12)):
+                with _HostReads() as mode:
+                    rec.begin_step(step, batch)
+                    loss = centered_loss(model, batch)
+                    loss.backward()
+                    rec.end_step(loss)
+                    opt.step()
+                    opt.zero_grad()
+                counts.append(mode.n)
+        return counts
+
+    on, off = reads(tmp_path / "on", 3), reads(tmp_path / "off", None)
+    assert on == off and max(on) >= 1  # the reads the step already makes are seen, and no more

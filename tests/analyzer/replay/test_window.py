@@ -158,3 +158,27 @@ def test_a_window_of_accumulating_steps_replays_every_micro_batch_as_training_di
     assert all(s["micro_batches"]["count"] == 2 for s in rw["steps"])
     assert w["rows"][-1]["low_loss"] == pytest.approx(step_loss, rel=1e-6)  # step 7's, both micro-batches
     assert w["reproduction"] is None  # end_step got the last micro-batch's loss x 2: nothing to compare with
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_one_error_line(tmp_path):
+    from tests.analyzer.replay.window_models import centered_loss
+
+    model = build_centered()
+    opt = torch.optim.LBFGS(model.parameters())
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, rewind=2) as rec:
+        for step, batch in enumerate(shifted_batches(4)):
+            rec.begin_step(step, batch)
+
+            def closure(batch=batch):
+                opt.zero_grad()
+                loss = centered_loss(model, batch)
+                loss.backward()
+                return loss
+            rec.end_step(closure())
+            if step == 3:
+                rec.snapshot()
+            opt.step(closure)
+    res = CliRunner().invoke(cli, ["replay", str(rec.snapshots[0]), "--steps", "3"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
+    assert "LBFGS.step() raised TypeError" in lines[0]
