@@ -182,3 +182,16 @@ def test_an_optimizer_whose_step_needs_a_closure_is_one_error_line(tmp_path):
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
     assert "LBFGS.step() raised TypeError" in lines[0]
+
+
+def test_a_window_batch_the_model_cannot_take_is_one_error_line_naming_the_step(tmp_path):
+    path = _centered_run(tmp_path, torch.bfloat16, 2000.0)[0]
+    snap = torch.load(path, weights_only=True)
+    snap["rewind"]["steps"][-3]["batch"]["x"] = torch.zeros(4, 5)  # 5 features: lin0 takes 8
+    bad = tmp_path / "edited.pt"
+    torch.save(snap, bad)
+    res = CliRunner().invoke(cli, ["replay", str(bad), "--steps", "6"])
+    lines = res.output.strip().splitlines()
+    step = snap["rewind"]["steps"][-3]["step"]
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
+    assert f"at window step {step}" in lines[0] and str(bad) in lines[0]
