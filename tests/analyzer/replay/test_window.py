@@ -195,3 +195,23 @@ def test_a_window_batch_the_model_cannot_take_is_one_error_line_naming_the_step(
     step = snap["rewind"]["steps"][-3]["step"]
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
     assert f"at window step {step}" in lines[0] and str(bad) in lines[0]
+
+
+def test_autopsy_replays_the_window_of_each_snapshot_that_holds_one(tmp_path):
+    snaps = _centered_run(tmp_path, torch.float16, 1e5)
+    res = CliRunner().invoke(cli, ["autopsy", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output[-2000:]
+    out = json.loads(res.output)
+    assert [w["snapshot"] for w in out["windows"]] == [str(snaps[0])]
+    assert out["windows"][0]["part_step"] == 30 and len(out["windows"][0]["rows"]) == 6  # Recorder(rewind=6)
+    text = CliRunner().invoke(cli, ["autopsy", str(tmp_path)]).output
+    assert "rewind window: steps 25..30 replayed from one state in FP32 and float16" in text
+
+
+def test_autopsy_of_a_run_without_windows_has_no_windows_key(tmp_path):
+    model = build_centered()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, amp_dtype=torch.float16, spike_window=20) as rec:
+        train(model, shifted_batches(32, shift_at=30, offset=1e5), opt=opt, rec=rec, amp_dtype=torch.float16)
+    out = json.loads(CliRunner().invoke(cli, ["autopsy", str(tmp_path), "--json"]).output)
+    assert out["replays"] and "windows" not in out
