@@ -160,12 +160,12 @@ def test_a_window_of_accumulating_steps_replays_every_micro_batch_as_training_di
     assert w["reproduction"] is None  # end_step got the last micro-batch's loss x 2: nothing to compare with
 
 
-def test_an_optimizer_whose_step_needs_a_closure_is_one_error_line(tmp_path):
+def _lbfgs_run(d, reason="manual"):
     from tests.analyzer.replay.window_models import centered_loss
 
     model = build_centered()
     opt = torch.optim.LBFGS(model.parameters())
-    with Recorder(tmp_path, model, **REFS, optimizer=opt, rewind=2) as rec:
+    with Recorder(d, model, **REFS, optimizer=opt, rewind=2) as rec:
         for step, batch in enumerate(shifted_batches(4)):
             rec.begin_step(step, batch)
 
@@ -176,9 +176,21 @@ def test_an_optimizer_whose_step_needs_a_closure_is_one_error_line(tmp_path):
                 return loss
             rec.end_step(closure())
             if step == 3:
-                rec.snapshot()
+                rec.snapshot(reason)
             opt.step(closure)
-    res = CliRunner().invoke(cli, ["replay", str(rec.snapshots[0]), "--steps", "3"])
+    return rec.snapshots[0]
+
+
+def test_autopsy_says_which_window_it_could_not_replay_and_exits_1(tmp_path):
+    snap = _lbfgs_run(tmp_path, "odd")  # a reason of the user's own: autopsy picks it
+    res = CliRunner().invoke(cli, ["autopsy", str(tmp_path)])
+    assert res.exit_code == 1 and res.output.strip().splitlines()[-1].startswith("Error:"), res.output[-2000:]
+    assert f"could not replay the rewind window of {snap}" in res.output
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_one_error_line(tmp_path):
+    snap = _lbfgs_run(tmp_path)
+    res = CliRunner().invoke(cli, ["replay", str(snap), "--steps", "3"])
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error:"), res.output
     assert "LBFGS.step() raised TypeError" in lines[0]
