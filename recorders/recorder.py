@@ -85,9 +85,9 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
         spike_window: trailing steps of the spike baselines, >= 10.
         max_spike_snapshots: at most this many spike snapshots per run and rank, apart from `max_snapshots`.
-        rewind: K keeps, as host copies, the weights and optimizer state every K steps and each step's batch
-            (copied: a loop may refill it in place) and RNG, so that ``analyzer replay SNAPSHOT --steps K`` replays
-            the K steps before any snapshot. Memory ~2x (weights + optimizer state) + 2K batches (recorders/_rewind.py).
+        rewind: K keeps host copies of the weights and optimizer state every K steps, of each step's batch (cloned: a
+            loop may refill it in place) and RNG: ``analyzer replay SNAPSHOT --steps K`` replays K steps before any
+            snapshot. Costs those copies, no host sync; memory 2x (weights + optimizer state) + 2K batches (_rewind).
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.

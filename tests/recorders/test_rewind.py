@@ -54,7 +54,8 @@ def test_a_snapshot_round_trips_the_window_start_state_and_every_step_since(tmp_
         assert torch.equal(rw["model_state"][name], t), name
     for s in rw["steps"]:
         assert torch.equal(s["batch"]["x"], data[s["step"]]["x"]) and torch.equal(s["batch"]["y"], data[s["step"]]["y"])
-        assert s["loss"] == pytest.approx(losses[s["step"]], rel=1e-7) and s["skipped"] is False  # no GradScaler: never skipped
+        assert s["loss"] == pytest.approx(losses[s["step"]], rel=1e-7)
+        assert s["skipped"] is False  # no GradScaler: never skipped
     assert [s["optimizer_stepped"] for s in rw["steps"]] == [True] * 5 + [None]  # the snapshot's step: not yet
     # the lr each step stepped with (StepLR halves it every 3 steps), the snapshot's own step not yet stepped
     assert [s["param_groups"][0]["lr"] for s in rw["steps"][:-1]] == lrs[4:9]

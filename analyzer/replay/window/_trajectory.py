@@ -88,8 +88,8 @@ def _forward_backward(ctx: ReplayContext, model: torch.nn.Module, s: dict, preci
                 try:
                     scaled_loss(loss, scale, divisor).backward()
                 except RuntimeError as e:  # e.g. a custom autograd.Function failing in backward
-                    raise AnalyzerError(f"backward of window step {s['step']} raised RuntimeError: "
-                                        f"{_first_line(e)}", path=ctx.path, fix="check the model's backward code") from e
+                    raise AnalyzerError(f"backward of window step {s['step']} raised RuntimeError: {_first_line(e)}",
+                                        path=ctx.path, fix="check the model's backward code") from e
     finally:
         for h in handles:
             h.remove()
