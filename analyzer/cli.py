@@ -184,23 +184,28 @@ def _replay_options(*, culprit: str | None, snapshot: str):
 @click.option("--rank", type=click.IntRange(0, None), default=None,
               help="Replay this rank's snapshot of the same step: the file beside SNAPSHOT with the same "
                    "step and reason (FSDP and DDP runs write one per rank).")
+@click.option("--steps", "window", type=click.IntRange(1, None), default=None, metavar="K",
+              help="Also replay the K steps up to the snapshot's from its rewind window (Recorder(rewind=K)), in "
+                   "FP32 and the run's precision from one state: where they part, and whether FP32 spikes.")
 @_override_options
 @_one_line_errors
 def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
-           rank, rng, factory_kwargs):
+           rank, window, rng, factory_kwargs):
     """Re-run a failing step in FP32 and FP16/BF16 and name the first op that made NaN/Inf.
 
     SNAPSHOT is a recorder snapshot, or with --batch a checkpoint.
     """
     if batch is not None and (show or rank is not None):
         raise click.UsageError("--show and --rank read recorder snapshots, not a checkpoint with --batch")
-    if show and (rng is not None or factory_kwargs is not None):
-        raise click.UsageError("--show prints what the snapshot names; --rng and --factory-kwargs go with a replay")
+    if show and (rng is not None or factory_kwargs is not None or window):
+        raise click.UsageError("--show prints what the snapshot names; --rng, --factory-kwargs and --steps go with "
+                               "a replay")
     if show:
         _show_imports(snapshot, rank, factory, loss_fn, paths, as_json)
         return
-    from .render import check_output_path, plot_replay, render_replay_text
-    from .replay import replay_snapshot
+    from .render import check_output_path, plot_replay, render_replay_text, render_window_text
+    from .replay import Replay
+    from .replay.window import replay_window, require_window
 
     if plot_path:
         check_output_path(plot_path, inputs=[snapshot] + ([batch] if batch else []), option="--plot")
@@ -208,15 +213,19 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     target = _open_target(snapshot, "replay", batch, amp, scale, accumulate, factory=factory, loss_fn=loss_fn,
                           device=device, paths=paths, rng=rng, factory_kwargs=_factory_kwargs(factory_kwargs),
                           rank=rank)
-    result = replay_snapshot(target.source, device=device, dtypes=dtype_list, factory=factory, loss_fn=loss_fn,
-                             progress=sys.stderr.isatty() and not as_json, paths=paths,
-                             rank=rank if isinstance(target.source, str) else None)  # a loaded snapshot is that rank's
+    rp = Replay(target.source, device=device, dtypes=dtype_list, factory=factory, loss_fn=loss_fn,
+                progress=sys.stderr.isatty() and not as_json, paths=paths,
+                rank=rank if isinstance(target.source, str) else None)  # a loaded snapshot is that rank's
+    if window:
+        require_window(rp)  # before the replay: a snapshot without a window is refused at once
+    result = rp.run()
+    win = replay_window(rp, window) if window else None
     if plot_path:
         plot_replay(result, plot_path)
     if as_json:
-        _print_json(result.to_dict())
+        _print_json({**result.to_dict(), **({"window": win.to_dict()} if win is not None else {})})
     else:
-        _echo(render_replay_text(result, ops=ops))
+        _echo(render_replay_text(result, ops=ops) + ("\n\n" + render_window_text(win) if win is not None else ""))
 
 
 def _show_imports(snapshot, rank, factory, loss_fn, paths, as_json) -> None:

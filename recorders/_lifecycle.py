@@ -155,6 +155,9 @@ class Lifecycle:
             self._hook.remove()
             self._hook = None
         self._update_sample = None
+        rewind = self.__dict__.pop("_rewind", None)  # Recorder(rewind=K)'s host copies and optimizer pre-hook
+        if rewind is not None:
+            rewind.release()
         if self._layers is not None:
             self._layers.release()
         if self._writer is not None:

@@ -72,6 +72,8 @@ class Snapshotting:
             fsdp = self._fsdp_snapshot(reason, pre)  # before write(): collective, so never skipped by an error
 
         micro = self._micro.entry(self._batch)  # NB: before write(): a list that is not micro-batches raises nothing
+        window = getattr(self, "_rewind", None)  # Recorder(rewind=K): the steps before this one (recorders/_rewind.py)
+        rewind = None if window is None else self._guard("copy the rewind window", window.entry, self._step, last)
 
         def write():
             snap = build_snapshot(
@@ -82,7 +84,7 @@ class Snapshotting:
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
                 optimizer=optim, update=update, exception=exception, compile=self.compile, micro_batches=micro,
-                spike=spike,
+                spike=spike, rewind=rewind,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

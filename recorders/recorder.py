@@ -29,6 +29,7 @@ from ._mistakes import MistakeWatch
 from ._stats import StepStats, local_tensor
 from .refs import to_ref
 from ._sample import UpdateSample
+from ._rewind import rewind_steps, rewind_window
 from ._snapshotting import Snapshotting
 from ._update import UpdateCheck
 from .trace import LayerBuffer, TraceWriter
@@ -84,6 +85,9 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
         spike_window: trailing steps of the spike baselines, >= 10.
         max_spike_snapshots: at most this many spike snapshots per run and rank, apart from `max_snapshots`.
+        rewind: K keeps host copies of the weights and optimizer state every K steps, of each step's batch (cloned: a
+            loop may refill it in place) and RNG: ``analyzer replay SNAPSHOT --steps K`` replays K steps before any
+            snapshot. Costs those copies, no host sync; memory 2x (weights + optimizer state) + 2K batches (_rewind).
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -128,6 +132,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         grad_spike: float | None = 10.0,
         spike_window: int = 100,
         max_spike_snapshots: int = 2,
+        rewind: int | None = None,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -167,6 +172,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         if check_update and optimizer is None:
             raise ValueError("check_update=True needs the optimizer: Recorder(..., optimizer=opt, check_update=True)")
         self.check_update = bool(check_update)
+        self._rewind_k = rewind_steps(rewind, optimizer)
         self._hook = None  # the optimizer step post hook's handle (check_update)
 
         self._warned = False
@@ -219,6 +225,8 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             # half the cost of get_rng_state() here, where the step has left every cache cold
             self._rng = {"cpu": torch.default_generator.clone_state(), "cuda": cuda}
             self._buffers.begin()
+            if self._rewind is not None:
+                self._rewind.begin(self._step, batch, self._rng)
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
             self._stop("begin_step", e)
 
@@ -250,6 +258,8 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             raise ValueError(f"end_step(loss) expects a scalar loss, got shape {tuple(loss.shape)}")
         try:
             failure = self._end_step(loss)
+            if self._rewind is not None:
+                self._rewind.end(self._last)
             self._watch.end(self._step, loss, self._last)  # misuse: a scaled loss, autocast not active
             return failure
         except Exception as e:  # noqa: BLE001 - the recorder must never take training down
@@ -378,6 +388,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+        self._rewind = rewind_window(self, model)
         if self.check_update:
             self._update_check = UpdateCheck(self._params, self._device, self._single_device)
             self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup

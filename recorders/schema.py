@@ -51,6 +51,8 @@ meta.json: True once the run's snapshots hold every micro-batch of their step (o
 (``WARNING_KEYS``; older runs: None, nothing known).
 7 also adds the spike snapshots: reasons ``loss_spike`` and ``grad_spike``, the snapshot key ``spike`` (what was
 measured against which baseline, ``SPIKE_KEYS``) and ``spikes`` in meta.json (the settings; older runs: None).
+8 adds the snapshot key ``rewind`` (``Recorder(rewind=K)``): the state at a start at least K steps before the
+snapshot's step and every step since (``REWIND_KEYS``, ``REWIND_STEP_KEYS``; older snapshots: None).
 """
 from __future__ import annotations
 
@@ -93,10 +95,10 @@ __all__ = [
     "MICRO_BATCH_COMBINES",
     "WARNING_KEYS", "WARNING_KINDS", "MAX_WARNINGS", "MAX_WARNING_CHARS",
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
-    "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS",
+    "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS", "REWIND_KEYS", "REWIND_STEP_KEYS",
 ]
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -214,6 +216,7 @@ WARNING_KINDS: dict[str, str] = {
     "positional_inputs": "HF Trainer: the model was called with positional inputs; only keyword inputs are in the "
                          "recorded batch",
     "step_not_recorded": "HF Trainer: recording a step failed inside the Trainer's backward; that step is missing",
+    "rewind_off": "Recorder(rewind=K) could not keep the window (an FSDP2-sharded model): snapshots hold one step",
 }
 META_KEYS_ADDED["spikes"] = 7  # the spike triggers' settings (recorders/_spikes.py); older runs: None
 META_FORMAT = "amp-autopsy.run"
@@ -268,6 +271,7 @@ SNAPSHOT_KEYS = (
     "micro_batches",     # since version 6: None (batch is one batch) | the step accumulated gradients over the
                          #   micro-batches listed in batch: MICRO_BATCH_KEYS (recorders/micro_batches.py)
     "spike",             # since version 7: None | on reasons "loss_spike" / "grad_spike" only: SPIKE_KEYS
+    "rewind",            # since version 8: None | Recorder(rewind=K): REWIND_KEYS (recorders/_rewind.py)
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -280,6 +284,18 @@ KEYS_ADDED["exception"] = 4  # the exception a step raised before end_step (reco
 KEYS_ADDED["compile"] = 5  # how the model was compiled (recorders/compiled.py); older files: None
 KEYS_ADDED["micro_batches"] = 6  # every micro-batch of an accumulating step (recorders/micro_batches.py); older: None
 KEYS_ADDED["spike"] = 7  # a spike snapshot's measurement against its baseline (recorders/_spikes.py); older: None
+KEYS_ADDED["rewind"] = 8  # the rewind window: a start state and the steps since (recorders/_rewind.py); older: None
+
+# A snapshot's "rewind" (version 8), in this order: steps_asked (int >= 1: Recorder(rewind=K)); start_step (the
+# step at whose begin_step the start state was copied); model_state ({name: tensor}: weights and buffers then);
+# optimizer (as the snapshot's "optimizer" key, the state then); steps (a list, start_step first and the snapshot's
+# own step last, each REWIND_STEP_KEYS). A step's "optimizer_stepped" is True when the optimizer stepped after it
+# (its step pre-hook ran), False when the step was skipped (GradScaler found inf), None for the snapshot's step;
+# "param_groups" holds each group's hyperparameters as the optimizer stepped (numbers, bools, lists of numbers), or
+# None; loss, scale, skipped, grad_norm and lr are the step's trace row's (STEP_COLUMNS).
+REWIND_KEYS = ("steps_asked", "start_step", "model_state", "optimizer", "steps")
+REWIND_STEP_KEYS = ("step", "batch", "micro_batches", "rng", "loss", "scale", "skipped", "grad_norm", "lr",
+                    "optimizer_stepped", "param_groups")
 
 # A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of
 # MICRO_BATCH_COMBINES), divisor (float > 0: what each micro-batch's loss was divided by before its

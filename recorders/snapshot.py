@@ -83,6 +83,7 @@ def build_snapshot(
     compile: dict[str, Any] | None = None,
     micro_batches: dict[str, Any] | None = None,
     spike: dict[str, Any] | None = None,
+    rewind: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -100,6 +101,7 @@ def build_snapshot(
     `micro_batches`: ``recorders.micro_batches.MicroBatches.entry``: `batch` is then the list of the step's
     micro-batches, each copied to the CPU here (never before), or None.
     `spike`: on a ``loss_spike`` / ``grad_spike`` snapshot, the trigger's evidence (``schema.SPIKE_KEYS``).
+    `rewind`: ``recorders._rewind.RewindWindow.entry`` (``schema.REWIND_KEYS``, tensors already on the host), or None.
     """
     from . import __version__
 
@@ -144,6 +146,7 @@ def build_snapshot(
         "compile": compile,  # recorders/compiled.compile_info: how training compiled the model
         "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/micro_batches.py
         "spike": None if spike is None else {k: spike.get(k) for k in schema.SPIKE_KEYS},  # recorders/_spikes.py
+        "rewind": rewind,  # recorders/_rewind.py: Recorder(rewind=K)'s window
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

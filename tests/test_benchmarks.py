@@ -28,6 +28,7 @@ QUICK = {
     "log_parse_time.py": "ratio: t(10 N) / t(N)",
     "spike_false_triggers.py": "all real runs:",
     "fp8_replay_cost.py": "| fp8 diagnosis |",
+    "rewind_cost.py": "snapshot file:",
 }
 NEEDS = {"fp8_replay_cost.py": ("torchao.float8", "fp8")}  # script -> the extra it needs (require)
 

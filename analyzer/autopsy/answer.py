@@ -175,5 +175,6 @@ def _replay_lines(autopsy: AutopsyResult) -> list[str]:
             lines.append(head)
             lines += ["  " + line for line in _fix_lines(autopsy, r.snapshot)]
     for f in autopsy.failures:
-        lines.append(f"could not {'replay' if f.stage == 'replay' else 'try fixes on'} {f.snapshot}: {f.error}")
+        what = {"replay": "replay", "window": "replay the rewind window of"}.get(f.stage, "try fixes on")
+        lines.append(f"could not {what} {f.snapshot}: {f.error}")
     return lines

@@ -96,6 +96,21 @@ def _checkpoint_report(snap, progress: bool):
     return report, picked
 
 
+def _window(replay, snap: str, say: Callable[[str], object], failures: list):
+    """A snapshot's rewind window replayed over the K steps it was recorded with (``replay --steps K``), or None."""
+    from ..replay.window import replay_window
+
+    rw = getattr(replay.snapshot, "rewind", None)
+    if rw is None:
+        return None
+    say(f"replaying the {rw['steps_asked']} steps before {snap} in FP32 and the run's precision")
+    try:
+        return replay_window(replay, rw["steps_asked"])
+    except (AnalyzerError, OSError, MemoryError) as e:
+        failures.append(SnapshotFailure(snap, "window", " ".join(str(e).split())))
+        return None
+
+
 def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: str | None = None,
                 loss_fn: str | None = None, paths: tuple[str, ...] = (), progress: bool = False,
                 on_stage: Callable[[str], object] | None = None,
@@ -139,6 +154,7 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     advice: list = []
     shared: list = []
     failures: list = []
+    windows: list = []
     fixed: dict[tuple, str] = {}
     for info in picked:
         snap = info.file
@@ -153,6 +169,9 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
             failures.append(SnapshotFailure(snap, "replay", " ".join(str(e).split())))
             continue
         replays.append(result)
+        window = _window(replay, snap, say, failures)  # Recorder(rewind=K): the K steps before it
+        if window is not None:
+            windows.append(window)
         key = _culprit_key(result)
         if key is not None and key in fixed:
             shared.append((snap, fixed[key]))
@@ -172,5 +191,5 @@ def run_autopsy(run, *, rank: int | None = None, device: str = "auto", factory: 
     result = AutopsyResult(run=run.path if isinstance(run, Snapshot) else str(run), report=report,
                            picked=tuple(picked), replays=_primary_first(replays, report, ranks),
                            fixes=tuple(fixes), advice=tuple(advice), shared=tuple(shared),
-                           failures=tuple(failures))
+                           failures=tuple(failures), windows=tuple(windows))
     return dataclasses.replace(result, lines=tuple(answer_lines(result)))

@@ -26,7 +26,7 @@ class SnapshotFailure:
     """A picked snapshot whose replay (or fixes) could not run: its file and the one-line error."""
 
     snapshot: str
-    stage: str  # "replay" or "fixes"
+    stage: str  # "replay", "fixes" or "window" (its rewind window, Recorder(rewind=K))
     error: str
 
     def to_dict(self) -> dict[str, str]:
@@ -49,6 +49,8 @@ class AutopsyResult:
         shared: ``(snapshot, other)``: this snapshot's culprit is ``other``'s, whose fixes apply.
         failures: picked snapshots that could not be replayed or fixed.
         lines: the answer's lines (``answer()``), written from the fields above when the result is made.
+        windows: for each replayed snapshot with a rewind window, its replay over the K steps recorded
+            (``replay --steps K``'s ``WindowResult``).
     """
 
     run: str
@@ -60,6 +62,7 @@ class AutopsyResult:
     shared: tuple[tuple[str, str], ...] = ()
     failures: tuple[SnapshotFailure, ...] = ()
     lines: tuple[str, ...] = ()  # the answer (``answer.answer_lines``), built once by ``run_autopsy``
+    windows: tuple[Any, ...] = ()  # the rewind windows of snapshots recorded with Recorder(rewind=K) (WindowResult)
 
     @property
     def primary(self) -> ReplayResult | None:
@@ -108,4 +111,5 @@ class AutopsyResult:
             "picked": [p.to_dict() for p in self.picked],
             "shared_fixes": [{"snapshot": s, "same_culprit_as": o} for s, o in self.shared],
             "errors": [f.to_dict() for f in self.failures],
+            **({"windows": [w.to_dict() for w in self.windows]} if self.windows else {}),  # replay --steps K's
         })

@@ -21,7 +21,7 @@ from ._dense import check_dense
 from ._limits import check_nesting
 from ..errors import BadInputError
 
-__all__ = ["check_nesting", "validate_snapshot"]
+__all__ = ["check_nesting", "validate_snapshot", "check_optimizer_entry", "check_named_tensors"]
 
 _REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
 _MAX_TEXT = 4096
@@ -182,30 +182,38 @@ def _check_named_tensors(d: Any, key: str, field: str, path) -> None:
         check_dense(t, path=path, where=f"{key}[{field!r}][{name!r}]")
 
 
-def _check_optimizer(opt: Any, path) -> None:
-    """None, or {"class": str, "state_dict": {"state": dict, "param_groups": [dict]}, "param_names": [...]}."""
+def _check_optimizer(opt: Any, path, key: str = "optimizer") -> None:
+    """None, or {"class": str, "state_dict": {"state": dict, "param_groups": [dict]}, "param_names": [...]}.
+
+    `key` names the entry in errors (``"rewind"``: the optimizer state at the rewind window's start)."""
     if opt is None:
         return
+    what = "" if key == "optimizer" else "optimizer: "
     if not isinstance(opt, dict) or set(opt) != {"class", "state_dict", "param_names"}:
-        raise _bad("optimizer", "should be None or a dict with keys 'class', 'state_dict', 'param_names'", path)
+        raise _bad(key, what + "should be None or a dict with keys 'class', 'state_dict', 'param_names'", path)
     if not isinstance(opt["class"], str) or len(opt["class"]) > _MAX_TEXT:
-        raise _bad("optimizer", "class should be a string like 'torch.optim.adam.Adam'", path)
+        raise _bad(key, what + "class should be a string like 'torch.optim.adam.Adam'", path)
     sd = opt["state_dict"]
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
             or not isinstance(sd.get("param_groups"), list) \
             or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
                        and all(_is_int(i) for i in g["params"]) for g in sd["param_groups"]):
-        raise _bad("optimizer", "state_dict should be an optimizer.state_dict(): 'state' (a dict) and "
+        raise _bad(key, what + "state_dict should be an optimizer.state_dict(): 'state' (a dict) and "
                                 "'param_groups' (dicts whose 'params' are integer ids)", path)
     if not all(_is_int(k) and isinstance(v, dict) and all(isinstance(f, str) for f in v)
                for k, v in sd["state"].items()):
-        raise _bad("optimizer", "state_dict 'state' should map integer parameter ids to dicts of named values", path)
+        raise _bad(key, what + "state_dict 'state' should map integer parameter ids to dicts of named values", path)
     names = opt["param_names"]
     if not isinstance(names, list) or not all(n is None or (isinstance(n, str) and len(n) <= _MAX_TEXT)
                                               for n in names):
-        raise _bad("optimizer", "param_names should be a list of parameter names (or None)", path)
-    for where, t in _walk_tensors(sd, "optimizer['state_dict']"):
+        raise _bad(key, what + "param_names should be a list of parameter names (or None)", path)
+    prefix = "optimizer['state_dict']" if key == "optimizer" else f"{key}['optimizer']['state_dict']"
+    for where, t in _walk_tensors(sd, prefix):
         check_dense(t, path=path, where=where)
+
+
+check_optimizer_entry = _check_optimizer
+check_named_tensors = _check_named_tensors
 
 
 def _check_update(update: Any, path) -> None:

@@ -15,6 +15,7 @@ from recorders import schema
 
 from ..errors import BadInputError
 from ._micro import validate_micro_batches
+from ._rewind import validate_rewind
 from ._snapshot_sense import snapshot_notes
 from ._validate import validate_snapshot
 from .torchfile import torch_load_safe
@@ -78,6 +79,7 @@ class Snapshot(Mapping):
     # float ones), one sentence each (load/_snapshot_sense.py): print them before any verdict
     load_notes: tuple[str, ...] = ()
     spike: dict | None = None  # since version 7, reasons loss_spike / grad_spike: schema.SPIKE_KEYS (recorders/_spikes.py)
+    rewind: dict | None = field(default=None, repr=False)  # since version 8, Recorder(rewind=K): load/_rewind.py
 
     @property
     def has_scaler(self) -> bool:
@@ -114,6 +116,7 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     validate_snapshot(snap, path)
     notes = snapshot_notes(snap, path)
     validate_micro_batches(snap, path)
+    validate_rewind(snap, path)
     snap = clean_old_names(snap)  # a compiled model's snapshot older than version 5: no _orig_mod. names
     return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
                     _raw=MappingProxyType(snap), load_notes=tuple(notes))

@@ -14,7 +14,8 @@ from .inspect import render_inspect_text
 from .outputs import atomic_write_bytes, atomic_write_text, check_output_path
 from .replay import plot_replay, render_replay_text
 from .report import render_report_text, write_html, write_plots
+from .window import render_window_text
 
 __all__ = ["AutopsyOutputs", "atomic_write_bytes", "atomic_write_text", "check_output_path", "plot_replay",
            "render_autopsy_text", "render_import_plan", "render_inspect_text", "render_replay_text",
-           "render_report_text", "write_autopsy_html", "write_autopsy_outputs", "write_html", "write_plots"]
+           "render_report_text", "render_window_text", "write_autopsy_html", "write_autopsy_outputs", "write_html", "write_plots"]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from .replay import render_replay_text
 from .report import render_report_text
+from .window import render_window_text
 
 if TYPE_CHECKING:
     from ..autopsy import AutopsyResult
@@ -58,6 +59,8 @@ def render_autopsy_text(autopsy: AutopsyResult, *, ops: int = 8) -> str:
         bare = dataclasses.replace(result, advice_lines=())  # its untried advice is in the answer, with a status
         lines += ["", _RULE, f"evidence {i}/{total}: analyzer replay {result.snapshot}", _RULE,
                   render_replay_text(bare, ops=ops)]
+    for w in autopsy.windows:
+        lines += ["", render_window_text(w)]
     if shared:
         lines += ["", f"({len(shared)} more replay(s) blame the same op as one above: the answer's \"also\" "
                       "lines; --json holds them in full)"]
