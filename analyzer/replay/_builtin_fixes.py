@@ -145,7 +145,8 @@ def _module_line(fix: Fix, c, _mode: str) -> str:
 
 register_fix(FixSpec(
     "module_fp32", "the culprit's module with autocast off inside it and its inputs upcast",
-    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation"), line=_module_line,
+    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation", "precision_error"),
+    line=_module_line,
     applies=_low_precision))
 
 

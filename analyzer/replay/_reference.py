@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AnalyzerError
-from .trace import RunTrace
+from ._compare import compare
+from .trace import LOW_PRECISION, RunTrace
 from .result import ReplayResult
 
 __all__ = ["TOLERANCE", "PLAUSIBLE_FACTOR", "Judgement", "judge", "last_finite_loss"]
@@ -60,6 +61,8 @@ def judge(result: ReplayResult, trace: RunTrace) -> Judgement:
     """Judge the finite run `trace` of a fix against the reference of `result`'s step."""
     fp32 = result.traces.get("float32")
     loss = trace.loss
+    if result.verdict == "precision_error" and fp32 is not None and fp32.finite:
+        return _judge_precision(trace, fp32)
     if fp32 is not None and fp32.finite:
         ref = fp32.loss
         tol = TOLERANCE.get(trace.precision, 1e-2)
@@ -83,6 +86,21 @@ def judge(result: ReplayResult, trace: RunTrace) -> Judgement:
                          "recorded_loss")
     return Judgement("changes_result", f"finite, but loss {_g(loss)} is more than {PLAUSIBLE_FACTOR:g}x the last "
                      f"finite recorded loss {_g(last)} ({none}): implausible", loss, last, "recorded_loss")
+
+
+def _judge_precision(trace: RunTrace, fp32: RunTrace) -> Judgement:
+    """A fix of a ``precision_error`` step: verified when its loss and whole gradient are within the
+    precision tolerance of FP32's (``_compare``), as the step was not."""
+    loss = trace.loss
+    c = compare(trace, fp32) if trace.precision in LOW_PRECISION else None
+    if c is None:  # a fix that ran in FP32: the FP32 run itself
+        return Judgement("verified", f"loss {_g(loss)} against the FP32 run's {_g(fp32.loss)}", loss, fp32.loss, "fp32")
+    grad = "" if c.grad_eps is None else f", gradient {c.grad_eps:.3g} eps (tolerance {c.grad_k:g})"
+    cmp = (f"loss {_g(loss)} against the FP32 run's {_g(fp32.loss)}: {c.loss_eps:.3g} eps of {c.precision} "
+           f"(tolerance {c.loss_k:g}){grad}")
+    if not c.beyond:
+        return Judgement("verified", f"{cmp}, within tolerance of FP32", loss, fp32.loss, "fp32")
+    return Judgement("changes_result", f"{cmp}: still beyond tolerance of FP32", loss, fp32.loss, "fp32")
 
 
 def last_finite_loss(result: ReplayResult) -> float | None:

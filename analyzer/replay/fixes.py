@@ -151,7 +151,7 @@ class FixSpec:
 FIXES: dict[str, FixSpec] = {}
 # The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
 # their modules are imported in; a fix not listed here comes after these, in the order registered.
-ORDER = ("guard_clamp", "guard_eps", "region_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
+ORDER = ("guard_clamp", "guard_eps", "region_fp32", "born_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
          "scaler_skip", "compile_disable")
 
 
@@ -189,7 +189,8 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
         The fixes in the order tried; empty for a healthy step.
     """
     if result.culprit is None:
-        return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific") else [_check_input(result)]
+        return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific", "instability",
+                                        "precision_error") else [_check_input(result)]
     specs = plan(result)
     if not any(s.needs_model for s in specs):
         return [fix for s in specs if (fix := s.apply(None, result)) is not None]

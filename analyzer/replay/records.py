@@ -87,6 +87,10 @@ class Culprit(OpRecord):
         raised: the op raised instead of returning (only in low precision: FP32 ran the step):
             ``error`` (type and first line), ``values`` (the numbers it was given beyond the dtype's
             range), ``dtype_max``.
+        precision_error: the op where a finite step's error against FP32 is born (verdict
+            ``precision_error``, ``probes/precision.py``): ``kind`` (``computed``: its own error from its
+            inputs; ``amplified``), ``local_error_eps``, ``error_eps``, ``input_error_eps``, the abs-maxima,
+            ``accounts_for`` (``loss``, ``grad``: the share computing it in FP32 removes) and ``remaining``.
     """
 
     input: Any = UNSET
@@ -99,3 +103,4 @@ class Culprit(OpRecord):
     magnitude_jump: Any = UNSET
     raised: Any = UNSET
     micro_batch: Any = UNSET
+    precision_error: Any = UNSET

@@ -45,7 +45,7 @@ __all__ = ["ORDER", "PROBES", "Evidence", "Probe", "ProbeInput", "probe", "run_p
 
 # The order probes run in, and so the order of their notes in the summary and of their fields in the JSON.
 ORDER = ("batch_fault", "micro_batch", "magnitude_jump", "small_input", "sqrt_d", "outside_writes", "autocast_off", "random_draws",
-         "reproduction")
+         "spike", "fp32_comparison", "reproduction")
 _INTO = ("culprit", "result", None)
 
 

@@ -1,0 +1,93 @@
+"""Tiny models whose low-precision step is finite and wrong, and their healthy twins, recorded for replay.
+
+``NormNet``: a Linear whose outputs are centred on 8, then a normalisation whose variance is computed in
+one pass, E[h^2] - E[h]^2: in FP16/BF16 both terms round correctly and their difference, a small number
+from two large ones, keeps only their rounding. No NaN anywhere; the loss and gradients are wrong.
+``two_pass=True`` computes E[(h - E[h])^2] instead: the healthy twin.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recorders import Recorder
+
+__all__ = ["OnePassNorm", "NormNet", "build_norm", "norm_loss", "norm_batch", "record_step", "VARIANCE_LINE"]
+
+
+
+class OnePassNorm(nn.Module):
+    """A normalisation whose variance is E[x^2] - E[x]^2, in one pass (``two_pass``: E[(x - E[x])^2])."""
+
+    def __init__(self, two_pass: bool = False):
+        super().__init__()
+        self.two_pass = two_pass
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mu = h.mean(-1, keepdim=True)
+        var = ((h - mu) ** 2).mean(-1, keepdim=True) if self.two_pass else (h * h).mean(-1, keepdim=True) - mu * mu
+        return (h - mu) / torch.sqrt(var.abs() + 1e-3)
+
+
+class NormNet(nn.Module):
+    """Linear -> OnePassNorm -> Linear, the first Linear's outputs centred on `mean` (its bias)."""
+
+    def __init__(self, d: int = 16, mean: float = 8.0, two_pass: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.norm = OnePassNorm(two_pass)
+        self.out = nn.Linear(d, 1)
+        with torch.no_grad():
+            self.inp.bias.fill_(mean)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.inp(x)))
+
+
+def build_norm(**kwargs) -> NormNet:
+    torch.manual_seed(0)
+    return NormNet(**kwargs)
+
+
+def norm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return F.mse_loss(model(batch["x"]).float().squeeze(-1), batch["y"])
+
+
+def norm_batch(d: int = 16, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(64, d, generator=g), "y": torch.randn(64, generator=g)}
+
+
+def record_step(out: Path, dtype: torch.dtype, *, factory: str, loss_fn: str, batch: dict, scaler: bool = False,
+                steps: int = 1, **kwargs) -> Path:
+    """`steps` recorded SGD steps of ``factory(**kwargs)`` on `batch` in `dtype` under autocast, a manual
+    snapshot of the last; its path. With `scaler`, a GradScaler at its default init_scale (65536): the
+    first steps may overflow and back it off, as in training."""
+    mod = __import__(__name__, fromlist=["_"])
+    model = getattr(mod, factory)(**kwargs)
+    loss_of = getattr(mod, loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gs = torch.amp.GradScaler("cpu") if scaler else None
+    with Recorder(out, model, factory=f"{__name__}:{factory}", factory_kwargs=kwargs, loss_fn=f"{__name__}:{loss_fn}",
+                  amp_dtype=dtype, scaler=gs, optimizer=opt) as rec:
+        for step in range(steps):
+            rec.begin_step(step, batch)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_of(model, batch)
+            (gs.scale(loss) if gs is not None else loss).backward()
+            rec.end_step(loss)
+            path = rec.snapshot() if step == steps - 1 else None
+            if gs is not None:
+                gs.step(opt)
+                gs.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert path is not None
+    return path
+
+
+VARIANCE_LINE = 31  # the line of the one-pass variance (its subtraction), as a replay names it

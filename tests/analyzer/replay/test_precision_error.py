@@ -1,0 +1,72 @@
+"""Finite steps against FP32: ``precision_error`` at the op where the error is born, its fix judged against FP32.
+
+The models are ``finite_error_models.py``: a one-pass variance E[h^2] - E[h]^2 on activations centred on 8, in BF16
+(no GradScaler) and in FP16 (GradScaler at its default init_scale, backed off by the first steps), and the same
+normalisation in two passes, whose step stays within tolerance.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from analyzer.cli import main
+from analyzer.replay import Replay
+from analyzer.replay._compare import GRAD_K, LOSS_K
+from tests.analyzer.replay.finite_error_models import VARIANCE_LINE, norm_batch, record_step
+
+_STEPS = {}
+
+
+def _snapshot(tmp_path_factory, dtype, two_pass=False):
+    key = (dtype, two_pass)
+    if key not in _STEPS:
+        scaler = dtype == torch.float16
+        _STEPS[key] = record_step(tmp_path_factory.mktemp("norm") / "run", dtype, factory="build_norm",
+                                  loss_fn="norm_loss", batch=norm_batch(), scaler=scaler, steps=4 if scaler else 1,
+                                  two_pass=two_pass)
+    return _STEPS[key]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_one_pass_variance_is_a_precision_error_born_at_its_subtraction_and_fixed_in_fp32(tmp_path_factory, dtype):
+    replay = Replay(_snapshot(tmp_path_factory, dtype), device="cpu")
+    res = replay.run()
+    assert res.verdict == "precision_error"
+    assert all(r["finite"] for r in res.runs.values())  # no NaN anywhere: the step is only wrong
+    c = res.culprit
+    # E[h^2] - E[h]^2: each operand rounds correctly; the subtraction of two close values amplifies that rounding
+    assert (c["op"], c["module"], c["phase"]) == ("aten.sub", "norm", "forward")
+    assert c["source"].endswith(f"finite_error_models.py:{VARIANCE_LINE}")
+    pe = c["precision_error"]
+    assert pe["kind"] == "amplified" and pe["local_error_eps"] < 1 and pe["error_eps"] > 50 > pe["input_error_eps"]
+    assert pe["accounts_for"]["grad"] > 0.9  # the FP32 values of its inputs remove almost all the gradient's error
+    cmp = res.evidence["fp32_comparison"].comparison
+    assert cmp.grad_eps > GRAD_K and cmp.beyond
+    fixes = {f.name: f for f in replay.try_fixes(res)}
+    assert fixes["born_fp32"].status == "verified", fixes["born_fp32"].detail
+    assert fixes["module_fp32"].status == "verified", fixes["module_fp32"].detail  # `norm` kept in FP32
+
+
+def test_a_two_pass_variance_stays_healthy_and_its_comparison_is_in_the_json(tmp_path_factory):
+    path = _snapshot(tmp_path_factory, torch.bfloat16, two_pass=True)
+    res = CliRunner().invoke(main, ["replay", str(path), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output[res.output.index("{"):])
+    assert obj["verdict"] == "healthy" and obj["culprit"] is None
+    cmp = obj["fp32_comparison"]
+    assert cmp["beyond_tolerance"] is False and cmp["precision"] == "bfloat16"
+    assert cmp["loss_error_eps"] <= LOSS_K and cmp["grad_error_eps"] <= GRAD_K and cmp["grad_cosine"] > 0.999
+    assert {w["param"] for w in cmp["worst_params"]} <= {"inp.weight", "inp.bias", "out.weight", "out.bias"}
+
+
+def test_replay_json_of_a_precision_error_names_the_op_and_the_comparison(tmp_path_factory):
+    path = _snapshot(tmp_path_factory, torch.bfloat16)
+    res = CliRunner().invoke(main, ["replay", str(path), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output[res.output.index("{"):])
+    assert obj["verdict"] == "precision_error" and obj["culprit"]["op"] == "aten.sub"
+    assert obj["fp32_comparison"]["beyond_tolerance"] is True
+    assert obj["culprit"]["precision_error"]["kind"] == "amplified"
