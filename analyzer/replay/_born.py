@@ -17,8 +17,8 @@ when it passes ``LOCAL_K`` eps; else (every op rounds correctly) the op that amp
 receives the most, ``shadow`` error over its inputs' (a sine of a rounded large angle, an index
 computed from a rounded count). Backward ops are not measured: their error follows the forward's.
 
-NB: in-place ops are not recomputed (the recomputation would write twice); the tensors they write
-take their new values as their shadows, so an error carried through them restarts there.
+NB: an in-place op (``masked_fill_``) is recomputed on copies of its inputs and of their shadows, so the
+step's own tensors are written once.
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def _dist(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     if a.shape != b.shape:
         return math.nan
-    ref = float(b.norm())
-    d = float((a - b).norm())  # NB: host reads, one per op: this pass is a diagnosis, not the hot path
+    # equal elements differ by 0, -inf against -inf (a mask) included; the norm is that of the finite reference
+    ref = float(torch.where(torch.isfinite(b), b, 0).norm())
+    d = float(torch.where(a == b, 0, a - b).norm())  # NB: host reads, one per op: this pass is a diagnosis
     return d / ref if ref > 0 else (0.0 if d == 0 else math.inf)
 
 
@@ -102,10 +103,6 @@ class _ErrorMode(TorchDispatchMode):
         if torch._C._current_graph_task_id() != -1:
             return out  # backward: not measured
         outs = _floats(out)
-        if func._schema.is_mutable:  # written in place: its new values are its own shadows (module doc)
-            for t in outs:
-                self._shadow[t], self._err[t] = t.detach().clone(), 0.0
-            return out
         with _disable_current_modes(), torch.autocast(self.device_type, enabled=False), torch.no_grad():
             self._measure(func, index, args, kwargs, out, outs)
             sh = self._shadow.get(out) if index == self.substitute and isinstance(out, torch.Tensor) else None
@@ -118,11 +115,19 @@ class _ErrorMode(TorchDispatchMode):
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         carried = max((self._err.get(a, 0.0) for a in inputs), default=0.0)
 
+        copy = func._schema.is_mutable  # an in-place op runs on copies: the step's own tensors are written once
+
         def up(x):
-            return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = x.float() if x.dtype in _LOW else x
+            return x.clone() if copy else x
 
         def shadow(x):
-            return self._shadow.get(x, up(x)) if isinstance(x, torch.Tensor) else x
+            if not isinstance(x, torch.Tensor):
+                return x
+            s = self._shadow.get(x)
+            return up(x) if s is None else (s.clone() if copy else s)
 
         try:
             ref = tree_map(up, func(*tree_map(up, args), **tree_map(up, kwargs)))

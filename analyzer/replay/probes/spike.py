@@ -201,7 +201,7 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
     replayed = {p: _metric(r, metric) for p, r in inp.runs.items()}
     fp32 = replayed.get("float32")
     fp32_spikes = fp32 is not None and fp32 > threshold
-    low_v = replayed.get(low) if low else None
+    low_v = replayed.get(low or "float32")  # the recorded precision's replay (FP32 for a run without AMP)
     mech = None
     if fp32_spikes:
         from .._runs import run_once

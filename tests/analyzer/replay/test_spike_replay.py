@@ -1,0 +1,68 @@
+"""Spike snapshots of a tiny MLP replayed: an lr jump spikes in FP32 too (instability, with no attention to
+name); a spike made by state the snapshot does not hold (a target offset the loop set for one step) does not
+reproduce (not_reproduced, never healthy)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from analyzer.cli import main
+from analyzer.replay import Replay
+from recorders import Recorder, schema
+from tests.recorders.spike_models import build_plain, linear_batches, train_with_lr_jumps
+
+REFS = {"factory": "tests.recorders.spike_models:build_plain", "loss_fn": "tests.recorders.spike_models:plain_loss"}
+OFFSET = {"y": 0.0}  # what offset_loss adds to the targets: set by the loop, held by no snapshot
+
+
+def offset_loss(model, batch):
+    return F.mse_loss(model(batch["x"]).float(), batch["y"] + OFFSET["y"])
+
+
+def _lr_jump_run(tmp_path, amp_dtype):
+    model = build_plain()
+    opt = torch.optim.Adam(model.parameters(), lr=0.003)
+    with Recorder(tmp_path, model, **REFS, optimizer=opt, amp_dtype=amp_dtype, grad_spike=None) as rec:
+        train_with_lr_jumps(model, linear_batches(160), opt=opt, rec=rec, jumps=(100,), amp_dtype=amp_dtype)
+    return tmp_path / schema.SNAPSHOT_DIR / schema.snapshot_name(101, 0, "loss_spike")
+
+
+@pytest.mark.parametrize("amp_dtype", [None, torch.bfloat16])
+def test_an_lr_jump_spike_replays_as_instability_naming_the_lr_and_no_attention(tmp_path, amp_dtype):
+    res = Replay(_lr_jump_run(tmp_path, amp_dtype), device="cpu").run()
+    assert res.verdict == "instability"
+    s = res.evidence["spike"]
+    assert s.fp32_spikes and s.replayed["float32"] > s.threshold > s.baseline
+    # the snapshot is taken before the loop restores the lr: the optimizer still holds the jumped 1000 x 0.003
+    assert s.mechanism.attention == {} and s.mechanism.lr == pytest.approx(3.0)
+    assert "attention" not in res.summary and not any("QK-layernorm" in a for a in res.advice)
+    assert any("(lr 3)" in a for a in res.advice)
+    assert res.culprit is None and "fp32_comparison" not in res.evidence
+
+
+def test_a_spike_the_replay_does_not_make_is_not_reproduced(tmp_path):
+    model = build_plain()
+    opt = torch.optim.Adam(model.parameters(), lr=0.003)
+    with Recorder(tmp_path, model, factory=REFS["factory"], loss_fn=f"{__name__}:offset_loss", optimizer=opt,
+                  grad_spike=None) as rec:
+        for step, batch in enumerate(linear_batches(130)):
+            OFFSET["y"] = 30.0 if step == 110 else 0.0  # one step's targets moved by state outside the snapshot
+            rec.begin_step(step, batch)
+            loss = offset_loss(model, batch)
+            loss.backward()
+            rec.end_step(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    OFFSET["y"] = 0.0
+    snap = tmp_path / schema.SNAPSHOT_DIR / schema.snapshot_name(110, 0, "loss_spike")
+    res = CliRunner().invoke(main, ["replay", str(snap), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output[res.output.index("{"):])
+    assert obj["verdict"] == "not_reproduced"
+    nr = obj["not_reproduced"]
+    assert nr["recorded"].startswith("a loss spike") and nr["spike_replayed"]["float32"] < obj["spike"]["threshold"]
+    assert "the spike did not reproduce" in obj["summary"]
