@@ -86,9 +86,9 @@ def _floats(out) -> list[torch.Tensor]:
 class _ErrorMode(TorchDispatchMode):
     """Measures each forward op's local and carried error (see the module doc); innermost in the run."""
 
-    def __init__(self, eps: float, device_type: str, substitute: int | None = None):
+    def __init__(self, eps: float, device_type: str, substitute: frozenset[int] = frozenset(), keep_fp32: bool = False):
         super().__init__()
-        self.eps, self.device_type, self.substitute = eps, device_type, substitute
+        self.eps, self.device_type, self.substitute, self.keep_fp32 = eps, device_type, substitute, keep_fp32
         self.substituted = False
         self.index = 0
         self.errors: list[OpError] = []
@@ -105,10 +105,10 @@ class _ErrorMode(TorchDispatchMode):
         outs = _floats(out)
         with _disable_current_modes(), torch.autocast(self.device_type, enabled=False), torch.no_grad():
             self._measure(func, index, args, kwargs, out, outs)
-            sh = self._shadow.get(out) if index == self.substitute and isinstance(out, torch.Tensor) else None
+            sh = self._shadow.get(out) if index in self.substitute and isinstance(out, torch.Tensor) else None
             if sh is not None:  # the op from the FP32 values of its inputs, as if nothing upstream were rounded
                 self.substituted = True
-                return sh.to(out.dtype)
+                return sh.clone() if self.keep_fp32 else sh.to(out.dtype)
         return out
 
     def _measure(self, func, index, args, kwargs, out, outs) -> None:
@@ -166,15 +166,15 @@ class _ErrorMode(TorchDispatchMode):
             self.errors.append(first)
 
 
-def measure(ctx: ReplayContext, precision: str, scale: float,
-            substitute: int | None = None) -> tuple[RunTrace, list[OpError], bool]:
+def measure(ctx: ReplayContext, precision: str, scale: float, substitute: frozenset[int] = frozenset(),
+            keep_fp32: bool = False) -> tuple[RunTrace, list[OpError], bool]:
     """Re-run the step in `precision` with each forward op's error measured (``_ErrorMode``).
 
-    `substitute`: the op at that index returns its shadow instead, cast to its dtype: the step as if
-    the op's inputs had been computed in FP32 (every op upstream of it). Returns the run, the errors and
-    whether the substitution happened.
+    `substitute`: the ops at these indices return their shadows instead, cast to their dtype (or kept in
+    FP32 with `keep_fp32`): the step as if those ops' inputs had been computed in FP32 (every op upstream).
+    Returns the run, the errors and whether a substitution happened.
     """
-    mode = _ErrorMode(float(torch.finfo(getattr(torch, precision)).eps), ctx.device.type, substitute)
+    mode = _ErrorMode(float(torch.finfo(getattr(torch, precision)).eps), ctx.device.type, substitute, keep_fp32)
 
     def prepare(_model):
         return mode

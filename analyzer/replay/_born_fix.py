@@ -9,6 +9,7 @@ gradient within the precision tolerance, ``_reference.judge``) instead of runnin
 """
 from __future__ import annotations
 
+from ._reference import judge_comparison
 from ._runs import ReplayContext
 from .fixes import Fix, FixSpec, _judge, register_fix
 from .result import ReplayResult
@@ -24,19 +25,23 @@ def _born_fp32(_ctx: ReplayContext | None, result: ReplayResult) -> Fix | None:
     if ev is None or ev.born is None or c is None:
         return None
     where = f"{c['op']} in `{c['module']}` at {c.get('source') or c['module']}"
-    title = (f"compute {where} alone in FP32, its result cast back to {c['precision']}" if ev.born.kind == "computed"
-             else f"compute the inputs of {where} in FP32 (every op upstream of it), its result cast back to "
-                  f"{c['precision']}")
-    if ev.fixed_trace is None:
+    if ev.born.kind == "computed":
+        title = f"compute {where} alone in FP32, its result cast back to {c['precision']}"
+    elif ev.kept_fp32:
+        title = f"make the values {where} reads in FP32 (every op upstream of them unrounded) and keep them in FP32"
+    else:
+        title = (f"compute {where} from the FP32 values of its inputs (every op upstream of it), its result cast "
+                 f"back to {c['precision']}")
+    if ev.fixed_trace is None or ev.fixed is None:
         return Fix(name=NAME, title=title, status="not_tried", precision=c["precision"],
                    detail="the step with this op in FP32 did not run to the end (the op was not at its index, or "
                           "the step raised)")
-    t = ev.fixed_trace
+    t, j = ev.fixed_trace, judge_comparison(ev.fixed)
     if t.scale != result.scale:
         note = (f" (at the recorded loss scale {result.scale:g} its FP16 backward overflows: GradScaler skips those "
                 f"steps and backs off to {t.scale:g}, where it is judged)")
-        return _judge(result, NAME, title, t, note=note, max_safe_scale=t.scale)
-    return _judge(result, NAME, title, t)
+        return _judge(result, NAME, title, t, note=note, judgement=j, max_safe_scale=t.scale)
+    return _judge(result, NAME, title, t, judgement=j)
 
 
 def _line(fix: Fix, c, _mode: str) -> str:

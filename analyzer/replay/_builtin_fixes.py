@@ -134,7 +134,7 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
         n = len(others)
         title = (f"keep {module} and the {n} other module{'s' if n > 1 else ''} of its class ({shown}) in FP32 "
                  "(autocast off inside them, inputs upcast)")
-    return _judge(result, "module_fp32", title, out, covers=others)
+    return _judge(result, "module_fp32", title, out, covers=others, reference=ctx.fp32_reference)
 
 
 def _module_line(fix: Fix, c, _mode: str) -> str:

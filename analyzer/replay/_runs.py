@@ -59,6 +59,9 @@ class ReplayContext:
     sdpa: dict | None = None  # the snapshot's SDPA switches (recorders/_sdpa.py); None: the process's
     mode: PrecisionMode = field(default_factory=PrecisionMode)  # how low precision is replayed
     micro: dict | None = None  # the snapshot's micro_batches (format 6): batch is then their list
+    # The FP32 run of the step with its gradients (``RunTrace.grads``), kept with the live model for the
+    # fixes of a ``precision_error`` (judged on every gradient, ``_reference.judge``); results hold none.
+    fp32_reference: RunTrace | None = field(default=None, repr=False)
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:

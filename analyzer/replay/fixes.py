@@ -229,11 +229,13 @@ def _where(trace: RunTrace) -> str | None:
 
 
 def _judge(result: ReplayResult, name: str, title: str, trace: RunTrace, *, note: str = "",
-           **extra) -> Fix:
+           reference: RunTrace | None = None, judgement=None, **extra) -> Fix:
+    """`trace`, a fix's run, judged (``_reference.judge``; against `reference`, the FP32 run with its gradients,
+    where given), or by a `judgement` already made of it."""
     prec = trace.precision
     at = f" at loss scale {trace.scale:g}" if trace.scale != 1.0 else ""
     if trace.finite:  # verified only when it matches the reference (_reference.judge)
-        j = judge(result, trace)
+        j = judgement if judgement is not None else judge(result, trace, reference)
         if j.status != "verified":
             extra.pop("max_safe_scale", None)
         return Fix(name=name, title=title, status=j.status, precision=prec, loss=j.loss,

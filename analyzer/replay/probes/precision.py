@@ -53,6 +53,7 @@ class PrecisionCheck:
     fixed: Comparison | None = None
     trace: RunTrace | None = field(default=None, repr=False)
     fixed_trace: RunTrace | None = field(default=None, repr=False)
+    kept_fp32: bool = False  # amplified: the values the op reads were made in FP32 and kept so (else: cast back)
 
     def accounts_for(self) -> dict[str, float | None] | None:
         """The share of the loss and of the gradient difference that computing the op in FP32 removes."""
@@ -94,35 +95,67 @@ def fp32_comparison(inp: ProbeInput) -> PrecisionCheck | None:
     trace, errors, _ = measure(inp.ctx, low.precision, low.scale)
     b = born(errors)
     if b is None:
-        return PrecisionCheck(c, trace=trace)
-    fixed = _run_fixed(inp, low, trace, b)
+        return PrecisionCheck(c, trace=_plain(trace))
+    fixed, kept = _run_fixed(inp, low, trace, errors, b)
     ok = fixed is not None and fixed.finite
-    return PrecisionCheck(c, b, compare(fixed, fp32) if ok else None, trace, fixed if ok else None)
+    return PrecisionCheck(c, b, compare(fixed, fp32) if ok else None, _plain(trace), _plain(fixed) if ok else None,
+                          kept_fp32=kept)
 
 
-def _run_fixed(inp: ProbeInput, low: RunTrace, trace: RunTrace, b: Born) -> RunTrace | None:
-    """The step with the born op alone in FP32, its result cast back (``computed``), or with the op computed
-    from the FP32 values of its inputs (``amplified``: everything upstream of it unrounded)."""
+def _plain(trace: RunTrace) -> RunTrace:
+    """`trace` without its gradients: the evidence is part of the result, which holds no tensor."""
+    return dataclasses.replace(trace, grads=None)
+
+
+def _run_fixed(inp: ProbeInput, low: RunTrace, trace: RunTrace, errors: list[OpError],
+               b: Born) -> tuple[RunTrace | None, bool]:
+    """The step with the born op alone in FP32, its result cast back (``computed``), or with the values the op
+    reads made from FP32 values upstream (``amplified``; kept in FP32 where the model takes them: the bool)."""
     from ...errors import AnalyzerError
     from .._fix_hooks import op_fp32_override
     from .._runs import run_once
 
     i, scale = b.op.index, low.scale
+    made, kept = _made_by(trace, errors, i), False
     try:
         for _ in range(_BACKOFFS):  # GradScaler: a finite forward whose backward overflows is skipped, the scale halved
             if b.kind == "amplified":
-                fixed, _, done = measure(inp.ctx, low.precision, scale, substitute=i)
+                fixed, done, kept = _from_fp32_inputs(inp, low.precision, scale, i, made)
             else:
                 rec, hits = trace.records[i], []
                 fixed = run_once(inp.ctx, low.precision, scale,
                                  op_override=op_fp32_override(i, rec.name, rec.out_dtype, hits))
                 done = bool(hits)
             if not done or fixed.finite or not fixed.forward_finite or scale <= 1.0:
-                return fixed if done else None
+                return (fixed if done else None), kept
             scale /= 2
-        return fixed
+        return fixed, kept
     except AnalyzerError:
-        return None
+        return None, False
+
+
+def _made_by(trace: RunTrace, errors: list[OpError], i: int) -> frozenset[int]:
+    """The forward ops that made op `i`'s inputs carrying an error (they feed every op that reads those values)."""
+    err = {e.index: e.error for e in errors}
+    return frozenset(p for _s, p in trace.records[i].inputs
+                     if p is not None and trace.records[p].phase == "forward" and (err.get(p) or 0) > 0)
+
+
+def _from_fp32_inputs(inp: ProbeInput, precision: str, scale: float, i: int, made: frozenset[int]):
+    """The step with the values op `i` reads made in FP32 from FP32 values upstream and kept in FP32 (so every
+    op reading them, not only `i`, computes from them); where the model refuses FP32 there, op `i` alone from
+    its inputs' FP32 values, its result cast back."""
+    from ...errors import AnalyzerError
+
+    if made:
+        try:
+            fixed, _, done = measure(inp.ctx, precision, scale, substitute=made, keep_fp32=True)
+            if done and fixed.forward_finite:
+                return fixed, done, True
+        except AnalyzerError:
+            pass
+    fixed, _, done = measure(inp.ctx, precision, scale, substitute=frozenset({i}))
+    return fixed, done, False
 
 
 # -- the verdict ------------------------------------------------------------------------------------
@@ -169,12 +202,13 @@ def _summary(d: Diagnosis) -> str:
                 "rounding of its inputs.")
     acc = ev.accounts_for()
     how = ("Computed alone in FP32 (result cast back), it" if ev.born.kind == "computed" else
-           "Computed from the FP32 values of its inputs (everything upstream of it unrounded), it")
+           "With the values it reads made in FP32 from unrounded inputs and kept in FP32, the step" if ev.kept_fp32
+           else "Computed from the FP32 values of its inputs (everything upstream of it unrounded), it")
     if acc is not None:
         shares = [f"{_pct(acc['loss'])} of the loss difference"] if c.loss_beyond else []
         shares += [f"{_pct(acc['grad'])} of the gradient's"] if c.grad_beyond else []
         text += (f" {how} leaves {_g(ev.fixed.loss_eps)} eps on the loss and {_g(ev.fixed.grad_eps)} eps on the "
-                 f"gradient: it accounts for {' and '.join(shares)}.")
+                 f"gradient: that accounts for {' and '.join(shares)}.")
     return head + text
 
 

@@ -4,6 +4,9 @@
 one pass, E[h^2] - E[h]^2: in FP16/BF16 both terms round correctly and their difference, a small number
 from two large ones, keeps only their rounding. No NaN anywhere; the loss and gradients are wrong.
 ``two_pass=True`` computes E[(h - E[h])^2] instead: the healthy twin.
+``Positions``: positions counted by ``ones.cumsum(-1)`` in the activations' dtype, then sin and cos of
+position x frequency: past 256 a BF16 position is rounded (to within half an eps), and the sine of a large,
+rounded angle is far from FP32's. ``fp32_positions=True`` counts in FP32: the healthy twin.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from torch import nn
 
 from recorders import Recorder
 
-__all__ = ["OnePassNorm", "NormNet", "build_norm", "norm_loss", "norm_batch", "record_step", "VARIANCE_LINE"]
+__all__ = ["OnePassNorm", "NormNet", "build_norm", "norm_loss", "norm_batch", "record_step", "VARIANCE_LINE",
+           "Positions", "build_positions", "positions_batch", "SIN_LINE"]
 
 
 
@@ -90,4 +94,38 @@ def record_step(out: Path, dtype: torch.dtype, *, factory: str, loss_fn: str, ba
     return path
 
 
-VARIANCE_LINE = 31  # the line of the one-pass variance (its subtraction), as a replay names it
+class Positions(nn.Module):
+    """Sinusoidal features of positions counted by a cumulative sum of ones in the activations' dtype."""
+
+    def __init__(self, d: int = 8, fp32_positions: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.out = nn.Linear(2 * d, 1)
+        self.register_buffer("freq", torch.linspace(0.05, 1.0, d))
+        self.fp32_positions = fp32_positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        ones = torch.ones_like(h[..., 0], dtype=torch.float32 if self.fp32_positions else None)
+        pos = ones.cumsum(-1)
+        angle = pos.unsqueeze(-1) * self.freq
+        return self.out(torch.cat([h * torch.sin(angle), h * torch.cos(angle)], -1))
+
+
+def build_positions(**kwargs) -> Positions:
+    torch.manual_seed(0)
+    return Positions(**kwargs)
+
+
+def positions_batch(seq: int = 600, d: int = 8, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(2, seq, d, generator=g), "y": torch.randn(2, seq, generator=g)}
+
+
+def _line_of(text: str) -> int:
+    """The first line of this file holding `text` (the first is the model's own line, above this)."""
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if text in line)
+
+
+VARIANCE_LINE = _line_of("- mu * mu")  # the one-pass variance (its subtraction), as a replay names it
+SIN_LINE = _line_of("torch.sin(angle)")  # sin(angle) in Positions.forward

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from analyzer.cli import main
 from analyzer.replay import Replay
 from analyzer.replay._compare import GRAD_K, LOSS_K
-from tests.analyzer.replay.finite_error_models import VARIANCE_LINE, norm_batch, record_step
+from tests.analyzer.replay.finite_error_models import SIN_LINE, VARIANCE_LINE, norm_batch, positions_batch, record_step
 
 _STEPS = {}
 
@@ -70,3 +70,26 @@ def test_replay_json_of_a_precision_error_names_the_op_and_the_comparison(tmp_pa
     assert obj["verdict"] == "precision_error" and obj["culprit"]["op"] == "aten.sub"
     assert obj["fp32_comparison"]["beyond_tolerance"] is True
     assert obj["culprit"]["precision_error"]["kind"] == "amplified"
+
+
+@pytest.mark.parametrize("fp32_positions, verdict", [(False, "precision_error"), (True, "healthy")])
+def test_positions_counted_in_bf16_past_256_are_a_precision_error_amplified_where_they_are_used(
+        tmp_path, fp32_positions, verdict):
+    # ones.cumsum(-1) in BF16 rounds 257 to 256 (CPU cumsum adds in FP32 and rounds each output once): each
+    # position is within half an eps, and sin(position * freq) of a rounded position past 256 is far off
+    path = record_step(tmp_path, torch.bfloat16, factory="build_positions", loss_fn="norm_loss",
+                       batch=positions_batch(), fp32_positions=fp32_positions)
+    replay = Replay(path, device="cpu")
+    res = replay.run()
+    assert res.verdict == verdict
+    if verdict == "healthy":
+        return
+    c = res.culprit
+    assert c["op"] == "aten.sin" and c["source"].endswith(f"finite_error_models.py:{SIN_LINE}")
+    pe = c["precision_error"]
+    assert pe["kind"] == "amplified" and pe["input_error_eps"] < 1 < 10 < pe["error_eps"]
+    # the angle made in FP32 and kept so feeds the cos beside the sin too: nearly all the error goes
+    assert pe["accounts_for"]["grad"] > 0.9
+    fixes = {f.name: f for f in replay.try_fixes(res)}
+    assert fixes["born_fp32"].status == "verified", fixes["born_fp32"].detail
+    assert "keep them in FP32" in fixes["born_fp32"].title
