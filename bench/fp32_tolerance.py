@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/ and tests/ from a checkout
+
 from analyzer.replay import Replay
 from analyzer.replay._compare import GRAD_K, LOSS_K, compare
 from samples._common import snapshots_of

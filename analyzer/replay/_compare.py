@@ -108,19 +108,33 @@ def grad_norm(run: RunTrace) -> float | None:
     return math.sqrt(sq) / run.scale
 
 
+def _host_rows(sums: list[torch.Tensor]) -> list[list[float]]:
+    """The per-parameter sums on the host: one read (NB: a sync), or one per device for a model split across them."""
+    if not sums:
+        return []
+    try:
+        return torch.stack(sums).tolist()
+    except RuntimeError:  # sums on several devices
+        return [t.tolist() for t in sums]
+
+
 def compare(low: RunTrace, fp32: RunTrace) -> Comparison | None:
     """`low` against `fp32`: both finite, `low` in a low precision; None otherwise."""
     if low.precision not in LOW_PRECISION or not (low.finite and fp32.finite):
         return None
     diff_sq = ref_sq = low_sq = dot = 0.0
     per: list[dict] = []
+    names, sums = [], []
     for name, g32 in (fp32.grads or {}).items():
         g = (low.grads or {}).get(name)
         if g is None or g.shape != g32.shape:
             continue
         a = g.detach().double() / low.scale
         b = g32.detach().double() / fp32.scale
-        d2, b2, a2, ab = (float(x) for x in ((a - b).pow(2).sum(), b.pow(2).sum(), a.pow(2).sum(), (a * b).sum()))
+        names.append(name)
+        sums.append(torch.stack([(a - b).pow(2).sum(), b.pow(2).sum(), a.pow(2).sum(), (a * b).sum()]))
+    rows = _host_rows(sums)
+    for name, (d2, b2, a2, ab) in zip(names, rows):
         diff_sq, ref_sq, low_sq, dot = diff_sq + d2, ref_sq + b2, low_sq + a2, dot + ab
         cos = ab / math.sqrt(a2 * b2) if a2 > 0 and b2 > 0 else (1.0 if a2 == b2 else 0.0)
         per.append({"param": name, "rel": math.sqrt(d2 / b2) if b2 > 0 else (0.0 if d2 == 0 else math.inf),

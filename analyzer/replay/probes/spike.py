@@ -155,6 +155,20 @@ def _observing(model: torch.nn.Module, found: Mechanism):
         mode.finish()
 
 
+_MAX_WINDOW = 1_000_000  # trailing steps read for the median gradient norm, at most
+
+
+def _num(v: Any) -> float | None:
+    """A finite number of the snapshot's spike entry, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _metric(run, metric: str) -> float | None:
     if run is None:
         return None
@@ -196,7 +210,12 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
     sp = getattr(snap, "spike", None)
     if snap.reason not in (schema.LOSS_SPIKE, schema.GRAD_SPIKE) or not isinstance(sp, dict):
         return None
-    metric, threshold = sp["metric"], float(sp["threshold"])
+    metric, threshold = sp.get("metric"), _num(sp.get("threshold"))
+    value, baseline = _num(sp.get("value")), _num(sp.get("baseline"))
+    if metric not in ("loss", "grad_norm") or threshold is None or value is None or baseline is None:
+        return None  # not the recorder's measurement (the loader keeps any numbers and short texts): nothing to judge
+    window = sp.get("window")
+    window = window if isinstance(window, int) and not isinstance(window, bool) and 0 < window <= _MAX_WINDOW else 100
     low = inp.diagnosis.low
     replayed = {p: _metric(r, metric) for p, r in inp.runs.items()}
     fp32 = replayed.get("float32")
@@ -207,9 +226,9 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
         from .._runs import run_once
 
         mech = Mechanism(lr=_lr(snap), grad_norm=grad_norm(inp.runs["float32"]),
-                         grad_norm_median=_median_grad_norm(inp.path, snap.step, int(sp.get("window") or 100)))
+                         grad_norm_median=_median_grad_norm(inp.path, snap.step, window))
         run_once(inp.ctx, "float32", 1.0, prepare=lambda model: _observing(model, mech))
-    return SpikeCheck(metric, float(sp["value"]), float(sp["baseline"]), threshold, replayed, fp32_spikes,
+    return SpikeCheck(metric, value, baseline, threshold, replayed, fp32_spikes,
                       None if low_v is None else low_v > threshold, mech)
 
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from click.testing import CliRunner
 
@@ -66,3 +68,27 @@ def test_a_spike_the_replay_does_not_make_is_not_reproduced(tmp_path):
     nr = obj["not_reproduced"]
     assert nr["recorded"].startswith("a loss spike") and nr["spike_replayed"]["float32"] < obj["spike"]["threshold"]
     assert "the spike did not reproduce" in obj["summary"]
+
+
+_LR_JUMP: list = []
+_NUMBERS = st.one_of(st.none(), st.floats(), st.integers(-2**70, 2**70), st.text(max_size=8), st.sampled_from(
+    ["loss", "grad_norm"]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entry=st.dictionaries(st.sampled_from(schema.SPIKE_KEYS), _NUMBERS, max_size=len(schema.SPIKE_KEYS)))
+def test_any_spike_entry_that_loads_replays_to_a_verdict_or_one_error_line(tmp_path_factory, entry):
+    if not _LR_JUMP:
+        _LR_JUMP.append(_lr_jump_run(tmp_path_factory.mktemp("jump"), None))
+    snap = torch.load(_LR_JUMP[0], weights_only=True)
+    snap["spike"] = entry
+    path = tmp_path_factory.mktemp("s") / _LR_JUMP[0].name
+    torch.save(snap, path)
+    res = CliRunner().invoke(main, ["replay", str(path), "--device", "cpu", "--json"])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    if res.exit_code == 1:
+        assert res.output.count("Error:") == 1 and "Traceback" not in res.output
+        return
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output[res.output.index("{"):])
+    assert obj["verdict"] in ("instability", "not_reproduced", "healthy", "precision_error")
