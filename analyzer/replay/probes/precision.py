@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._born import Born, OpError, born, measure
+from .._born import LOCAL_K, Born, OpError, born, measure
 from .._compare import Comparison, compare
 from .._diagnose import _context_ops, _op_fields
 from ..records import Culprit
@@ -87,10 +87,10 @@ def _applies(d: Diagnosis) -> bool:
 @probe("fp32_comparison", when=_applies, into="result")
 def fp32_comparison(inp: ProbeInput) -> PrecisionCheck | None:
     low, fp32 = inp.runs.get(inp.diagnosis.low), inp.runs.get("float32")
-    if low is None or fp32 is None:
-        return None
+    if low is None or fp32 is None or getattr(inp.snapshot, "compile", None):
+        return None  # a compiled step computes otherwise than its eager replay (Inductor fuses in FP32)
     c = compare(low, fp32)
-    if c is None or not c.beyond or getattr(inp.snapshot, "compile", None):
+    if c is None or not c.beyond:
         return None if c is None else PrecisionCheck(c)
     trace, errors, _ = measure(inp.ctx, low.precision, low.scale)
     b = born(errors)
@@ -191,7 +191,8 @@ def _summary(d: Diagnosis) -> str:
             f"{c.loss_k:g}){grad}.")
     cul = d.culprit
     if ev.born is None or cul is None:
-        return head + (" No forward op carries the error: it is born in backward, which is not measured op by op.")
+        return head + (f" No forward op's output is more than {LOCAL_K:g} eps from FP32: the gradient's error is born "
+                       "in backward, which is not measured op by op.")
     e = ev.born.op
     if ev.born.kind == "computed":
         text = (f" The error is born at {_where(cul)}: from its own {c.precision} inputs, recomputed in FP32, its "
