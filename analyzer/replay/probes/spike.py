@@ -16,6 +16,15 @@ trailing baseline and the threshold it crossed). The probe reads the same metric
 
 NB: the recorder keeps no attention logits, so their growth over earlier steps is not known from one
 snapshot; the answer says so.
+
+Real output (the samples' tiny GPT in BF16, logits not divided by sqrt(head_dim), Adam at lr 0.03)::
+
+    verdict: instability
+      The recorded loss spike reproduces in FP32: 1.802 against the trailing baseline 0.5471 (threshold 1.641,
+      recorded 1.798), so the low precision did not make it: an instability of the training itself. The largest
+      pre-softmax attention logit is 3005, in `blocks.1.attn` (its growth over earlier steps is not recorded).
+      The output logits reach 15.5, log-partition (logsumexp) up to 15.53 (mean 10.93). lr 0.03; gradient norm
+      6.794 against a trailing median of 1.232.
 """
 from __future__ import annotations
 
