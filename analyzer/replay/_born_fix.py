@@ -1,7 +1,9 @@
 """The ``born_fp32`` fix: the op where a finite step's error is born computed alone in FP32, its result cast back.
 
-For an op that only amplifies the rounding of its inputs (``kind="amplified"``), the op computed from the
-FP32 values of its inputs instead: the step as if the code upstream of it ran in FP32.
+For an op that only amplifies the rounding of its inputs (``kind="amplified"``), the values it reads made from
+FP32 values upstream and kept in FP32, so every op reading them computes from them (where the model refuses
+FP32 values there: the op alone from its inputs' FP32 values, cast back): the step as if the code upstream of
+it ran in FP32.
 
 The ``fp32_comparison`` probe (``probes/precision.py``) already re-ran the step that way to measure how
 much of the difference the op accounts for; the fix judges that run against FP32 (loss and whole
