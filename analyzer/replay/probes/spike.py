@@ -23,8 +23,9 @@ Real output (the samples' tiny GPT in BF16, logits not divided by sqrt(head_dim)
       The recorded loss spike reproduces in FP32: 1.802 against the trailing baseline 0.5471 (threshold 1.641,
       recorded 1.798), so the low precision did not make it: an instability of the training itself. The largest
       pre-softmax attention logit is 3005, in `blocks.1.attn` (its growth over earlier steps is not recorded).
-      The output logits reach 15.5, log-partition (logsumexp) up to 15.53 (mean 10.93). lr 0.03; gradient norm
-      6.794 against a trailing median of 1.232.
+      The output logits reach 15.5, log-partition (logsumexp) up to 15.53 (mean 10.93). lr 0.03 (the trace's
+      trailing median 0.03); gradient norm 6.794 against a trailing median of 1.232; weight norm 64.9 against
+      59.33; the largest update jump: `blocks.1.ln_1.bias` at step 284, 4.878x its trailing median.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from recorders import schema
 
 from .._compare import grad_norm
+from .._spike_trace import TraceContext, trace_context
 from ..verdicts import AdviceLine, Verdict, register
 from .registry import ProbeInput, probe
 
@@ -53,6 +55,7 @@ _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _PARTITION = {F.cross_entropy, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 QK_LOGIT = 50.0      # an attention logit past this makes softmax nearly one-hot (Wortsman et al. 2023)
 LOG_PARTITION = 10.0  # |logsumexp| of the output logits past this: the logits drift (z-loss keeps it near 0)
+JUMP = 2.0  # an lr or a layer's update this many times its trailing median is named as a jump
 
 
 @dataclass
@@ -65,7 +68,11 @@ class Mechanism:
     log_partition_mean: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
-    grad_norm_median: float | None = None
+    trace: TraceContext | None = None  # the run's trace over the window before the step
+
+    @property
+    def grad_norm_median(self) -> float | None:
+        return None if self.trace is None else self.trace.grad_norm_median
 
     def top_attention(self) -> tuple[str, float] | None:
         return max(self.attention.items(), key=lambda kv: kv[1]) if self.attention else None
@@ -77,7 +84,8 @@ class Mechanism:
                 "attention_logit_growth": None,  # the recorder keeps no logits of earlier steps
                 "output_logit_absmax": self.logit_absmax, "log_partition_max": self.log_partition_max,
                 "log_partition_mean": self.log_partition_mean, "lr": self.lr, "grad_norm": self.grad_norm,
-                "grad_norm_median": self.grad_norm_median}
+                "grad_norm_median": self.grad_norm_median,
+                "trace": None if self.trace is None else self.trace.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -191,24 +199,6 @@ def _lr(snapshot) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
-def _median_grad_norm(path: str, step: int, window: int) -> float | None:
-    from pathlib import Path
-
-    import polars as pl
-
-    from ...errors import AnalyzerError
-    from ...load import load_run
-
-    run_dir = Path(path).parent.parent
-    try:
-        s = (load_run(run_dir).steps.filter((pl.col("step") < step) & (pl.col("step") >= step - window))
-             .select("grad_norm").collect())
-    except (AnalyzerError, pl.exceptions.PolarsError, OSError):
-        return None
-    vals = s["grad_norm"].drop_nulls().drop_nans() if s.height else None
-    return float(vals.median()) if vals is not None and len(vals) else None
-
-
 def _spiking(d: Diagnosis) -> bool:
     return d.verdict == "healthy"
 
@@ -235,7 +225,7 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
         from .._runs import run_once
 
         mech = Mechanism(lr=_lr(snap), grad_norm=grad_norm(inp.runs["float32"]),
-                         grad_norm_median=_median_grad_norm(inp.path, snap.step, window))
+                         trace=trace_context(inp.path, snap.step, snap.rank, window))
         run_once(inp.ctx, "float32", 1.0, prepare=lambda model: _observing(model, mech))
     return SpikeCheck(metric, value, baseline, threshold, replayed, fp32_spikes,
                       None if low_v is None else low_v > threshold, mech)
@@ -262,11 +252,17 @@ def _summary(d: Diagnosis) -> str:
     if m.logit_absmax is not None:
         text += (f" The output logits reach {_g(m.logit_absmax)}, log-partition (logsumexp) up to "
                  f"{_g(m.log_partition_max)} (mean {_g(m.log_partition_mean)}).")
-    if m.lr is not None:
-        text += f" lr {_g(m.lr)}"
-        text += (f"; gradient norm {_g(m.grad_norm)} against a trailing median of {_g(m.grad_norm_median)}."
-                 if m.grad_norm_median is not None else ".")
-    return text
+    t = m.trace or TraceContext()
+    facts = [] if m.lr is None else [f"lr {_g(m.lr)}" + (f" (the trace's trailing median {_g(t.lr_median)})"
+                                                         if t.lr_median is not None else "")]
+    if t.grad_norm_median is not None:
+        facts.append(f"gradient norm {_g(m.grad_norm)} against a trailing median of {_g(t.grad_norm_median)}")
+    if t.weight_norm is not None and t.weight_norm_median is not None:
+        facts.append(f"weight norm {_g(t.weight_norm)} against {_g(t.weight_norm_median)}")
+    if t.update_layer is not None and t.update_ratio > JUMP:
+        facts.append(f"the largest update jump: `{t.update_layer}` at step {t.update_step}, {_g(t.update_ratio)}x "
+                     "its trailing median")
+    return text + (f" {'; '.join(facts)}." if facts else "")
 
 
 def _advice(d: Diagnosis) -> list[AdviceLine]:
@@ -281,6 +277,10 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
         out.append(AdviceLine(f"Add a z-loss, 1e-4 * logsumexp(logits)**2 averaged over tokens: the log-partition "
                               f"reaches {m.log_partition_max:.3g} and the output logits {_g(m.logit_absmax)}."))
     lr = f" (lr {_g(m.lr)})" if m.lr is not None else ""
+    t = m.trace or TraceContext()
+    if m.lr is not None and t.lr_median and m.lr > JUMP * t.lr_median:
+        out.append(AdviceLine(f"The lr is {_g(m.lr)}, {m.lr / t.lr_median:.3g}x its trailing median {_g(t.lr_median)}: "
+                              "check the scheduler (a jump, a restart without warm-up)."))
     out.append(AdviceLine(f"Warm the learning rate up or lower it{lr}: the step spikes in FP32 too."))
     if m.grad_norm_median is not None:
         out.append(AdviceLine(f"Clip the gradient norm near its usual size, clip_grad_norm_(params, "

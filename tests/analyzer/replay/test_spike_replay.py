@@ -43,6 +43,10 @@ def test_an_lr_jump_spike_replays_as_instability_naming_the_lr_and_no_attention(
     assert s.mechanism.attention == {} and s.mechanism.lr == pytest.approx(3.0)
     assert "attention" not in res.summary and not any("QK-layernorm" in a for a in res.advice)
     assert any("(lr 3)" in a for a in res.advice)
+    # the trace's lr before the jump is the usual 0.003: the advice says the lr is 1000x that
+    assert s.mechanism.trace.lr_median == pytest.approx(0.003) and any("1e+03x its trailing median" in a
+                                                                        for a in res.advice)
+    assert s.mechanism.trace.weight_norm > s.mechanism.trace.weight_norm_median  # the jumped update grew the weights
     assert res.culprit is None and "fp32_comparison" not in res.evidence
 
 
