@@ -96,3 +96,16 @@ def test_any_spike_entry_that_loads_replays_to_a_verdict_or_one_error_line(tmp_p
     assert res.exit_code == 0, res.output
     obj = json.loads(res.output[res.output.index("{"):])
     assert obj["verdict"] in ("instability", "not_reproduced", "healthy", "precision_error")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_spike_beside_a_damaged_trace_still_replays_as_instability_without_the_trace(tmp_path, damage):
+    snap = _lr_jump_run(tmp_path, None)
+    for part in sorted((tmp_path / "trace").glob("*.parquet")):
+        data = part.read_bytes()
+        part.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 64)
+    res = CliRunner().invoke(main, ["replay", str(snap), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output[res.output.index("{"):])
+    assert obj["verdict"] == "instability" and obj["spike"]["mechanism"]["trace"] is None
+    assert obj["spike"]["mechanism"]["lr"] == pytest.approx(3.0)  # the snapshot's own optimizer state still speaks
