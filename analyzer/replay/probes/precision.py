@@ -90,7 +90,7 @@ class PrecisionCheck:
 
 def _applies(d: Diagnosis) -> bool:
     spike = d.evidence.get("spike")
-    return d.verdict == "healthy" and d.low in LOW_PRECISION and not (spike is not None and spike.fp32_spikes)
+    return d.verdict == "healthy" and d.low in LOW_PRECISION and not (spike is not None and spike.instability)
 
 
 @probe("fp32_comparison", when=_applies, into="result")

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from recorders import schema
 
-from .._compare import grad_norm
+from .._compare import compare, grad_norm
 from .._spike_trace import TraceContext, trace_context
 from ..verdicts import AdviceLine, Verdict, register
 from .registry import ProbeInput, probe
@@ -100,11 +100,20 @@ class SpikeCheck:
     fp32_spikes: bool
     low_spikes: bool | None
     mechanism: Mechanism | None = None
+    # FP32 stays under the threshold, but the recorded precision, which crosses it, is within tolerance of FP32
+    # (``_compare``): the two steps are the same step as far as the precision goes
+    fp32_within_tolerance: bool = False
+
+    @property
+    def instability(self) -> bool:
+        """FP32 spikes too, or makes the same step as the spiking low precision within tolerance."""
+        return self.fp32_spikes or self.fp32_within_tolerance
 
     def to_dict(self) -> dict:
         return {"spike": {"metric": self.metric, "recorded": self.recorded, "baseline": self.baseline,
                           "threshold": self.threshold, "replayed": dict(self.replayed),
                           "fp32_spikes": self.fp32_spikes, "low_spikes": self.low_spikes,
+                          "fp32_within_tolerance": self.fp32_within_tolerance,
                           "mechanism": None if self.mechanism is None else self.mechanism.to_dict()}}
 
 
@@ -220,15 +229,19 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
     fp32 = replayed.get("float32")
     fp32_spikes = fp32 is not None and fp32 > threshold
     low_v = replayed.get(low or "float32")  # the recorded precision's replay (FP32 for a run without AMP)
+    low_spikes = None if low_v is None else low_v > threshold
+    near = False
+    if low_spikes and not fp32_spikes and low in inp.runs:
+        c = compare(inp.runs[low], inp.runs["float32"])
+        near = c is not None and not c.beyond
     mech = None
-    if fp32_spikes:
+    if fp32_spikes or near:
         from .._runs import run_once
 
         mech = Mechanism(lr=_lr(snap), grad_norm=grad_norm(inp.runs["float32"]),
                          trace=trace_context(inp.path, snap.step, snap.rank, window))
         run_once(inp.ctx, "float32", 1.0, prepare=lambda model: _observing(model, mech))
-    return SpikeCheck(metric, value, baseline, threshold, replayed, fp32_spikes,
-                      None if low_v is None else low_v > threshold, mech)
+    return SpikeCheck(metric, value, baseline, threshold, replayed, fp32_spikes, low_spikes, mech, near)
 
 
 # -- the verdict ------------------------------------------------------------------------------------
@@ -239,9 +252,16 @@ def _g(v: Any) -> str:
 def _summary(d: Diagnosis) -> str:
     s: SpikeCheck = d.evidence["spike"]
     what = "loss" if s.metric == "loss" else "total gradient norm"
-    text = (f"The recorded {what} spike reproduces in FP32: {_g(s.replayed.get('float32'))} against the trailing "
-            f"baseline {_g(s.baseline)} (threshold {_g(s.threshold)}, recorded {_g(s.recorded)}), so the low "
-            "precision did not make it: an instability of the training itself.")
+    if s.fp32_spikes:
+        text = (f"The recorded {what} spike reproduces in FP32: {_g(s.replayed.get('float32'))} against the trailing "
+                f"baseline {_g(s.baseline)} (threshold {_g(s.threshold)}, recorded {_g(s.recorded)}), so the low "
+                "precision did not make it: an instability of the training itself.")
+    else:
+        low = next((p for p in s.replayed if p != "float32"), "float32")
+        text = (f"The recorded {what} spike reproduces in {low} ({_g(s.replayed.get(low))} against the trailing "
+                f"baseline {_g(s.baseline)}, threshold {_g(s.threshold)}); FP32 gives {_g(s.replayed.get('float32'))}, "
+                "just under the threshold but within the precision tolerance of that step (fp32_comparison's "
+                "bounds), so the low precision did not make it: an instability of the training itself.")
     m = s.mechanism
     if m is None:
         return text
@@ -292,4 +312,4 @@ register(Verdict(
     INSTABILITY, "A loss or gradient spike that the FP32 replay of the step makes too: the training's dynamics, "
     "not its precision; the mechanism measured on the step is named.",
     summary=_summary, advice=_advice, refines=("healthy",),
-    detect=lambda d: "spike" in d.evidence and d.evidence["spike"].fp32_spikes))
+    detect=lambda d: "spike" in d.evidence and d.evidence["spike"].instability))

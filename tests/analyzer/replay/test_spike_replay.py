@@ -109,3 +109,22 @@ def test_a_spike_beside_a_damaged_trace_still_replays_as_instability_without_the
     obj = json.loads(res.output[res.output.index("{"):])
     assert obj["verdict"] == "instability" and obj["spike"]["mechanism"]["trace"] is None
     assert obj["spike"]["mechanism"]["lr"] == pytest.approx(3.0)  # the snapshot's own optimizer state still speaks
+
+
+def test_a_spike_fp32_misses_by_less_than_the_precision_tolerance_is_still_instability(tmp_path):
+    # the threshold moved between the two replayed losses: one precision crosses it, the other does not, and the
+    # two steps are within the FP32 tolerance of each other (53.52 in BF16 and 53.46 in FP32 on AVX-512)
+    path = _lr_jump_run(tmp_path, torch.bfloat16)
+    first = Replay(path, device="cpu").run().evidence["spike"].replayed
+    low, fp32 = first["bfloat16"], first["float32"]
+    snap = torch.load(path, weights_only=True)
+    snap["spike"] = {**snap["spike"], "threshold": (low + fp32) / 2}
+    torch.save(snap, path)
+    res = Replay(path, device="cpu").run()
+    assert res.verdict == "instability" and "fp32_comparison" not in res.evidence
+    s = res.evidence["spike"]
+    if low > fp32:  # BF16 crosses, FP32 does not: not the precision's doing, within tolerance
+        assert s.low_spikes and not s.fp32_spikes and s.fp32_within_tolerance
+        assert "just under the threshold but within the precision tolerance" in res.summary
+    else:  # the kernels rounded the other way: FP32 crosses
+        assert s.fp32_spikes and not s.low_spikes
