@@ -18,7 +18,8 @@ receives the most, ``shadow`` error over its inputs' (a sine of a rounded large 
 computed from a rounded count). Backward ops are not measured: their error follows the forward's.
 
 NB: an in-place op (``masked_fill_``) is recomputed on copies of its inputs and of their shadows, so the
-step's own tensors are written once.
+step's own tensors are written once. An op that draws random numbers (dropout's mask) or returns
+uninitialised memory is not recomputed: its output is its own shadow, so the mask is the step's.
 """
 from __future__ import annotations
 
@@ -78,6 +79,19 @@ def _dist(a: torch.Tensor, b: torch.Tensor) -> float:
     return d / ref if ref > 0 else (0.0 if d == 0 else math.inf)
 
 
+_DRAWS: dict = {}  # OpOverload -> whether recomputing it would not give its values
+
+
+def _not_recomputed(func) -> bool:
+    """An op that draws random numbers (a ``Generator`` argument: dropout's ``bernoulli_``) or returns
+    uninitialised memory (``empty_like``): recomputed, it gives other values (and moves the RNG)."""
+    known = _DRAWS.get(func)
+    if known is None:
+        known = _DRAWS[func] = func.__name__.startswith(("empty", "new_empty")) or any(
+            "Generator" in str(a.type) for a in func._schema.arguments)
+    return known
+
+
 def _floats(out) -> list[torch.Tensor]:
     flat, _ = tree_flatten(out)
     return [t for t in flat if isinstance(t, torch.Tensor)]
@@ -99,19 +113,29 @@ class _ErrorMode(TorchDispatchMode):
         kwargs = kwargs or {}
         index = self.index
         self.index += 1
-        out = func(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1:
-            return out  # backward: not measured
+            return func(*args, **kwargs)  # backward: not measured
+        if _not_recomputed(func):  # a random draw or uninitialised memory: its own values are its shadow
+            out = func(*args, **kwargs)
+            with _disable_current_modes():  # NB: the recorder outside must not see these copies (op indices)
+                for t in _floats(out):
+                    self._shadow[t], self._err[t] = t.detach().float(), 0.0
+            return out
+        # NB: recomputed before the op runs, which may write its inputs in place (div_), on copies then
+        with _disable_current_modes(), torch.autocast(self.device_type, enabled=False), torch.no_grad():
+            again = self._recompute(func, args, kwargs)
+        out = func(*args, **kwargs)
         outs = _floats(out)
         with _disable_current_modes(), torch.autocast(self.device_type, enabled=False), torch.no_grad():
-            self._measure(func, index, args, kwargs, out, outs)
+            self._measure(index, outs, *again)
             sh = self._shadow.get(out) if index in self.substitute and isinstance(out, torch.Tensor) else None
             if sh is not None:  # the op from the FP32 values of its inputs, as if nothing upstream were rounded
                 self.substituted = True
                 return sh.clone() if self.keep_fp32 else sh.to(out.dtype)
         return out
 
-    def _measure(self, func, index, args, kwargs, out, outs) -> None:
+    def _recompute(self, func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """The op in FP32 from its upcast inputs, and from their shadows; the largest error its inputs carry."""
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         carried = max((self._err.get(a, 0.0) for a in inputs), default=0.0)
 
@@ -134,16 +158,19 @@ class _ErrorMode(TorchDispatchMode):
         except Exception:  # noqa: BLE001 - an op that refuses FP32 inputs is left unmeasured
             ref = None
         if func.__name__.startswith("_to_copy") and inputs and inputs[0].dtype in _FLOAT:
-            sh = shadow(inputs[0])  # a cast to FP16/BF16: the shadow is the value before it
-            sh = sh if isinstance(sh, torch.Tensor) and sh.dtype in _FLOAT else None
-            sh_out = sh if sh is not None and outs and outs[0].dtype in _FLOAT else None
+            sh = shadow(inputs[0])  # a cast: the shadow is the value before it (a cast to an integer type: cast)
+            low_cast = kwargs.get("dtype") in _LOW
+            sh_out = sh if low_cast else (sh.to(kwargs["dtype"]) if "dtype" in kwargs else sh)
         else:
             try:
                 sh_out = func(*tree_map(shadow, args), **tree_map(shadow, kwargs))
             except Exception:  # noqa: BLE001
                 sh_out = None
-        sh_flat = _floats(sh_out) if sh_out is not None else []
-        ref_flat = _floats(ref) if ref is not None else []
+        return (_floats(ref) if ref is not None else [], _floats(sh_out) if sh_out is not None else [], carried)
+
+    def _measure(self, index: int, outs: list[torch.Tensor], ref_flat: list[torch.Tensor],
+                 sh_flat: list[torch.Tensor], carried: float) -> None:
+        """Each output against its recomputations: its errors, and its shadow for the ops that read it."""
         first = None
         for i, t in enumerate(outs):
             s = sh_flat[i] if i < len(sh_flat) and sh_flat[i].shape == t.shape else None

@@ -39,16 +39,17 @@ class OnePassNorm(nn.Module):
 class NormNet(nn.Module):
     """Linear -> OnePassNorm -> Linear, the first Linear's outputs centred on `mean` (its bias)."""
 
-    def __init__(self, d: int = 16, mean: float = 8.0, two_pass: bool = False):
+    def __init__(self, d: int = 16, mean: float = 8.0, two_pass: bool = False, dropout: float = 0.0):
         super().__init__()
         self.inp = nn.Linear(d, d)
+        self.drop = nn.Dropout(dropout)
         self.norm = OnePassNorm(two_pass)
         self.out = nn.Linear(d, 1)
         with torch.no_grad():
             self.inp.bias.fill_(mean)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(self.inp(x)))
+        return self.out(self.norm(self.drop(self.inp(x))))
 
 
 def build_norm(**kwargs) -> NormNet:

@@ -93,3 +93,18 @@ def test_positions_counted_in_bf16_past_256_are_a_precision_error_amplified_wher
     fixes = {f.name: f for f in replay.try_fixes(res)}
     assert fixes["born_fp32"].status == "verified", fixes["born_fp32"].detail
     assert "keep them in FP32" in fixes["born_fp32"].title
+
+
+def test_a_step_with_dropout_blames_the_normalisation_not_the_dropout(tmp_path):
+    # the error pass recomputes ops in FP32: a dropout mask drawn again, or its in-place scaling (div_) applied
+    # twice, would look like an op computing far from FP32; the mask is the step's own, and div_ runs once
+    path = record_step(tmp_path, torch.bfloat16, factory="build_norm", loss_fn="norm_loss", batch=norm_batch(),
+                       dropout=0.1)
+    replay = Replay(path, device="cpu")
+    res = replay.run()
+    assert res.verdict == "precision_error"
+    c = res.culprit
+    # the one-pass variance cancels; dividing by its root amplifies that most here (rows whose variance is small)
+    assert c["module"] == "norm" and c["op"] in ("aten.sub", "aten.div") and c["precision_error"]["kind"] == "amplified"
+    fixes = {f.name: f for f in replay.try_fixes(res)}
+    assert fixes["born_fp32"].status == "verified", fixes["born_fp32"].detail
