@@ -10,7 +10,7 @@ from __future__ import annotations
 
 # The modules that register the built-in verdicts, fixes and probes; their order in the registries is
 # verdicts.ORDER, fixes.ORDER and probes.registry.ORDER, not this import order.
-from . import _builtin_fixes, _builtin_verdicts, _cancellation, _region_fix, _scaler_skip, probes  # noqa: F401
+from . import _born_fix, _builtin_fixes, _builtin_verdicts, _cancellation, _region_fix, _scaler_skip, probes  # noqa: F401
 from .compiled import fix, verdict  # noqa: F401
 from .fp8 import fixes as _fp8_fixes, verdicts as _fp8_verdicts  # noqa: F401
 from ._advice import advice_with_status

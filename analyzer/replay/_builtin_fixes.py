@@ -134,7 +134,7 @@ def _module_fp32(ctx: ReplayContext, result: ReplayResult) -> Fix:
         n = len(others)
         title = (f"keep {module} and the {n} other module{'s' if n > 1 else ''} of its class ({shown}) in FP32 "
                  "(autocast off inside them, inputs upcast)")
-    return _judge(result, "module_fp32", title, out, covers=others)
+    return _judge(result, "module_fp32", title, out, covers=others, reference=ctx.fp32_reference)
 
 
 def _module_line(fix: Fix, c, _mode: str) -> str:
@@ -145,7 +145,8 @@ def _module_line(fix: Fix, c, _mode: str) -> str:
 
 register_fix(FixSpec(
     "module_fp32", "the culprit's module with autocast off inside it and its inputs upcast",
-    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation"), line=_module_line,
+    _module_fp32, serves=("overflow", "underflow", "unregistered_op", "numerical_bug", "cancellation", "precision_error"),
+    line=_module_line,
     applies=_low_precision))
 
 

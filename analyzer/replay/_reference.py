@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AnalyzerError
-from .trace import RunTrace
+from ._compare import Comparison, compare
+from .trace import LOW_PRECISION, RunTrace
 from .result import ReplayResult
 
-__all__ = ["TOLERANCE", "PLAUSIBLE_FACTOR", "Judgement", "judge", "last_finite_loss"]
+__all__ = ["TOLERANCE", "PLAUSIBLE_FACTOR", "Judgement", "judge", "judge_comparison", "last_finite_loss"]
 
 # Relative tolerance on the loss, by the precision the fixed step ran in: a step in FP16/BF16
 # differs from FP32 by the rounding of its activations (measured 5e-6 to 4e-3 relative on the
@@ -56,10 +57,16 @@ def _g(v: float | None) -> str:
     return "?" if v is None else f"{v:.4g}"
 
 
-def judge(result: ReplayResult, trace: RunTrace) -> Judgement:
-    """Judge the finite run `trace` of a fix against the reference of `result`'s step."""
+def judge(result: ReplayResult, trace: RunTrace, reference: RunTrace | None = None) -> Judgement:
+    """Judge the finite run `trace` of a fix against the reference of `result`'s step.
+
+    `reference`: the FP32 run with its gradients (``ReplayContext.fp32_reference``), which a
+    ``precision_error`` fix is judged against on every gradient; without it, on the loss alone.
+    """
     fp32 = result.traces.get("float32")
     loss = trace.loss
+    if result.verdict == "precision_error" and fp32 is not None and fp32.finite:
+        return _judge_precision(trace, reference if reference is not None else fp32)
     if fp32 is not None and fp32.finite:
         ref = fp32.loss
         tol = TOLERANCE.get(trace.precision, 1e-2)
@@ -83,6 +90,28 @@ def judge(result: ReplayResult, trace: RunTrace) -> Judgement:
                          "recorded_loss")
     return Judgement("changes_result", f"finite, but loss {_g(loss)} is more than {PLAUSIBLE_FACTOR:g}x the last "
                      f"finite recorded loss {_g(last)} ({none}): implausible", loss, last, "recorded_loss")
+
+
+def _judge_precision(trace: RunTrace, fp32: RunTrace) -> Judgement:
+    """A fix of a ``precision_error`` step: verified when its loss and whole gradient are within the
+    precision tolerance of FP32's (``_compare``), as the step was not."""
+    c = compare(trace, fp32) if trace.precision in LOW_PRECISION else None
+    if c is None:  # a fix that ran in FP32: the FP32 run itself
+        return Judgement("verified", f"loss {_g(trace.loss)} against the FP32 run's {_g(fp32.loss)}", trace.loss,
+                         fp32.loss, "fp32")
+    return judge_comparison(c)
+
+
+def judge_comparison(c: Comparison) -> Judgement:
+    """A ``precision_error`` fix's run, already compared with FP32 (``_compare.compare``): verified within tolerance."""
+    loss = c.loss
+    grad = ("; gradients not compared (no FP32 gradients at hand)" if c.grad_eps is None else
+            f", gradient {c.grad_eps:.3g} eps (tolerance {c.grad_k:g})")
+    cmp = (f"loss {_g(loss)} against the FP32 run's {_g(c.fp32_loss)}: {c.loss_eps:.3g} eps of {c.precision} "
+           f"(tolerance {c.loss_k:g}){grad}")
+    if not c.beyond:
+        return Judgement("verified", f"{cmp}, within tolerance of FP32", loss, c.fp32_loss, "fp32")
+    return Judgement("changes_result", f"{cmp}: still beyond tolerance of FP32", loss, c.fp32_loss, "fp32")
 
 
 def last_finite_loss(result: ReplayResult) -> float | None:

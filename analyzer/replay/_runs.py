@@ -63,6 +63,9 @@ class ReplayContext:
     # applied to the factory's model before the weights load: the FP8 recipe (fp8/recipe.py), or its plain twin
     convert: Callable[[torch.nn.Module], torch.nn.Module] | None = None
     fp8_recipe: dict | None = None  # the FP8 recipe training ran (fp8/recipe.py); None: no FP8 run
+    # The FP32 run of the step with its gradients (``RunTrace.grads``), kept with the live model for the
+    # fixes of a ``precision_error`` (judged on every gradient, ``_reference.judge``); results hold none.
+    fp32_reference: RunTrace | None = field(default=None, repr=False)
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
@@ -211,7 +214,8 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
             h.remove()
         if gc_was_enabled:
             gc.enable()
-    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
+    named = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.numel() > 0}
+    grads = list(named.values())
     grad_stats = [mode.add_stat(g) for g in grads]
     absmax, nonzero = mode.finalize()  # NB: the run's one host sync
     grad_vals = [absmax[i] for i in grad_stats]
@@ -228,7 +232,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         grad_absmax=_nan_max(grad_vals) / scale if grad_vals else None, backward_ran=backward_ran,
         emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
         buffers_read=None if reads is None else set(reads.read), sdpa_calls=sdpa_calls.calls,
-        micro_starts=None if ctx.micro is None else starts,
+        micro_starts=None if ctx.micro is None else starts, grads=named,
     )
 
 

@@ -151,9 +151,9 @@ class FixSpec:
 FIXES: dict[str, FixSpec] = {}
 # The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
 # their modules are imported in; a fix not listed here comes after these, in the order registered.
-ORDER = ("guard_clamp", "guard_eps", "region_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale", "check_input",
-         "scaler_skip", "compile_disable", "fp8_rowwise", "fp8_keep_bf16", "fp8_e5m2_grads", "fp8_smooth_swiglu",
-         "fp8_mxfp8")
+ORDER = ("guard_clamp", "guard_eps", "region_fp32", "born_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale",
+         "check_input", "scaler_skip", "compile_disable", "fp8_rowwise", "fp8_keep_bf16", "fp8_e5m2_grads",
+         "fp8_smooth_swiglu", "fp8_mxfp8")
 
 
 def register_fix(spec: FixSpec) -> FixSpec:
@@ -191,7 +191,8 @@ def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> lis
     """
     blameless = VERDICTS[result.verdict].without_culprit if result.verdict in VERDICTS else False
     if result.culprit is None and not blameless:
-        return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific") else [_check_input(result)]
+        return [] if result.verdict in ("healthy", "not_reproduced", "compile_specific", "instability",
+                                        "precision_error") else [_check_input(result)]
     specs = plan(result)
     if not any(s.needs_model for s in specs):
         return [fix for s in specs if (fix := s.apply(None, result)) is not None]
@@ -230,11 +231,13 @@ def _where(trace: RunTrace) -> str | None:
 
 
 def _judge(result: ReplayResult, name: str, title: str, trace: RunTrace, *, note: str = "",
-           **extra) -> Fix:
+           reference: RunTrace | None = None, judgement=None, **extra) -> Fix:
+    """`trace`, a fix's run, judged (``_reference.judge``; against `reference`, the FP32 run with its gradients,
+    where given), or by a `judgement` already made of it."""
     prec = trace.precision
     at = f" at loss scale {trace.scale:g}" if trace.scale != 1.0 else ""
     if trace.finite:  # verified only when it matches the reference (_reference.judge)
-        j = judge(result, trace)
+        j = judgement if judgement is not None else judge(result, trace, reference)
         if j.status != "verified":
             extra.pop("max_safe_scale", None)
         return Fix(name=name, title=title, status=j.status, precision=prec, loss=j.loss,

@@ -89,6 +89,10 @@ class Culprit(OpRecord):
             range), ``dtype_max``.
         surfaced_at: only on the ``headline`` of a hidden forward NaN/Inf: the backward op where it
             surfaced and made the step fail.
+        precision_error: the op where a finite step's error against FP32 is born (verdict
+            ``precision_error``, ``probes/precision.py``): ``kind`` (``computed``: its own error from its
+            inputs; ``amplified``), ``local_error_eps``, ``error_eps``, ``input_error_eps``, the abs-maxima,
+            ``accounts_for`` (``loss``, ``grad``: the share computing it in FP32 removes) and ``remaining``.
     """
 
     input: Any = UNSET
@@ -102,6 +106,7 @@ class Culprit(OpRecord):
     raised: Any = UNSET
     micro_batch: Any = UNSET
     surfaced_at: Any = UNSET
+    precision_error: Any = UNSET
 
 
 def hidden_first(culprit: Mapping | None) -> bool:

@@ -215,7 +215,9 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         bar.done()
     recorded = snap.device_type
     lines = tuple(verdicts.advice(diag))
-    trace = None if diag.trace is None else dataclasses.replace(diag.trace, captured=None)  # no tensors on the result
+    ctx.fp32_reference = runs.get("float32")  # its gradients stay with the live model, for the fixes
+    runs = {p: dataclasses.replace(r, grads=None) for p, r in runs.items()}  # a result holds no tensor
+    trace = None if diag.trace is None else dataclasses.replace(diag.trace, captured=None, grads=None)  # no tensors on the result
     return ReplayResult(
         verdict=diag.verdict, summary=verdicts.summary(diag), culprit=_culprit(diag),
         runs={p: precision_run(r, at_one.get(p), diag.origins.get(p)) for p, r in runs.items()},

@@ -40,6 +40,9 @@ class RunTrace:
     roots: list | None = field(default=None, repr=False, compare=False)
     sdpa_calls: list = field(default_factory=list, repr=False)  # backends.SdpaCall per SDPA call
     micro_starts: list[int] | None = None  # accumulation: the first op index of each micro-batch (_accumulate)
+    # Per parameter name, its gradient as the run left it (still multiplied by `scale`): the tensors
+    # themselves, no copy (the next run of the rebuilt model makes new ones); ``_compare`` reads them.
+    grads: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def forward_finite(self) -> bool:

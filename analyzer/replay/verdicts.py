@@ -70,6 +70,9 @@ class Verdict:
             parameters, FSDP's param_dtype) the autocast advice is rewritten in its terms.
         without_culprit: its fixes are tried though no op is blamed (the FP8 verdicts: a probe's evidence
             names the cast, and the step is finite).
+        amend: a refining verdict that blames another op than the one it refines (none, for
+            ``healthy``): ``amend(diagnosis)`` gives the ``Diagnosis`` fields it replaces (``culprit``,
+            ``trace``, ``context_ops``), read from the evidence its ``detect`` rests on.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Verdict:
     sdpa_check: bool = False
     precision_advice: bool = False
     without_culprit: bool = False
+    amend: Callable[[Diagnosis], dict] | None = None
 
     def __post_init__(self):
         if bool(self.refines) != (self.detect is not None):
@@ -93,7 +97,8 @@ VERDICTS: dict[str, Verdict] = {}
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
 ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "fp8_underflow", "fp8_saturation")
+         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "fp8_underflow", "fp8_saturation",
+         "instability", "precision_error")
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
@@ -121,7 +126,7 @@ def refine(d: Diagnosis) -> Diagnosis:
     """`d` with the first registered verdict that refines its verdict and detects itself in it."""
     for v in VERDICTS.values():
         if d.verdict in v.refines and v.detect(d):
-            return dataclasses.replace(d, verdict=v.name)
+            return dataclasses.replace(d, verdict=v.name, **(v.amend(d) if v.amend is not None else {}))
     return d
 
 

@@ -119,10 +119,11 @@ class Reproduction:
     device: str
     recorded_device: str | None
     sharded: bool               # the step ran on several ranks: this replay runs no collective
+    spike: dict | None = None   # a spike snapshot: per replayed precision, its value of the spiking metric
 
     def to_dict(self) -> dict:
         rec = self.recorded_loss
-        return {"not_reproduced": {
+        return {"not_reproduced": {**({"spike_replayed": dict(self.spike)} if self.spike is not None else {}),
             "recorded": self.failed, "recorded_loss": rec if rec is None or math.isfinite(rec) else str(rec),
             "precision": self.precision, "replayed_loss": dict(self.replayed), "scale": self.scale,
             "device": self.device, "recorded_device": self.recorded_device, "collectives_replayed": not self.sharded}}
@@ -144,6 +145,12 @@ def _recorded_failure(snap) -> str | None:
 def reproduction(inp: ProbeInput) -> Reproduction | None:
     snap = inp.snapshot
     failed = _recorded_failure(snap)
+    sp = inp.diagnosis.evidence.get("spike")  # probes/spike.py: a spike the recorded precision's replay stays under
+    spiked = failed is None and sp is not None and sp.low_spikes is False and not sp.fp32_spikes
+    if spiked:
+        what = "loss" if sp.metric == "loss" else "gradient-norm"
+        failed = (f"a {what} spike ({_g(sp.recorded)} against a trailing baseline of {_g(sp.baseline)}, threshold "
+                  f"{_g(sp.threshold)})")
     if failed is None or getattr(snap, "compile", None):
         return None
     prec = inp.ctx.mode.dtype or "float32"
@@ -153,7 +160,7 @@ def reproduction(inp: ProbeInput) -> Reproduction | None:
     sharded = bool(getattr(snap, "fsdp", None)) or (isinstance(snap.world_size, int) and snap.world_size > 1)
     return Reproduction(failed, snap.loss if isinstance(snap.loss, (int, float)) else None, prec,
                         {p: r.loss for p, r in inp.runs.items()}, inp.diagnosis.scale, str(inp.ctx.device.type),
-                        snap.device_type, sharded)
+                        snap.device_type, sharded, sp.replayed if spiked else None)
 
 
 def _g(x: float) -> str:
@@ -167,6 +174,15 @@ def _summary(d: Diagnosis) -> str:
     if rep is not None:
         loss = "" if rep.recorded_loss is None else f" (loss {rep.recorded_loss})"
         replayed = ", ".join(f"{p} {_g(v)}" for p, v in rep.replayed.items())
+        if rep.spike is not None:
+            values = ", ".join(f"{p} {_g(v)}" for p, v in rep.spike.items() if v is not None)
+            parts.append(
+                f"The recorder saw {rep.failed} at this step, but its replay in {rep.precision} on {rep.device}, with "
+                f"the recorded RNG state and loss scale {_g(rep.scale)}, stays under the threshold, and so does FP32 "
+                f"({values}): the spike did not reproduce. Nondeterminism (atomics, another kernel or device) or a "
+                "transient hardware fault made it, not this step's numerics as replayed.")
+            rep = None
+    if rep is not None:
         parts.append(
             f"The recorder saw this step fail with {rep.failed}{loss}, but its replay in {rep.precision} on "
             f"{rep.device}, with the recorded RNG state and loss scale {_g(rep.scale)}, is finite (losses: "
