@@ -21,6 +21,7 @@ from . import triggers as _triggers
 from ._buffers import BufferTracker
 from .compiled import clean_name, compile_info, unwrap
 from ._exception import record_exception
+from ._fp8_watch import Fp8Watch
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
@@ -84,6 +85,9 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
         spike_window: trailing steps of the spike baselines, >= 10.
         max_spike_snapshots: at most this many spike snapshots per run and rank, apart from `max_snapshots`.
+        fp8_every: with FP8 modules (torchao), measure each one's input, weight and grad_output casts every N steps
+            (hooks on those steps only); a cast flushing or saturating past the limits is an ``"fp8"`` snapshot,
+            no failure (docs/fp8.md). None: never.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -128,6 +132,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         grad_spike: float | None = 10.0,
         spike_window: int = 100,
         max_spike_snapshots: int = 2,
+        fp8_every: int | None = 10,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -154,7 +159,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                              f"from meta.json): {e}") from e
         self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots,
                                      step_numbering, micro_batches, loss_spike, grad_spike, spike_window,
-                                     max_spike_snapshots)
+                                     max_spike_snapshots, fp8_every)
         self.compile = compile_info(model)  # how the loop compiled it, before unwrapping
         self.model = model = unwrap(model)  # NB: torch.compile's OptimizedModule: record the original's names
         self.factory = None if factory is None else to_ref(factory, "factory")
@@ -209,6 +214,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             return
         try:
             self._watch.begin(int(step), self._step if self._step is not None and self._last is None else None)
+            self._fp8.begin(int(step))  # hooks on the FP8 modules on every fp8_every-th step only
             self._step = int(step)
             self._batch = batch
             self._micro.begin()
@@ -377,6 +383,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                                             max_spike_snapshots=self.config.max_spike_snapshots)
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
+        self._fp8 = Fp8Watch(model, self.config.fp8_every, self._device)
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
         if self.check_update:
             self._update_check = UpdateCheck(self._params, self._device, self._single_device)
@@ -391,4 +398,4 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                                        "checked", RecorderWarning, stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
-        self._writer.write(rows, layers)
+        self._writer.write(rows, layers, self._fp8.drain())

@@ -78,6 +78,8 @@ class Snapshot(Mapping):
     # float ones), one sentence each (load/_snapshot_sense.py): print them before any verdict
     load_notes: tuple[str, ...] = ()
     spike: dict | None = None  # since version 7, reasons loss_spike / grad_spike: schema.SPIKE_KEYS (recorders/_spikes.py)
+    fp8_recipe: dict | None = None  # since version 8: the torchao FP8 recipe (recorders/fp8_recipe.py)
+    fp8: dict | None = None  # since version 8: the step's FP8 casts, schema.FP8_KEYS (recorders/_fp8_watch.py)
 
     @property
     def has_scaler(self) -> bool:
