@@ -28,6 +28,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.3g}%"
 
 
+def _amax(x: float | None) -> str:
+    return "" if x is None else f"; amax {x:.3g}"
+
+
 def fp8_casts(frames: Frames) -> list[Finding]:
     """One warning per (rank, module, role) whose FP8 cast passed the flushed or saturated limit at a measured step."""
     if frames.fp8 is None:
@@ -47,7 +51,7 @@ def fp8_casts(frames: Frames) -> list[Finding]:
                  "Its scale did not cover its largest values")
         msg = (f"{r['module']} {r['role']} ({r['format']}, {r['granularity']}): {' and '.join(what)}, at "
                f"{r['n_over']} of {r['measured']} measured steps ({steps}; limits {_pct(flush)} flushed, "
-               f"{_pct(sat)} saturated); amax {r['amax']:.3g}. {cause}")
+               f"{_pct(sat)} saturated){_amax(r['amax'])}. {cause}")
         out.append(Finding("fp8_casts", "warning", r["first"], msg,
                            {"module": r["module"], "role": r["role"], "format": r["format"],
                             "granularity": r["granularity"], "first_step": r["first"], "last_step": r["last"],

@@ -231,7 +231,7 @@ def _fp8_casts(run: Run, sel: pl.Expr, rank: int | None) -> pl.DataFrame | None:
     if run.fp8 is None:
         return None
     flush, sat = fp8_limits(run.meta or {})
-    lf = run.fp8.filter(sel & pl.col("module").is_not_null() & pl.col("role").is_not_null())
+    lf = run.fp8.filter(sel & pl.col("step").is_not_null() & pl.col("module").is_not_null() & pl.col("role").is_not_null())
     if rank is not None:
         lf = lf.filter(pl.col("rank") == rank)
     ff = pl.when(pl.col("nonzero") > 0).then(pl.col("flushed") / pl.col("nonzero")).otherwise(0.0)
