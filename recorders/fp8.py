@@ -40,6 +40,7 @@ GRANULARITIES = ("tensorwise", "rowwise", "mxfp8", "mxfp8_floor")
 MX_BLOCK = 32  # elements per MX scale block (the OCP MX spec's k)
 _EPS = 1e-12  # torchao's floor on amax: an all-zero tensor gets a finite scale
 _SAT_TOL = 1e-6  # relative: the float32 rounding of max / amax, not saturation
+_EXPONENT_BITS = {"e4m3": 0x78, "e5m2": 0x7C}  # the exponent field of each format's byte (0: zero or subnormal)
 
 
 def fp8_dtype(fmt: str) -> torch.dtype:
@@ -139,18 +140,22 @@ def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim:
         x = x.reshape(-1, MX_BLOCK)
     dtype = fp8_dtype(fmt)
     fmax = torch.finfo(dtype).max
-    tiny = torch.finfo(dtype).tiny  # the smallest normal
     scale = _scales(x, fmt, granularity)
     xs = x * scale
-    q = xs.clamp(-fmax, fmax).to(dtype).float()
-    nz = x != 0
+    # the cast's bits: sign, exponent, mantissa. Not +-0: any of the low 7 bits; normal (or inf/NaN): any
+    # exponent bit. NB: bit counts, not comparisons of a float copy: 2-3x cheaper on CPU, the same counts
+    q = xs.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    q7 = q & 0x7F
+    cast_nonzero = torch.count_nonzero(q7)
+    nonzero = torch.count_nonzero(x)
     stats = [
         torch.tensor(float(numel), device=x.device),
-        nz.sum(),
+        nonzero,
         x.abs().amax() if numel else torch.zeros((), device=x.device),
-        (xs.abs() > fmax * (1 + _SAT_TOL)).sum(),
-        (nz & (q == 0)).sum(),
-        ((q != 0) & (q.abs() < tiny)).sum(),
+        torch.count_nonzero(xs.abs() > fmax * (1 + _SAT_TOL)),
+        # x * q7 is non-zero exactly where both are (q7 is an integer >= 1 there): the non-zero values kept
+        nonzero - torch.count_nonzero(x * q7.to(x.dtype)),
+        cast_nonzero - torch.count_nonzero(q & _EXPONENT_BITS[fmt]),
         scale.amin(), scale.amax(),
     ]
     return torch.stack([s.double() for s in stats])
