@@ -191,3 +191,14 @@ def test_a_run_of_format_7_without_fp8_parts_or_keys_still_reads(tmp_path):
     assert run.fp8 is None and run.steps.collect().height == 3
     out = CliRunner().invoke(cli, ["report", str(tmp_path), "--json"])
     assert out.exit_code == 0, out.output
+
+
+@pytest.mark.compile
+def test_a_compiled_fp8_model_is_measured_on_its_sampled_steps(tmp_path):
+    model = _convert(sm.build(True), "tensorwise")
+    compiled = torch.compile(model, backend="aot_eager")  # the hooks' graph breaks; Inductor measured alike (docs)
+    rec, returned = _train(tmp_path, compiled, sm.batch, sm.lm_loss, steps=3, fp8_every=2, **REFS)
+    assert _fp8_names(rec) == [schema.snapshot_name(0, 0, schema.FP8)] and returned == [None] * 3
+    fp8 = load_run(tmp_path).fp8.collect()
+    assert sorted(fp8["step"].unique().to_list()) == [0, 2] and fp8.height == 2 * 6 * 3
+    assert json.loads((tmp_path / "meta.json").read_text())["fp8"]["modules"][2] == "block.mlp.w2"  # no _orig_mod.
