@@ -110,9 +110,11 @@ class Fp8Watch:
         """Start `step`: hooks on the FP8 modules when it is an ``every``-th step, none otherwise."""
         self.remove()
         self.casts = self.last_fired = None
+        # NB: always: a step that raised before end_step leaves its counts and its output hooks behind
+        self._pending, self._labels, self._calls, self._open = [], [], {}, False
         if not self.on or step % self.every:
             return
-        self._pending, self._labels, self._calls, self._open = [], [], {}, True
+        self._open = True
         for name, mod, roles in self.targets:
             self._handles.append(mod.register_forward_hook(functools.partial(self._forward, name, roles)))
 

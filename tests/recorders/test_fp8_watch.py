@@ -202,3 +202,21 @@ def test_a_compiled_fp8_model_is_measured_on_its_sampled_steps(tmp_path):
     fp8 = load_run(tmp_path).fp8.collect()
     assert sorted(fp8["step"].unique().to_list()) == [0, 2] and fp8.height == 2 * 6 * 3
     assert json.loads((tmp_path / "meta.json").read_text())["fp8"]["modules"][2] == "block.mlp.w2"  # no _orig_mod.
+
+
+def test_a_sampled_step_that_raised_before_end_step_leaves_no_counts_to_the_next_step(tmp_path):
+    model = _convert(sm.build(False), "tensorwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecorderWarning)  # end_step_missing: the loop skipped step 0's end_step
+        with Recorder(tmp_path, model, optimizer=opt, fp8_every=2, **REFS) as rec:
+            for step in range(2):
+                b = sm.batch(step)
+                rec.begin_step(step, b)
+                loss = sm.lm_loss(model, b)
+                loss.backward()
+                if step == 0:  # a loop that skips a step it cannot finish (an OOM caught, a bad batch)
+                    opt.zero_grad()
+                    continue
+                rec.end_step(loss)
+    assert load_run(tmp_path).fp8 is None  # step 1 was no sampled step: it measured nothing, nor inherited step 0's
