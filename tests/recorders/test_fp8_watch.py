@@ -220,3 +220,25 @@ def test_a_sampled_step_that_raised_before_end_step_leaves_no_counts_to_the_next
                     continue
                 rec.end_step(loss)
     assert load_run(tmp_path).fp8 is None  # step 1 was no sampled step: it measured nothing, nor inherited step 0's
+
+
+def test_accumulated_micro_batches_are_measured_call_by_call(tmp_path):
+    model = _convert(sm.build(True), "tensorwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Recorder(tmp_path, model, optimizer=opt, fp8_every=1, micro_batches=2, **REFS) as rec:
+        for step in range(2):
+            micro = [sm.batch(2 * step), sm.batch(2 * step + 1)]
+            rec.begin_step(step, micro)
+            total = 0.0
+            for b in micro:
+                loss = sm.lm_loss(model, b) / 2
+                loss.backward()
+                total += loss.detach()
+            rec.end_step(total)
+            opt.step()
+            opt.zero_grad()
+    fp8 = load_run(tmp_path).fp8.collect()
+    assert fp8.height == 2 * 2 * 6 * 3  # steps x micro-batches x Linears x roles
+    w2 = fp8.filter((pl.col("module") == "block.mlp.w2") & (pl.col("role") == "input") & (pl.col("step") == 0))
+    assert w2["call"].to_list() == [0, 1] and (w2["flushed"] / w2["nonzero"]).min() > schema.FP8_FLUSH_LIMIT
+    assert load_snapshot(rec.snapshots[0]).fp8["fired"]["call"] in (0, 1)
