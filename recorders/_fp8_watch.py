@@ -1,4 +1,4 @@
-"""The Recorder's FP8 statistics: every N-th step, each FP8 module's input, weight and grad_output cast as its recipe casts them.
+"""The Recorder's FP8 statistics: every N-th step, each FP8 module's input, weight and grad_output casts.
 
 A model converted for FP8 training (torchao ``Float8Linear``, an MXFP8 training weight) casts three operands per
 Linear per step: its input and weight for the forward GEMM, the gradient of its output (grad_output) for the
@@ -19,9 +19,10 @@ FP8 state, ``fp8_meta`` (amax history and scale per GEMM operand): ``te_state`` 
 Example (a real run of the aligned SwiGLU model in tests/recorders/test_fp8_watch.py, torchao tensorwise)::
 
     >>> rec = Recorder(run_dir, model, fp8_every=1)   # doctest: +SKIP
-    >>> snap["fp8"]["fired"]                           # doctest: +SKIP
-    {'module': 'block.mlp.w2', 'role': 'input', 'format': 'e4m3', 'granularity': 'tensorwise',
-     'flushed_frac': 0.74..., ...}
+    >>> torch.load(rec.snapshots[0], weights_only=True)["fp8"]["fired"]   # doctest: +SKIP
+    {'module': 'block.mlp.w2', 'role': 'input', 'call': 0, 'format': 'e4m3', 'granularity': 'tensorwise',
+     'numel': 4096, 'nonzero': 4034, 'amax': 19999.92, 'saturated': 0, 'flushed': 3950, 'subnormal': 82,
+     'scale_min': 0.0224, 'scale_max': 0.0224, 'flushed_frac': 0.9792, 'saturated_frac': 0.0, 'subnormal_frac': 0.02}
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def te_state(modules: dict[str, torch.nn.Module]) -> dict | None:
             vals = {a: t.detach().to("cpu", copy=True) for a in ("amax_history", "scale", "scale_inv")
                     if isinstance(t := getattr(tm, a, None), torch.Tensor)}
             if vals:
-                cols = vals["amax_history"].shape[-1] if "amax_history" in vals else vals.get("scale", torch.empty(0)).numel()
+                hist = vals.get("amax_history")
+                cols = hist.shape[-1] if hist is not None and hist.dim() else vals.get("scale", torch.empty(0)).numel()
                 vals["columns"] = [f"gemm{i // len(roles) + 1}_{roles[i % len(roles)]}" for i in range(cols)]
                 entry[key] = vals
         out[name] = entry
