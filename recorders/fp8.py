@@ -1,7 +1,7 @@
 """FP8 and MX cast statistics: what one scaled cast to float8 saturates, flushes to zero and makes subnormal.
 
 One implementation for every reader of FP8 casts: the FP8 readiness of a BF16 run
-(``analyzer fp8-readiness``) and, later, the recorder's per-module FP8 statistics. Torch only.
+(``analyzer fp8-readiness``) and the recorder's per-module FP8 statistics (``recorders/_fp8_watch.py``). Torch only.
 
 The scales follow torchao 0.18's training recipes (``torchao.float8``, ``torchao.prototype.mx_formats``):
 
