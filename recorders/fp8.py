@@ -101,21 +101,22 @@ class CastStats:
         return out
 
 
-def _scales(x: torch.Tensor, fmt: str, granularity: str) -> torch.Tensor:
-    """The scale per element's group, broadcastable to `x` (2-D: the cast runs along its last dim)."""
+def _scales(ax: torch.Tensor, fmt: str, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the scale per element's group, broadcastable to `ax`; the groups' amax), from ``ax = |x|`` (2-D: the cast
+    runs along its last dim)."""
     fmax = torch.finfo(fp8_dtype(fmt)).max
-    if granularity.startswith("mxfp8"):  # x is (blocks, MX_BLOCK) here; e8m0 scales are powers of 2
-        amax = x.abs().amax(-1, keepdim=True)
+    if granularity.startswith("mxfp8"):  # ax is (blocks, MX_BLOCK) here; e8m0 scales are powers of 2
+        amax = ax.amax(-1, keepdim=True)
         if granularity == "mxfp8":
-            return torch.exp2(-torch.ceil(torch.log2(amax / fmax)).clamp(-127, 127))
+            return torch.exp2(-torch.ceil(torch.log2(amax / fmax)).clamp(-127, 127)), amax
         emax = math.floor(math.log2(fmax))  # the largest power of 2 of the element format (8 for e4m3)
         exp = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126)))
-        return torch.exp2((emax - exp).clamp(-127, 127))
-    amax = x.abs().amax() if granularity == "tensorwise" else x.abs().amax(-1, keepdim=True)
+        return torch.exp2((emax - exp).clamp(-127, 127)), amax
+    amax = ax.amax() if granularity == "tensorwise" else ax.amax(-1, keepdim=True)
     scale = (fmax / amax.double().clamp(min=_EPS)).float()
     if granularity == "rowwise":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return scale
+    return scale, amax
 
 
 def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim: int = -1) -> torch.Tensor:
@@ -140,21 +141,22 @@ def cast_counts(x: torch.Tensor, fmt: str, granularity: str = "tensorwise", dim:
         x = x.reshape(-1, MX_BLOCK)
     dtype = fp8_dtype(fmt)
     fmax = torch.finfo(dtype).max
-    scale = _scales(x, fmt, granularity)
-    xs = x * scale
-    # the cast's bits: sign, exponent, mantissa. Not +-0: any of the low 7 bits; normal (or inf/NaN): any
-    # exponent bit. NB: bit counts, not comparisons of a float copy: 2-3x cheaper on CPU, the same counts
-    q = xs.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-    q7 = q & 0x7F
-    cast_nonzero = torch.count_nonzero(q7)
-    nonzero = torch.count_nonzero(x)
+    ax = x.abs()  # NB: the counts depend on magnitudes only (a sign never flushes nor saturates): one |x| for all
+    scale, amax = _scales(ax, fmt, granularity)
+    xs = ax * scale
+    saturated = torch.count_nonzero(xs > fmax * (1 + _SAT_TOL))
+    # the cast's bits (no sign bit: xs >= 0 or NaN). Not 0: any bit; normal (or inf/NaN): any exponent bit.
+    # NB: bit counts, not comparisons of a float copy: 2-3x cheaper on CPU, the same counts
+    q = xs.clamp_(max=fmax).to(dtype).view(torch.uint8)
+    cast_nonzero = torch.count_nonzero(q)
+    nonzero = torch.count_nonzero(ax)
     stats = [
         torch.tensor(float(numel), device=x.device),
         nonzero,
-        x.abs().amax() if numel else torch.zeros((), device=x.device),
-        torch.count_nonzero(xs.abs() > fmax * (1 + _SAT_TOL)),
-        # x * q7 is non-zero exactly where both are (q7 is an integer >= 1 there): the non-zero values kept
-        nonzero - torch.count_nonzero(x * q7.to(x.dtype)),
+        amax.amax() if numel else torch.zeros((), device=x.device),
+        saturated,
+        # |x| * q is non-zero exactly where both are (q is an integer >= 1 there): the non-zero values kept
+        nonzero - torch.count_nonzero(ax * q.to(ax.dtype)),
         cast_nonzero - torch.count_nonzero(q & _EXPONENT_BITS[fmt]),
         scale.amin(), scale.amax(),
     ]
