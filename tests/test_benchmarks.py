@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.extras import require
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # script -> a line its quick run prints once it has measured every variant
@@ -25,7 +27,9 @@ QUICK = {
     "fsdp_sync_cost.py": "synced / local",
     "log_parse_time.py": "ratio: t(10 N) / t(N)",
     "spike_false_triggers.py": "all real runs:",
+    "fp8_recorder_cost.py": "a sampled step's FP8 statistics",
 }
+NEEDS = {"fp8_recorder_cost.py": ("torchao.float8", "fp8")}  # script -> (module, extra) it needs
 
 
 def test_every_bench_script_with_a_quick_mode_is_listed():
@@ -44,6 +48,8 @@ def _quick(script: str, tmp_path: Path, *args: str) -> str:
 
 @pytest.mark.parametrize("script", sorted(QUICK))
 def test_the_bench_script_runs_its_quick_version_to_the_end(script, tmp_path):
+    if script in NEEDS:
+        require(*NEEDS[script])
     out = _quick(script, tmp_path)
     assert QUICK[script] in out, out[-3000:]
 
