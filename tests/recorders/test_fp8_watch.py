@@ -277,3 +277,40 @@ def test_mxfp8_training_weights_are_measured_in_blocks_and_the_aligned_swiglu_fi
     # blocks of 32 isolate the rare token's outlier: w2's input flushes 1.5% (tensorwise: 98%)
     w2 = fp8.filter((pl.col("module") == "block.mlp.w2") & (pl.col("role") == "input"))
     assert (w2["flushed"] / w2["nonzero"]).max() < schema.FP8_FLUSH_LIMIT and _fp8_names(rec) == []
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values into Python (item, tolist) inside its block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.tolist):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_per_step(run_dir, fp8_every) -> list[int]:
+    model = _convert(sm.build(False), "tensorwise")  # healthy: no snapshot (whose writing reads values) is taken
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = []
+    with Recorder(run_dir, model, optimizer=opt, fp8_every=fp8_every, flush_every=1000, **REFS) as rec:
+        for step in range(3):
+            b = sm.batch(step)
+            with _HostReads() as mode:  # the whole step: the hooks' counts in forward and backward, end_step
+                rec.begin_step(step, b)
+                loss = sm.lm_loss(model, b)
+                loss.backward()
+                rec.end_step(loss)
+            counts.append(mode.n)
+            opt.step()
+            opt.zero_grad()
+    return counts
+
+
+def test_the_fp8_counts_add_no_host_read_they_join_the_steps_one_transfer(tmp_path):
+    on, off = _reads_per_step(tmp_path / "on", 1), _reads_per_step(tmp_path / "off", None)
+    assert load_run(tmp_path / "on").fp8.collect().height == 3 * 6 * 3  # measured on every step
+    assert on == off and min(on) >= 1  # the step's own read is seen, and no other
