@@ -174,8 +174,10 @@ class Fp8Watch:
             return None
         return torch.cat(self._pending)
 
-    def record(self, step: int, rank: int, values: list[float]) -> dict | None:
-        """The host values of ``take()``'s tensor -> trace rows; returns the cast that fires an fp8 snapshot, or None."""
+    def record(self, step: int, rank: int, values: list[float], free: bool = True) -> dict | None:
+        """The host values of ``take()``'s tensor -> trace rows; returns the cast that fires an fp8 snapshot, or None.
+        `free`: no other reason snapshots this step (else the cast that would fire is kept as evidence only and
+        spends none of the fp8 snapshots)."""
         casts, over, now = [], [], set()
         for i, (name, role, call, fmt, gran) in enumerate(self._labels):
             v = values[i * _N:(i + 1) * _N]
@@ -194,10 +196,12 @@ class Fp8Watch:
         self._above = now
         self.casts = casts
         self._labels, self._pending = [], []
-        if not over or self.fired >= MAX_SNAPSHOTS:
+        if not over or (free and self.fired >= MAX_SNAPSHOTS):
+            return None
+        self.last_fired = max(over, key=lambda c: (c["flushed_frac"], c["saturated_frac"]))
+        if not free:
             return None
         self.fired += 1
-        self.last_fired = max(over, key=lambda c: (c["flushed_frac"], c["saturated_frac"]))
         return self.last_fired
 
     # ------------------------------------------------------------------ what is written

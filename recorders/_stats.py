@@ -136,8 +136,8 @@ class StepStats:
         failure = holding[0] if holding else None
         if self.sync_failures and self.world_size > 1:
             failure, snap_reason = self._sync_failure(failure, snap_reason)
-        fired = self._fp8.record(step, self.rank, fp8_vals) if fp8_vals is not None else None
-        if fired is not None and snap_reason is None:  # an FP8 cast past the limits: a snapshot, no failure
+        fired = self._fp8.record(step, self.rank, fp8_vals, snap_reason is None) if fp8_vals is not None else None
+        if fired is not None:  # an FP8 cast past the limits: a snapshot, no failure
             snap_reason = schema.FP8
 
         if grads and (layer_due or failure is not None or snap_reason is not None):

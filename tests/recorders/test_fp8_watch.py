@@ -314,3 +314,21 @@ def test_the_fp8_counts_add_no_host_read_they_join_the_steps_one_transfer(tmp_pa
     on, off = _reads_per_step(tmp_path / "on", 1), _reads_per_step(tmp_path / "off", None)
     assert load_run(tmp_path / "on").fp8.collect().height == 3 * 6 * 3  # measured on every step
     assert on == off and min(on) >= 1  # the step's own read is seen, and no other
+
+
+def test_a_failing_step_whose_cast_fires_is_snapshotted_as_the_failure_with_the_fp8_evidence(tmp_path):
+    model = _convert(sm.build(True), "tensorwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Recorder(tmp_path, model, optimizer=opt, fp8_every=1, **REFS) as rec:
+        for step in range(2):
+            b = sm.batch(step)
+            rec.begin_step(step, b)
+            loss = sm.lm_loss(model, b)
+            loss.backward()
+            rec.end_step(float("nan") if step == 0 else loss)  # step 0 fails (the loop reports a NaN loss)
+            opt.step()
+            opt.zero_grad()
+    assert [p.name for p in rec.snapshots] == [schema.snapshot_name(0, 0, schema.NONFINITE_LOSS)]
+    fired = load_snapshot(rec.snapshots[0]).fp8["fired"]
+    assert (fired["module"], fired["role"]) == ("block.mlp.w2", "input")
+    assert rec._fp8.fired == 0  # the failure took the step: no fp8 snapshot spent
