@@ -61,7 +61,8 @@ class Lifecycle:
                           factory=self.factory, factory_kwargs=self.factory_kwargs, loss_fn=self.loss_fn,
                           config=self.config, fsdp=self._fsdp,
                           optimizer=optimizer_meta(self.optimizer, self._params), compile=self.compile,
-                          warnings=self.__dict__.get("_warnings_kept"))
+                          warnings=self.__dict__.get("_warnings_kept"), fp8_recipe=self._fp8.recipe,
+                          fp8=self._fp8.settings())
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
         self._meta = meta
@@ -145,6 +146,9 @@ class Lifecycle:
         watch = self.__dict__.get("_watch")
         if watch is not None:
             watch.release()  # the autocast pre-hooks
+        fp8 = self.__dict__.get("_fp8")
+        if fp8 is not None:
+            fp8.remove()  # a sampled step's FP8 hooks
         try:
             atexit.unregister(self._atexit)
         except AttributeError:  # stopped inside __init__, before atexit registration

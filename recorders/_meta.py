@@ -31,10 +31,13 @@ class RecorderConfig:
     grad_spike: float | None = 10.0  # the same for the total gradient norm; None: off
     spike_window: int = 100  # trailing steps of the spike baselines (warm-up: half of it)
     max_spike_snapshots: int = 2  # spike snapshots per run and rank, apart from max_snapshots
+    fp8_every: int | None = 10  # FP8 modules' casts measured every N-th step; None: never
 
     def __post_init__(self):
-        for name in ("layer_every", "flush_every", "overflow_streak"):
+        for name in ("layer_every", "flush_every", "overflow_streak", "fp8_every"):
             value = getattr(self, name)
+            if name == "fp8_every" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.max_snapshots, bool) or not isinstance(self.max_snapshots, int) \
@@ -128,13 +131,14 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
                factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig,
                fsdp: dict | None = None, optimizer: dict | None = None, compile: dict | None = None,
-               warnings: list[dict] | None = None) -> dict:
+               warnings: list[dict] | None = None, fp8_recipe: dict | None = None, fp8: dict | None = None) -> dict:
     """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order.
 
     `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
     `optimizer`: ``recorders._update.optimizer_meta`` (class, hyperparameters per group) or None.
     `compile`: ``recorders.compiled.compile_info`` (how it was torch.compile'd) or None.
     `warnings`: the RecorderWarnings issued before meta.json was first written (``schema.WARNING_KEYS`` dicts).
+    `fp8_recipe`, `fp8`: ``describe_fp8(model)`` and the FP8 statistics' settings (``recorders._fp8_watch``), or None.
     """
     from . import __version__
 
@@ -170,6 +174,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "micro_batches_kept": None,  # set once snapshots hold every micro-batch (recorders/micro_batches.py)
         "warnings": list(warnings or []),  # rewritten at each RecorderWarning (recorders/_lifecycle.py)
         "spikes": config.spike_settings(),  # the spike triggers' settings (recorders/_spikes.py)
+        "fp8_recipe": fp8_recipe,  # recorders/fp8_recipe.describe_fp8: the torchao FP8 recipe
+        "fp8": fp8,  # the FP8 statistics' settings (recorders/_fp8_watch.py)
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

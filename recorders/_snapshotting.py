@@ -84,7 +84,7 @@ class Snapshotting:
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
                 optimizer=optim, update=update, exception=exception, compile=self.compile, micro_batches=micro,
-                spike=spike, rewind=rewind,
+                spike=spike, rewind=rewind, fp8_recipe=self._fp8.recipe, fp8=self._fp8.entry(),
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

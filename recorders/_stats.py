@@ -96,15 +96,23 @@ class StepStats:
         lr_t = lr if isinstance(lr, torch.Tensor) else None  # a tensor lr (fused/capturable optimizers)
         if lr_t is not None:
             parts.append(lr_t.detach().reshape(()).to(self._device))
+        fp8 = self._fp8.take()  # an fp8_every-th step's FP8 cast counts, on the device (recorders/_fp8_watch.py)
+        fp8_vals = None
         if self._host_reads and not layer_due:
             # NB: CPU tensors: reading each value needs no sync, and costs less than stacking ~80
             # cache-cold 0-dim tensors (~45 us on the benchmark's model); the values are the same
             stacked, vals = None, list(map(_item, parts))
+            fp8_vals = None if fp8 is None else fp8.tolist()
         else:
             # NB: host sync: the one per step. Every gradient norm, the loss, scale and lr, in one
-            # transfer (stack promotes: a float64 loss or lr makes it float64, every value exact).
+            # transfer (stack promotes: a float64 loss or lr makes it float64, every value exact),
+            # the FP8 cast counts of a sampled step with them (float64: counts exact).
             stacked = torch.stack(parts) if parts else None
-            vals = stacked.tolist() if parts else []
+            if fp8 is None:
+                vals = stacked.tolist() if parts else []
+            else:
+                vals = (torch.cat([stacked.to(fp8.dtype), fp8]) if parts else fp8).tolist()
+                vals, fp8_vals = vals[:len(parts)], vals[len(parts):]
         host_norms, vals = vals[:n], vals[n:]
         loss_v = vals.pop(0) if loss_t is not None else (None if loss is None else float(loss))
         scale_v = vals.pop(0) if scale_t is not None else None
@@ -128,6 +136,9 @@ class StepStats:
         failure = holding[0] if holding else None
         if self.sync_failures and self.world_size > 1:
             failure, snap_reason = self._sync_failure(failure, snap_reason)
+        fired = self._fp8.record(step, self.rank, fp8_vals, snap_reason is None) if fp8_vals is not None else None
+        if fired is not None:  # an FP8 cast past the limits: a snapshot, no failure
+            snap_reason = schema.FP8
 
         if grads and (layer_due or failure is not None or snap_reason is not None):
             if gnorm is None:

@@ -21,6 +21,7 @@ from . import triggers as _triggers
 from ._buffers import BufferTracker
 from .compiled import clean_name, compile_info, unwrap
 from ._exception import record_exception
+from ._fp8_watch import Fp8Watch
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
@@ -88,6 +89,9 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         rewind: K keeps host copies of the weights and optimizer state every K steps, of each step's batch (cloned: a
             loop may refill it in place) and RNG: ``analyzer replay SNAPSHOT --steps K`` replays K steps before any
             snapshot. Costs those copies, no host sync; memory 2x (weights + optimizer state) + 2K batches (_rewind).
+        fp8_every: with FP8 modules (torchao), measure each one's input, weight and grad_output casts every N steps
+            (hooks on those steps only); a cast flushing or saturating past the limits is an ``"fp8"`` snapshot,
+            no failure (docs/fp8.md). None: never.
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -133,6 +137,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         spike_window: int = 100,
         max_spike_snapshots: int = 2,
         rewind: int | None = None,
+        fp8_every: int | None = 10,
     ):
         self.enabled = bool(enabled)
         self.run_dir = Path(run_dir)
@@ -159,7 +164,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                              f"from meta.json): {e}") from e
         self.config = RecorderConfig(layer_every, flush_every, min_scale, overflow_streak, max_snapshots,
                                      step_numbering, micro_batches, loss_spike, grad_spike, spike_window,
-                                     max_spike_snapshots)
+                                     max_spike_snapshots, fp8_every)
         self.compile = compile_info(model)  # how the loop compiled it, before unwrapping
         self.model = model = unwrap(model)  # NB: torch.compile's OptimizedModule: record the original's names
         self.factory = None if factory is None else to_ref(factory, "factory")
@@ -215,6 +220,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             return
         try:
             self._watch.begin(int(step), self._step if self._step is not None and self._last is None else None)
+            self._fp8.begin(int(step))  # hooks on the FP8 modules on every fp8_every-th step only
             self._step = int(step)
             self._batch = batch
             self._micro.begin()
@@ -387,6 +393,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                                             max_spike_snapshots=self.config.max_spike_snapshots)
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
+        self._fp8 = Fp8Watch(model, self.config.fp8_every, self._device)
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
         self._rewind = rewind_window(self, model)
         if self.check_update:
@@ -402,4 +409,4 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
                                        "checked", RecorderWarning, stacklevel=4)
 
     def _write_trace(self, rows, layers) -> None:
-        self._writer.write(rows, layers)
+        self._writer.write(rows, layers, self._fp8.drain())

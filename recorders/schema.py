@@ -53,6 +53,11 @@ meta.json: True once the run's snapshots hold every micro-batch of their step (o
 measured against which baseline, ``SPIKE_KEYS``) and ``spikes`` in meta.json (the settings; older runs: None).
 8 adds the snapshot key ``rewind`` (``Recorder(rewind=K)``): the state at a start at least K steps before the
 snapshot's step and every step since (``REWIND_KEYS``, ``REWIND_STEP_KEYS``; older snapshots: None).
+It also adds FP8 training: ``fp8_recipe`` in meta.json and snapshots (``recorders.fp8_recipe.describe_fp8``: the torchao
+recipe, None without FP8 modules), ``fp8`` in meta.json (the FP8 statistics' settings, ``FP8_SETTINGS``) and in
+snapshots (the step's casts and the one that fired, ``FP8_KEYS``), the snapshot reason ``fp8`` and the trace part
+kind ``fp8`` (``trace/fp8-r00000-p000000.parquet``, ``FP8_COLUMNS``: one row per FP8 module, operand role and call
+on the steps the statistics were taken). Older runs have no fp8 parts and read these keys as None.
 """
 from __future__ import annotations
 
@@ -96,6 +101,9 @@ __all__ = [
     "WARNING_KEYS", "WARNING_KINDS", "MAX_WARNINGS", "MAX_WARNING_CHARS",
     "NONFINITE_LOSS", "NONFINITE_GRADS", "SCALE_COLLAPSE", "OVERFLOW_STREAK", "MANUAL", "PEER_FAILURE", "UPDATE",
     "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS", "REWIND_KEYS", "REWIND_STEP_KEYS",
+    "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS",
+    "FP8", "FP8_COLUMNS", "FP8_GLOB", "FP8_KEYS", "FP8_CAST_KEYS", "FP8_SETTINGS", "FP8_ROLES", "FP8_FLUSH_LIMIT",
+    "FP8_SATURATE_LIMIT", "PART_KINDS",
 ]
 
 FORMAT_VERSION = 8
@@ -105,11 +113,13 @@ TRACE_DIR = "trace"
 SNAPSHOT_DIR = "snapshots"
 STEPS_GLOB = "steps-r*-p*.parquet"
 LAYERS_GLOB = "layers-r*-p*.parquet"
+FP8_GLOB = "fp8-r*-p*.parquet"  # since version 8
 SNAPSHOT_GLOB = "step*-r*-*.pt"
 # Readers match listed names against these (groups: rank, writer; kind, rank, writer, index;
 # step, rank, writer, reason). The writer group is None for writer 0.
 META_RE = re.compile(r"^meta(?:-r(\d+)(?:-w(\d+))?)?\.json$")
-PART_RE = re.compile(r"^(steps|layers)-r(\d+)(?:-w(\d+))?-p(\d+)\.parquet$")
+PART_KINDS = ("steps", "layers", "fp8")  # fp8: since version 8
+PART_RE = re.compile(r"^(steps|layers|fp8)-r(\d+)(?:-w(\d+))?-p(\d+)\.parquet$")
 SNAPSHOT_RE = re.compile(r"^step(\d+)-r(\d+)(?:-w(\d+))?-(.+)\.pt$")
 
 # One row per recorded step and rank.
@@ -145,6 +155,33 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
 # of older versions lack them and readers give null.
 COLUMNS_ADDED: dict[str, int] = {"update_rms": 3, "unchanged_frac": 3}
 
+# Since version 8, long format: one row per (step, rank, FP8 module, operand role, call) on the steps whose FP8
+# casts were measured (Recorder(fp8_every=N): every N-th step). Each row is one scaled cast as
+# ``recorders.fp8.cast_counts`` counts it, in the recipe's format and granularity for that role's forward use
+# (input, weight) or first backward use (grad_output). Fractions: flushed / nonzero, saturated / numel.
+FP8_COLUMNS: dict[str, pl.DataType] = {
+    "step": pl.Int64,
+    "rank": pl.Int32,
+    "module": pl.String,        # the FP8 module's name (model.named_modules(), without _orig_mod.)
+    "role": pl.String,          # FP8_ROLES
+    "call": pl.Int32,           # 0 for the module's first forward of the step (micro-batches, reuse: 1, 2, ...)
+    "format": pl.String,        # "e4m3" | "e5m2"
+    "granularity": pl.String,   # recorders.fp8.GRANULARITIES: "tensorwise" | "rowwise" | "mxfp8" | "mxfp8_floor"
+    "numel": pl.Int64,          # elements cast
+    "nonzero": pl.Int64,        # of them not exactly 0 before the cast
+    "amax": pl.Float64,         # the largest |x| (NaN when x held NaN)
+    "saturated": pl.Int64,      # scaled |x| beyond the format's max, before the clamp
+    "flushed": pl.Int64,        # non-zero values that became exactly 0
+    "subnormal": pl.Int64,      # values that became non-zero subnormals
+    "scale_min": pl.Float64,    # the smallest and largest scale of the cast (one for tensorwise)
+    "scale_max": pl.Float64,
+}
+FP8_ROLES = ("input", "weight", "grad_output")
+# An FP8 cast fires the ``fp8`` snapshot (and the report's fp8 check) when more than FP8_FLUSH_LIMIT of its non-zero
+# values flush to zero, or more than FP8_SATURATE_LIMIT of its values saturate (analyzer fp8-readiness's limits).
+FP8_FLUSH_LIMIT = 0.05
+FP8_SATURATE_LIMIT = 1e-4
+
 META_KEYS = (
     "format", "format_version", "torch_version", "amp_autopsy_version", "created", "host",
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
@@ -171,6 +208,8 @@ META_KEYS = (
     "warnings",  # since version 7: [WARNING_KEYS dicts], the RecorderWarnings issued so far, oldest first (at
                  #   most MAX_WARNINGS; rewritten when one is issued); [] when none
     "spikes",  # since version 7: the spike triggers' settings, SPIKE_SETTINGS (recorders/_spikes.py)
+    "fp8_recipe",  # since version 8: recorders.fp8_recipe.describe_fp8(model), None without FP8 modules
+    "fp8",  # since version 8: None (no FP8 module) | FP8_SETTINGS, the FP8 statistics' settings (recorders/_fp8_watch.py)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -219,6 +258,13 @@ WARNING_KINDS: dict[str, str] = {
     "rewind_off": "Recorder(rewind=K) could not keep the window (an FSDP2-sharded model): snapshots hold one step",
 }
 META_KEYS_ADDED["spikes"] = 7  # the spike triggers' settings (recorders/_spikes.py); older runs: None
+META_KEYS_ADDED["fp8_recipe"] = 8  # the torchao FP8 recipe (recorders/fp8_recipe.py); older runs: None
+META_KEYS_ADDED["fp8"] = 8  # the FP8 statistics' settings (recorders/_fp8_watch.py); older runs: None
+# meta.json's "fp8" (version 8): every (the Recorder's fp8_every: casts measured every N-th step; None: never),
+# flush_limit, saturate_limit (the trigger's limits, FP8_FLUSH_LIMIT / FP8_SATURATE_LIMIT), max_snapshots (the
+# cap on fp8 snapshots per run and rank), modules (the FP8 modules measured), transformer_engine (the names of
+# Transformer Engine modules, whose fp8_meta snapshots keep).
+FP8_SETTINGS = ("every", "flush_limit", "saturate_limit", "max_snapshots", "modules", "transformer_engine")
 META_FORMAT = "amp-autopsy.run"
 
 SNAPSHOT_FORMAT = "amp-autopsy.snapshot"
@@ -232,7 +278,8 @@ SNAPSHOT_KEYS = (
     "host", "rank", "world_size",
     "step",              # int
     "reason",            # "nonfinite_loss" | "nonfinite_grads" | "scale_collapse" | "overflow_streak" | "manual"
-                         #   | "peer_failure" | "update" | "exception" (REASON_EXCEPTION) | a user's own name
+                         #   | "peer_failure" | "update" | "exception" (REASON_EXCEPTION) | "loss_spike" | "grad_spike"
+                         #   | "fp8" | a user's own name
     "device_type",       # "cpu" | "cuda" (where the step ran)
     "amp_dtype",         # "float16" | "bfloat16" | None (FP32)
     "scale",             # float | None: the loss scale the failing backward used
@@ -272,6 +319,8 @@ SNAPSHOT_KEYS = (
                          #   micro-batches listed in batch: MICRO_BATCH_KEYS (recorders/micro_batches.py)
     "spike",             # since version 7: None | on reasons "loss_spike" / "grad_spike" only: SPIKE_KEYS
     "rewind",            # since version 8: None | Recorder(rewind=K): REWIND_KEYS (recorders/_rewind.py)
+    "fp8_recipe",        # since version 8: as meta.json's (recorders.fp8_recipe.describe_fp8), None without FP8
+    "fp8",               # since version 8: None (no FP8 module) | FP8_KEYS: this step's FP8 casts
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -296,6 +345,19 @@ KEYS_ADDED["rewind"] = 8  # the rewind window: a start state and the steps since
 REWIND_KEYS = ("steps_asked", "start_step", "model_state", "optimizer", "steps")
 REWIND_STEP_KEYS = ("step", "batch", "micro_batches", "rng", "loss", "scale", "skipped", "grad_norm", "lr",
                     "optimizer_stepped", "param_groups")
+KEYS_ADDED["fp8_recipe"] = 8  # the torchao FP8 recipe (recorders/fp8_recipe.py); older: None
+KEYS_ADDED["fp8"] = 8  # the step's FP8 casts (recorders/_fp8_watch.py); older: None
+# A snapshot's "fp8" (version 8), in this order: casts (None: the step's casts were not measured, it was no
+# fp8_every-th step | [FP8_CAST_KEYS dicts], each cast of the step), fired (None | the FP8_CAST_KEYS dict of the cast
+# that fired the ``fp8`` snapshot: the largest flushed, then saturated, fraction above the limits), flush_limit,
+# saturate_limit, transformer_engine (None | {module name: {"class": str, "recipe": str | None, "scaling_fwd" /
+# "scaling_bwd": {"amax_history": tensor (history, columns), "scale": tensor, "scale_inv": tensor (when the module
+# has them), "columns": [names of the columns: "gemm1_input", "gemm1_weight", "gemm1_output" forward;
+# "gemm1_grad_output", "gemm1_grad_input" backward]}}}: Transformer Engine's per-module FP8 state, copied at snapshot time).
+FP8_KEYS = ("casts", "fired", "flush_limit", "saturate_limit", "transformer_engine")
+# One cast in a snapshot's "fp8": the FP8_COLUMNS of its trace row without step and rank, and its fractions.
+FP8_CAST_KEYS = ("module", "role", "call", "format", "granularity", "numel", "nonzero", "amax", "saturated", "flushed",
+                 "subnormal", "scale_min", "scale_max", "flushed_frac", "saturated_frac", "subnormal_frac")
 
 # A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of
 # MICRO_BATCH_COMBINES), divisor (float > 0: what each micro-batch's loss was divided by before its
@@ -339,6 +401,7 @@ PEER_FAILURE = "peer_failure"  # another rank failed this step (sync_failures=Tr
 UPDATE = "update"  # the optimizer step made weights non-finite (check_update=True)
 LOSS_SPIKE = "loss_spike"  # the loss jumped far above its trailing baseline (version 7)
 GRAD_SPIKE = "grad_spike"  # the total gradient norm jumped far above its trailing baseline (version 7)
+FP8 = "fp8"  # an FP8 cast flushed or saturated more than the limits (version 8): no failure
 # A spike snapshot's "spike" (version 7), in this order: reason; metric ("loss" | "grad_norm"); value (the
 # step's); baseline (the median of the trailing window); ratio (value / baseline); spread (the robust standard
 # deviation of the step-to-step change of the log values over the window); threshold (the value above which
@@ -365,9 +428,9 @@ def meta_name(rank: int, writer: int = 0) -> str:
 
 
 def part_name(kind: str, rank: int, index: int, writer: int = 0) -> str:
-    """File name of trace part `index` of `kind` ("steps" or "layers") for `rank` (and `writer`)."""
-    if kind not in ("steps", "layers"):
-        raise ValueError(f"kind must be 'steps' or 'layers', got {kind!r}")
+    """File name of trace part `index` of `kind` (``PART_KINDS``) for `rank` (and `writer`)."""
+    if kind not in PART_KINDS:
+        raise ValueError(f"kind must be one of {PART_KINDS}, got {kind!r}")
     return f"{kind}-r{rank:05d}{_writer(writer)}-p{index:06d}.parquet"
 
 

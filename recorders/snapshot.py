@@ -84,6 +84,8 @@ def build_snapshot(
     micro_batches: dict[str, Any] | None = None,
     spike: dict[str, Any] | None = None,
     rewind: dict[str, Any] | None = None,
+    fp8_recipe: dict[str, Any] | None = None,
+    fp8: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -102,6 +104,7 @@ def build_snapshot(
     micro-batches, each copied to the CPU here (never before), or None.
     `spike`: on a ``loss_spike`` / ``grad_spike`` snapshot, the trigger's evidence (``schema.SPIKE_KEYS``).
     `rewind`: ``recorders._rewind.RewindWindow.entry`` (``schema.REWIND_KEYS``, tensors already on the host), or None.
+    `fp8_recipe`, `fp8`: an FP8 model's recipe (``describe_fp8``) and the step's casts (``schema.FP8_KEYS``), or None.
     """
     from . import __version__
 
@@ -147,6 +150,8 @@ def build_snapshot(
         "micro_batches": None if micro_batches is None else dict(micro_batches),  # recorders/micro_batches.py
         "spike": None if spike is None else {k: spike.get(k) for k in schema.SPIKE_KEYS},  # recorders/_spikes.py
         "rewind": rewind,  # recorders/_rewind.py: Recorder(rewind=K)'s window
+        "fp8_recipe": fp8_recipe,  # recorders/fp8_recipe.describe_fp8
+        "fp8": None if fp8 is None else {k: fp8.get(k) for k in schema.FP8_KEYS},  # recorders/_fp8_watch.py
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

@@ -1,4 +1,4 @@
-"""Per-step trace buffering and atomic Parquet parts (``schema.STEP_COLUMNS`` / ``LAYER_COLUMNS``).
+"""Per-step trace buffering and atomic Parquet parts (``schema.STEP_COLUMNS`` / ``LAYER_COLUMNS`` / ``FP8_COLUMNS``).
 
 Step rows are host values (they come out of the step's one host sync). Per-layer statistics
 stay on the device in a preallocated buffer and cross to the host once per flush.
@@ -138,8 +138,9 @@ class TraceWriter:
                         found.append(int(m[4]))
             self.next_index = max(found, default=-1) + 1
 
-    def write(self, steps: list[dict], layers: pl.DataFrame | None) -> list[Path]:
-        """Write one part of each kind (skipping empty ones) under claimed names; returns the paths."""
+    def write(self, steps: list[dict], layers: pl.DataFrame | None, fp8: pl.DataFrame | None = None) -> list[Path]:
+        """Write one part of each kind (skipping empty ones) under claimed names; returns the paths.
+        `fp8`: the FP8 casts of the steps (``schema.FP8_COLUMNS``, ``recorders._fp8_watch``)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         index = self.next_index
         self.next_index += 1  # a failed write burns its index: no later part may reuse the name
@@ -150,6 +151,9 @@ class TraceWriter:
             written.append(path)
         if layers is not None and layers.height:
             path, index = self._write(layers, "layers", index)
+            written.append(path)
+        if fp8 is not None and fp8.height:
+            path, index = self._write(fp8, "fp8", index)
             written.append(path)
         self.next_index = max(self.next_index, index + 1)
         return written

@@ -29,8 +29,10 @@ QUICK = {
     "spike_false_triggers.py": "all real runs:",
     "fp8_replay_cost.py": "| fp8 diagnosis |",
     "rewind_cost.py": "snapshot file:",
+    "fp8_recorder_cost.py": "a sampled step's FP8 statistics",
 }
-NEEDS = {"fp8_replay_cost.py": ("torchao.float8", "fp8")}  # script -> the extra it needs (require)
+# script -> (module, extra) it needs (require)
+NEEDS = {"fp8_replay_cost.py": ("torchao.float8", "fp8"), "fp8_recorder_cost.py": ("torchao.float8", "fp8")}
 
 
 def test_every_bench_script_with_a_quick_mode_is_listed():

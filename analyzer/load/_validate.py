@@ -136,6 +136,24 @@ def _check_spike(spike: Any, path) -> None:
                    path)
 
 
+def _check_fp8(fp8: Any, recipe: Any, path) -> None:
+    """None, or the FP8 entries (version 8): ``fp8_recipe`` a dict; ``fp8`` a dict of ``schema.FP8_KEYS`` whose
+    casts are None or a list of dicts of ``schema.FP8_CAST_KEYS`` (``recorders/_fp8_watch.py``)."""
+    if recipe is not None and not isinstance(recipe, dict):
+        raise _bad("fp8_recipe", "should be None or a dict (describe_fp8's recipe)", path)
+    if fp8 is None:
+        return
+    casts = fp8.get("casts") if isinstance(fp8, dict) else None
+    fired = fp8.get("fired") if isinstance(fp8, dict) else None
+    rows = (casts or []) + ([fired] if fired is not None else []) if isinstance(casts, (list, type(None))) else None
+    ok = (isinstance(fp8, dict) and set(fp8) <= set(schema.FP8_KEYS) and rows is not None
+          and all(isinstance(c, dict) and set(c) <= set(schema.FP8_CAST_KEYS) for c in rows)
+          and isinstance(fp8.get("transformer_engine"), (dict, type(None))))
+    if not ok:
+        raise _bad("fp8", f"should be None or a dict of {', '.join(schema.FP8_KEYS)} whose casts are dicts of "
+                   f"{', '.join(schema.FP8_CAST_KEYS[:4])}, ...", path)
+
+
 _FSDP_KEYS = ("dcp_dir", "mp_policy", "mesh", "world_size", "local_state", "layout")
 
 
@@ -277,5 +295,6 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_exception(snap.get("exception"), path)
     _check_compile(snap.get("compile"), path)
     _check_spike(snap.get("spike"), path)
+    _check_fp8(snap.get("fp8"), snap.get("fp8_recipe"), path)
     for where, t in _walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

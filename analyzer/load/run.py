@@ -82,6 +82,8 @@ class Run:
             not decode or holds a null key (step, rank, layer); returns when every part is sound.
             Load reads only footers, so a corrupt data page is found by the first query that
             reads it (``analyzer.report.checks.frames``). None for imported logs (read in full).
+        fp8: LazyFrame with ``schema.FP8_COLUMNS`` (version 8: the FP8 casts of the steps the recorder measured),
+            or None when the run has no fp8 parts (no FP8 module, an older run, an imported log).
     """
 
     path: Path
@@ -98,6 +100,7 @@ class Run:
     writers: dict[int, tuple[int, int]] = field(default_factory=dict)
     shards: pl.DataFrame | None = None
     diagnose: Callable[[], None] | None = None
+    fp8: pl.LazyFrame | None = None
 
     @property
     def world_size(self) -> int:

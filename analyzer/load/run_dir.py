@@ -1,6 +1,6 @@
 """Read a run lazily: a recorder run directory (all ranks, all parts), with version checks.
 
-``load_run(path)`` returns a ``Run`` whose ``steps`` and ``layers`` are polars LazyFrames over
+``load_run(path)`` returns a ``Run`` whose ``steps``, ``layers`` and ``fp8`` are polars LazyFrames over
 the Parquet parts (``recorders.schema`` columns, cast to the schema's dtypes): nothing is read
 but the parts' footers until a query is collected. A data page that does not decode is found by
 the first query that reads it; ``Run.diagnose`` then names the part. Logs from other tools (HF Trainer,
@@ -41,6 +41,7 @@ from .which import torch_file_given_to_report
 __all__ = ["load_run", "read_meta", "snapshot_info"]
 
 _PART_RE = schema.PART_RE
+_COLUMNS = {"steps": schema.STEP_COLUMNS, "layers": schema.LAYER_COLUMNS, "fp8": schema.FP8_COLUMNS}
 _SNAP_RE = schema.SNAPSHOT_RE
 
 
@@ -126,7 +127,7 @@ def _check_part(path: Path, kind: str) -> frozenset[str]:
     Returns the part's column names. Columns added after version 1 (``schema.COLUMNS_ADDED``) may
     be missing: parts of older runs lack them, and readers give null.
     """
-    expected = schema.STEP_COLUMNS if kind == "steps" else schema.LAYER_COLUMNS
+    expected = _COLUMNS[kind]
     if path.stat().st_size == 0:
         raise BadInputError("empty Parquet part (0 bytes)", path=path,
                             fix="move the damaged part out of trace/ to analyse the rest of the run")
@@ -242,7 +243,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
 
     trace = path / schema.TRACE_DIR
     # parts[kind][(rank, writer)] = [(index, file)]
-    parts: dict[str, dict[tuple[int, int], list[tuple[int, Path]]]] = {"steps": {}, "layers": {}}
+    parts: dict[str, dict[tuple[int, int], list[tuple[int, Path]]]] = {k: {} for k in schema.PART_KINDS}
     temps = []
     for name in _listing(trace):
         if name.startswith("."):
@@ -255,6 +256,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
     shown = _stream_ranks(streams)
     step_files = [f for k in sorted(parts["steps"]) for _, f in sorted(parts["steps"][k])]
     layer_files = [f for k in sorted(parts["layers"]) for _, f in sorted(parts["layers"][k])]
+    fp8_files = [f for k in sorted(parts["fp8"]) for _, f in sorted(parts["fp8"][k])]  # since version 8
     begun = meta.get("steps_begun")
     if not step_files and isinstance(begun, int) and not isinstance(begun, bool) and begun > 0:
         raise BadInputError(
@@ -270,12 +272,14 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                         f"({total / 2**20:.1f} MiB) in {trace}")
     present = {f: _check_part(f, "steps") for f in step_files}  # each part's columns (older parts lack some)
     present.update({f: _check_part(f, "layers") for f in layer_files})
+    present.update({f: _check_part(f, "fp8") for f in fp8_files})
     check_part_ranks(parts["steps"], present)  # rows of another rank under this rank's name would mix two streams
 
     def diagnose() -> None:
         """Decode every part (only after a query failed): a corrupt page or a null key is named."""
         check_parts_decode(step_files, schema.STEP_COLUMNS, present)
         check_parts_decode(layer_files, schema.LAYER_COLUMNS, present)
+        check_parts_decode(fp8_files, schema.FP8_COLUMNS, present)
 
     metas = {int(meta.get("rank", 0) or 0): meta}
     for (r, w), m in by_writer.items():
@@ -301,6 +305,8 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                 notes.append(f"partial run: rank {shown[key]}'s last steps part has no layers part "
                              "(killed between the two writes); per-layer checks end earlier")
 
+    fp8 = _scan_streams(parts["fp8"], shown, schema.FP8_COLUMNS, present) if fp8_files else None
+
     sdir = path / schema.SNAPSHOT_DIR
     snapshots = [sdir / n for n in _listing(sdir) if not n.startswith(".") and _SNAP_RE.match(n)]
     writers = {shown[k]: k for k in shown if k[1]}
@@ -311,7 +317,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                      "are left out of them)")
     return Run(path=path, source_format="amp-autopsy", meta=meta, metas=metas, steps=steps_lf,
                layers=layers, params=params, numels=numels, snapshots=snapshots, notes=notes,
-               partial=partial, writers=writers, shards=shards, diagnose=diagnose)
+               partial=partial, writers=writers, shards=shards, diagnose=diagnose, fp8=fp8)
 
 
 def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: dict[tuple[int, int], int],

@@ -80,6 +80,8 @@ class Snapshot(Mapping):
     load_notes: tuple[str, ...] = ()
     spike: dict | None = None  # since version 7, reasons loss_spike / grad_spike: schema.SPIKE_KEYS (recorders/_spikes.py)
     rewind: dict | None = field(default=None, repr=False)  # since version 8, Recorder(rewind=K): load/_rewind.py
+    fp8_recipe: dict | None = None  # since version 8: the torchao FP8 recipe (recorders/fp8_recipe.py)
+    fp8: dict | None = None  # since version 8: the step's FP8 casts, schema.FP8_KEYS (recorders/_fp8_watch.py)
 
     @property
     def has_scaler(self) -> bool:

@@ -111,3 +111,40 @@ def test_counts_equal_those_of_torchaos_own_casts(seed, fmt):
         e8m0, data = to_mx(x, dt, 32, mode)
         scaled = x.reshape(-1, 32) / e8m0.float().reshape(-1, 1)
         assert ours(g) == expect(data.reshape(-1, 32), scaled)
+
+
+def _reference_counts(x: torch.Tensor, fmt: str, granularity: str) -> list[float]:
+    """The counts read off a float copy of the cast, by comparisons (what cast_counts' bit counts must equal)."""
+    from recorders.fp8 import _scales
+
+    x = x.reshape(-1, x.shape[-1]).float()
+    numel = x.numel()
+    if granularity.startswith("mxfp8"):
+        x = torch.nn.functional.pad(x, (0, -x.shape[-1] % 32)).reshape(-1, 32)
+    dtype = fp8_dtype(fmt)
+    fmax, tiny = torch.finfo(dtype).max, torch.finfo(dtype).tiny
+    scale, _ = _scales(x.abs(), fmt, granularity)
+    xs = x * scale
+    q = xs.clamp(-fmax, fmax).to(dtype).float()
+    nz = x != 0
+    return [numel, int(nz.sum()), float(x.abs().amax()), int((xs.abs() > fmax * (1 + 1e-6)).sum()),
+            int((nz & (q == 0)).sum()), int(((q != 0) & (q.abs() < tiny)).sum()), float(scale.amin()),
+            float(scale.amax())]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_bit_counts_equal_comparisons_of_the_cast_on_zeros_nan_inf_and_tiny_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 70, generator=g) * torch.exp(torch.randn(7, 70, generator=g) * 8)  # 1e-30 .. 1e30
+    x[0, :5] = 0
+    x[3] = 0  # a row of zeros: rowwise scale from the 1e-12 floor
+    x[4, 1] = 1e-40  # float32 subnormal
+    if seed % 3 == 1:
+        x[1, 3] = float("nan")
+    if seed % 3 == 2:
+        x[2, 4] = -float("inf")
+    for fmt in ("e4m3", "e5m2"):
+        for gran in GRANULARITIES:
+            want = _reference_counts(x, fmt, gran)
+            got = cast_counts(x, fmt, gran).tolist()
+            assert [v if v == v else "nan" for v in got] == [v if v == v else "nan" for v in want], (fmt, gran)

@@ -221,6 +221,8 @@ def test_a_disabled_recorder_does_nothing_and_creates_nothing(tmp_path):
     ({"min_scale": float("nan")}, ValueError, "min_scale"),
     ({"amp_dtype": torch.float64}, ValueError, "amp_dtype"),
     ({"scaler": object()}, TypeError, "GradScaler"),
+    ({"fp8_every": 0}, ValueError, "fp8_every"),
+    ({"fp8_every": True}, ValueError, "fp8_every"),
 ])
 def test_bad_arguments_raise_at_construction_naming_the_argument(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from ...errors import AnalyzerError
 from ...findings import Finding
 from .exceptions import exception
+from .fp8 import fp8_casts
 from .frames import Frames, build_frames
 from .gradients import exploding_gradients, grad_underflow, stalled_layers, vanishing_gradients
 from .learning import flat_loss, tiny_updates
@@ -55,6 +56,7 @@ CHECKS: dict[str, Callable[[Frames], list[Finding]]] = {
     "recorder_warning": recorder_warning,
     "tiny_updates": tiny_updates,
     "flat_loss": flat_loss,
+    "fp8_casts": fp8_casts,
 }
 
 

@@ -9,7 +9,9 @@ collects the per-layer table itself:
   weights' change columns, and for the plots only (``plots=True``) rows with a NaN/Inf norm
   (``n_bad``: a null norm is no gradient, not a bad one); at
   most ~2000 bins, so the size is bounded whatever the run length (100M rows -> 200k);
-- ``ranks``: one row per rank (first non-finite loss, skipped count, last step).
+- ``ranks``: one row per rank (first non-finite loss, skipped count, last step);
+- ``fp8`` (format 8): per (rank, FP8 module, operand role), the steps whose casts were measured and those past
+  the FP8 limits, with the worst fractions.
 
 In an FSDP2 run each rank's layer rows describe its shard of each parameter: they are merged
 into whole-parameter rows first (``analyzer.load.shards``), for every rank selection, so the
@@ -29,11 +31,13 @@ from typing import Any
 
 import polars as pl
 
+from recorders import schema
+
 from ...load import Run, SnapshotInfo, progress_line, snapshot_info
 from ...load._tracecheck import READ_ERRORS, quiet_native_stderr
 from ...load.shards import merge_shards
 
-__all__ = ["Frames", "build_frames", "LOG_FLOOR", "MAX_BINS"]
+__all__ = ["Frames", "build_frames", "fp8_limits", "LOG_FLOOR", "MAX_BINS"]
 
 LOG_FLOOR = 1e-30  # log10 of a zero norm is clipped to -30: "no gradient at all", still plottable
 MAX_BINS = 2000
@@ -63,6 +67,9 @@ class Frames:
     # shards held non-finite weights and at the first with non-finite gradients; None otherwise
     shard_faults: pl.DataFrame | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # rank 0's meta.json (optimizer, params' dtypes)
+    # since format 8: per (rank, FP8 module, operand role), the steps measured and those past the FP8 limits
+    # (fp8_casts); None when the run recorded no FP8 casts
+    fp8: pl.DataFrame | None = None
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # every rank's meta.json (warnings, hosts)
     _derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -207,6 +214,39 @@ def _shard_faults(run: Run, llf: pl.LazyFrame) -> pl.DataFrame | None:
                           .sort("step", "layer", "rank")])[0]
 
 
+def fp8_limits(meta: dict[str, Any]) -> tuple[float, float]:
+    """(flushed, saturated) fraction limits of the run's FP8 trigger: meta.json's ``fp8``, else the schema's."""
+    got = meta.get("fp8") if isinstance(meta.get("fp8"), dict) else {}
+    out = []
+    for key, default in (("flush_limit", schema.FP8_FLUSH_LIMIT), ("saturate_limit", schema.FP8_SATURATE_LIMIT)):
+        v = got.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1
+        out.append(float(v) if ok else default)
+    return out[0], out[1]
+
+
+def _fp8_casts(run: Run, sel: pl.Expr, rank: int | None) -> pl.DataFrame | None:
+    """Per (rank, module, role): steps measured; past the limits (``fp8_limits``): steps, first and last, the
+    worst fractions and amax. One small group-by over the fp8 parts (a few rows per FP8 module and step)."""
+    if run.fp8 is None:
+        return None
+    flush, sat = fp8_limits(run.meta or {})
+    lf = run.fp8.filter(sel & pl.col("step").is_not_null() & pl.col("module").is_not_null() & pl.col("role").is_not_null())
+    if rank is not None:
+        lf = lf.filter(pl.col("rank") == rank)
+    ff = pl.when(pl.col("nonzero") > 0).then(pl.col("flushed") / pl.col("nonzero")).otherwise(0.0)
+    sf = pl.when(pl.col("numel") > 0).then(pl.col("saturated") / pl.col("numel")).otherwise(0.0)
+    over = pl.col("over")
+    out = _collect(run, [lf.with_columns(ff=ff, sf=sf).with_columns(over=(pl.col("ff") > flush) | (pl.col("sf") > sat))
+                         .group_by("rank", "module", "role").agg(
+        measured=pl.col("step").n_unique(), n_over=pl.col("step").filter(over).n_unique(),
+        first=pl.col("step").filter(over).min(), last=pl.col("step").filter(over).max(),
+        flushed=pl.col("ff").max(), saturated=pl.col("sf").max(), amax=pl.col("amax").filter(over).max(),
+        format=pl.col("format").first(), granularity=pl.col("granularity").first(),
+    ).sort("rank", "first", "module", "role", nulls_last=True)])[0]
+    return out if out.height else None
+
+
 def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: bool = False,
                  plots: bool = True) -> Frames:
     """Aggregate `run` (optionally one rank, optionally steps A <= step < B) into Frames.
@@ -282,4 +322,5 @@ def build_frames(run: Run, *, rank: int | None = None, steps=None, progress: boo
                   amp_dtype=run.amp_dtype, growth_interval=run.growth_interval, ranks=ranks,
                   snapshots=snaps, bin_width=width, rank=rank, source_format=run.source_format,
                   layer_window=window, notes=notes, layer_rows=rows, shard_faults=shard_faults,
-                  meta=dict(run.meta or {}), metas=dict(run.metas or {}), repeated_rows=repeated)
+                  meta=dict(run.meta or {}), metas=dict(run.metas or {}), repeated_rows=repeated,
+                  fp8=_fp8_casts(run, sel, rank))
