@@ -51,6 +51,9 @@ meta.json: True once the run's snapshots hold every micro-batch of their step (o
 (``WARNING_KEYS``; older runs: None, nothing known).
 7 also adds the spike snapshots: reasons ``loss_spike`` and ``grad_spike``, the snapshot key ``spike`` (what was
 measured against which baseline, ``SPIKE_KEYS``) and ``spikes`` in meta.json (the settings; older runs: None).
+8 adds ``modules`` to the ``fsdp`` entry of meta.json and snapshots: every ``fully_shard``-ed module (``path``,
+its ``mp_policy`` and ``gradient_divide_factor``: None is FSDP2's default mean), what the distributed replay
+shards again and reduces with (older runs: absent, the root module alone is sharded with the recorded policy).
 """
 from __future__ import annotations
 
@@ -96,7 +99,7 @@ __all__ = [
     "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS",
 ]
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
@@ -148,7 +151,8 @@ META_KEYS = (
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
     "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
     "cwd",  # since version 2: the training process's os.getcwd(), where replay looks for user code
-    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int} (FSDP2 runs)
+    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int,
+             #   since version 8 "modules": [...] as in snapshots} (FSDP2 runs)
     "optimizer",  # since version 3: None | {"class": "torch.optim.adam.Adam", "param_groups": [{"lr", "eps",
                   #   "betas", "weight_decay", ... every JSON-able hyperparameter, "params": [index into
                   #   params, None for a tensor not in the model]}]}, recorded at setup
@@ -247,7 +251,9 @@ SNAPSHOT_KEYS = (
                          #    "mesh": {"device_type": str, "shape": [int], "dim_names": [str] | None} | None,
                          #    "world_size": int,
                          #    "local_state": {name: tensor} | None (no dcp_dir: this rank's shards, buffers whole),
-                         #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None}
+                         #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None,
+                         #    since version 8: "modules": [{"path": str ("" the root), "mp_policy": {...} | None,
+                         #      "gradient_divide_factor": float | None}] (outermost first) | None}
     "optimizer",         # since version 3: None (no optimizer= given) | {"class": "torch.optim.adam.Adam",
                          #   "state_dict": optimizer.state_dict() (tensors on CPU; reason "update": post-step),
                          #   "param_names": [model parameter name | None, for each param id in param_groups order]}
