@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from analyzer.errors import BadInputError
 from analyzer.load import load_snapshot
 from analyzer.replay import replay_snapshot
 from tests import fsdp_reduce_runs as rr
@@ -151,3 +155,26 @@ def test_the_fsdp_test_snapshots_replay_under_torchrun_to_the_one_process_verdic
     assert dist["verdict"] == one.verdict == "nonfinite_input"
     assert (dist["culprit"]["op"], dist["culprit"]["module"]) == (one.culprit["op"], one.culprit["module"])
     assert dist["culprit"]["input"] == one.culprit["input"]
+
+
+_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=8))
+_ENTRY = st.one_of(_VALUE, st.dictionaries(st.sampled_from(["path", "mp_policy", "gradient_divide_factor", "x"]),
+                                           st.one_of(_VALUE, st.dictionaries(st.text(max_size=12), _VALUE,
+                                                                             max_size=3)), max_size=4))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(modules=st.one_of(_VALUE, st.lists(_ENTRY, max_size=4)))
+def test_a_hostile_fsdp_modules_entry_is_one_error_or_a_validated_layout(reduce_run, tmp_path_factory, modules):
+    raw = torch.load(reduce_run / "snapshots" / SNAP, weights_only=True)
+    raw["fsdp"]["modules"] = modules
+    path = tmp_path_factory.mktemp("modules") / SNAP
+    torch.save(raw, path)
+    try:
+        snap = load_snapshot(path)
+    except BadInputError as e:
+        assert "\n" not in str(e) and "fsdp" in str(e)
+        return
+    got = snap.fsdp["modules"]
+    assert got is None or all(isinstance(m["path"], str) and (m.get("gradient_divide_factor") is None or
+                                                              m["gradient_divide_factor"] > 0) for m in got)
