@@ -135,16 +135,42 @@ class ShardedContext(ReplayContext):
     modules: tuple = ()                          # schema: fsdp["modules"], outermost first
     reduce_override: str | None = None           # a fix's reduce_dtype ("float32")
     _flat_sizes: dict = field(default_factory=dict, repr=False)  # a module's flat collective numel -> its path
+    built_on_meta: bool = False  # the model was built on the meta device: no rank ever held it whole
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
         """A fresh sharded model with this rank's shards, for a run in `precision` (None: as stored, FP32)."""
         self._model = None
         gc.collect()  # NB: the previous run's shards and buffers go before the next model is built
-        model = self.make()
-        self._shard(model, precision)
+        model = self._make_meta()
+        if model is None:  # NB: the whole model exists on this rank until fully_shard has split it
+            model = self.make()
+            self._shard(model, precision)
+        else:
+            self._shard(model, precision)
+            model.to_empty(device=self.device)  # only this rank's shards are ever allocated
         self._load_shards(model)
         model.train(self.train_mode)
         self._model = model
+        return model
+
+    def _make_meta(self) -> torch.nn.Module | None:
+        """The model built on the meta device (no memory), or None where that cannot stand in for it.
+
+        Every entry of the model is then loaded from the DCP directory, so nothing the factory computed
+        is lost, except non-persistent buffers (a rotary ``inv_freq``, a causal mask), which no checkpoint
+        holds: a model with one is built for real, as is one whose factory fails on meta tensors or puts
+        tensors on a device of its own.
+        """
+        try:
+            with torch.device("meta"), torch.random.fork_rng():
+                model = self.make()
+        except Exception:  # noqa: BLE001 - a factory that needs real tensors: built for real instead
+            return None
+        tensors = list(model.parameters()) + list(model.buffers())
+        saved = set(model.state_dict())
+        if not all(t.is_meta for t in tensors) or any(n not in saved for n, _ in model.named_buffers()):
+            return None
+        self.built_on_meta = True
         return model
 
     def stats_mode(self, **kwargs: Any) -> _OpStatsMode:
