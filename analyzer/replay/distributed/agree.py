@@ -154,8 +154,10 @@ def decide(runs: dict[str, list[dict]], low: str | None, bad_inputs: list[str]) 
         next(q for q, ss in runs.items() if not all(s["finite"] for s in ss))
     culprit = _first(runs[p], "first", fp32)
     if culprit is None:
-        return Decision("not_classified", None, p, ("no op's output was non-finite on any rank: the failure is in "
-                                                      "what the statistics do not see (a gradient's dtype cast)",))
+        return Decision("not_classified", None, p, (
+            f"a rank's loss or gradients are NaN/Inf in {p}, but no op of the model or collective made a NaN/Inf "
+            "from finite inputs: the first one is in an op this replay does not blame (FSDP2's own hooks: its "
+            "casts and divisions of the gradients) or was read from a value already broken",))
     if "collective" in culprit:
         return Decision("overflow", culprit, p)
     out, inp = culprit["output_absmax"], culprit["input_absmax"]
