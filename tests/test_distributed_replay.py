@@ -178,3 +178,26 @@ def test_a_hostile_fsdp_modules_entry_is_one_error_or_a_validated_layout(reduce_
     got = snap.fsdp["modules"]
     assert got is None or all(isinstance(m["path"], str) and (m.get("gradient_divide_factor") is None or
                                                               m["gradient_divide_factor"] > 0) for m in got)
+
+
+def test_a_snapshot_of_local_shards_under_torchrun_is_one_error_line_naming_the_one_process_replay(fsdp):
+    snap = fsdp.dirs["local"] / "snapshots" / f"step{fr.FAULT_STEP:08d}-r{fr.FAULT_RANK:05d}-nonfinite_loss.pt"
+    proc = torchrun(2, "replay", str(snap))
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "not a DCP directory" in lines[0] and "without torchrun" in lines[0]
+
+
+def test_a_truncated_dcp_data_file_under_torchrun_is_one_error_line_and_the_input_is_left_as_it_was(reduce_run, tmp_path):
+    import shutil
+
+    dest = tmp_path / "snapshots"
+    shutil.copytree(reduce_run / "snapshots", dest)
+    data = dest / "step00000000-nonfinite_grads.dcp" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    proc = torchrun(2, "replay", str(dest / SNAP))
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "DCP" in lines[0] and "truncated" in lines[0]
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
