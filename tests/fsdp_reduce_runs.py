@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["X_VALUE", "WORLD", "sum_loss", "sum_loss_killing_rank_1", "record_reduce_overflow", "train_rank"]
+__all__ = ["X_VALUE", "WORLD", "sum_loss", "build_halved", "Halved", "sum_loss_killing_rank_1", "record_reduce_overflow", "train_rank"]
 
 WORLD = 2
 X_VALUE = 9000.0
@@ -33,25 +33,46 @@ def sum_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(batch["x"]).float().sum()
 
 
-def train_rank(rank: int, world_size: int, init_method: str, run_dir: str) -> None:
+class Halved(nn.Module):
+    """``build_model``'s MLP whose output is multiplied by a non-persistent buffer (no checkpoint holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.dist_worker import build_model
+
+        self.net = build_model()
+        self.register_buffer("gain", torch.full((1,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.gain
+
+
+def build_halved() -> nn.Module:
+    return Halved()
+
+
+def train_rank(rank: int, world_size: int, init_method: str, run_dir: str, halved: bool = False) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from recorders import Recorder
     from tests.dist_worker import BATCH, WIDTH, build_model, init_group
 
     init_group(rank, world_size, init_method, timeout_s=60.0)
-    model = build_model()
+    model = build_halved() if halved else build_model()
+    net = model.net if halved else model
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
-    for m in (model[0], model[2], model):
+    for m in (net[0], net[2], model):
         fully_shard(m, mp_policy=policy)
-    for m in (model[0], model[2], model):
+    for m in (net[0], net[2], model):
         m.set_gradient_divide_factor(1.0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    rec = Recorder(run_dir, model, factory=build_model, factory_kwargs={"width": WIDTH}, loss_fn=sum_loss,
+    rec = Recorder(run_dir, model, factory=build_halved if halved else build_model,
+                   factory_kwargs={} if halved else {"width": WIDTH}, loss_fn=sum_loss,
                    amp_dtype=torch.float16, optimizer=opt, flush_every=1, sync_failures=True)
     with rec:
         for step in range(STEPS):
-            batch = {"x": torch.full((BATCH, WIDTH), X_VALUE)}
+            # the halved model's output gain of 0.5 is made up by a batch twice as large: the same gradients
+            batch = {"x": torch.full((BATCH, WIDTH), X_VALUE * (2 if halved else 1))}
             rec.begin_step(step, batch)
             loss = sum_loss(model, batch)
             loss.backward()
@@ -61,12 +82,17 @@ def train_rank(rank: int, world_size: int, init_method: str, run_dir: str) -> No
     torch.distributed.destroy_process_group()
 
 
-def record_reduce_overflow(root: str | Path, timeout_s: float = 120.0, world: int = WORLD) -> Path:
-    """Train the run under `root`/run on `world` spawned processes; return its run directory."""
+def record_reduce_overflow(root: str | Path, timeout_s: float = 120.0, world: int = WORLD, halved: bool = False
+                           ) -> Path:
+    """Train the run under `root`/run on `world` spawned processes; return its run directory.
+
+    `halved`: the model is ``build_halved`` (a non-persistent buffer scales the output by 0.5).
+    """
     root = Path(root)
     run_dir = root / "run"
     root.mkdir(parents=True, exist_ok=True)
-    ctx = mp.spawn(train_rank, args=(world, f"file://{root}/rendezvous", str(run_dir)), nprocs=world, join=False)
+    ctx = mp.spawn(train_rank, args=(world, f"file://{root}/rendezvous", str(run_dir), halved), nprocs=world,
+                   join=False)
     deadline = time.monotonic() + timeout_s
     while any(p.is_alive() for p in ctx.processes):
         if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ subprocess with a wall-clock timeout, and every collective of the replay has one
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -201,3 +202,16 @@ def test_a_truncated_dcp_data_file_under_torchrun_is_one_error_line_and_the_inpu
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
     assert "DCP" in lines[0] and "truncated" in lines[0]
     assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+
+
+def test_a_model_with_a_non_persistent_buffer_is_built_for_real_and_replays_as_in_one_process(tmp_path):
+    # no checkpoint holds the buffer `gain` (0.5): a model built on the meta device would replay with
+    # uninitialised memory there, so the replay builds it from the factory before sharding it
+    run = rr.record_reduce_overflow(tmp_path, halved=True)
+    proc = torchrun(2, "replay", str(run / "snapshots" / SNAP), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dist = json.loads(proc.stdout)
+    one = replay_snapshot(run / "snapshots" / SNAP)
+    # rank 0's FP32 forward is the one-process replay's FP32 forward: same weights, same batch, same gain
+    assert math.isclose(dist["runs"]["float32"][0]["loss"], one.runs["float32"].loss, rel_tol=1e-5)
+    assert dist["verdict"] == "overflow" and dist["culprit"]["op"] == "c10d._reduce_scatter_base_"

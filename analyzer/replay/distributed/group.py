@@ -74,7 +74,12 @@ class DistGroup:
 
     def __exit__(self, *exc) -> None:
         if dist.is_initialized() and not self._broken:
-            dist.destroy_process_group()
+            if exc[0] is None:
+                # NB: every rank done with the last collective before any closes its connections: a rank that
+                # tore the group down while a peer still sent to it made that peer's gloo thread abort
+                self.settle()
+            if not self._broken:
+                dist.destroy_process_group()
 
     def agree(self, value: Any = None, error: AnalyzerError | None = None) -> list[Any]:
         """Every rank's `value`; raises on every rank the lowest rank's `error` when any rank sent one.

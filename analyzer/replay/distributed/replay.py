@@ -76,7 +76,7 @@ def distributed_replay(path: str | os.PathLike, *, device: str = "auto", dtypes:
 
 def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fixes) -> DistributedResult | None:
     loaded = _phase(group, lambda: _prepare(path, group, device, factory, loss_fn, paths))
-    ctx, scale, wanted, notes, recorded_world = loaded["ctx"], loaded["scale"], None, loaded["notes"], loaded["world"]
+    ctx, scale, notes, recorded_world = loaded["ctx"], loaded["scale"], loaded["notes"], loaded["world"]
     bad = group.agree(loaded["bad"])  # every rank's non-finite shards and batch entries
     wanted = _phase(group, lambda: precisions(ctx.mode.dtype, dtypes))
     summaries: dict[str, list[dict]] = {}
