@@ -19,7 +19,7 @@ do not move with the load, the wall times do.
 
 Usage::
 
-    python bench/distributed_replay_memory.py                # width 2048, depth 16 (256 MiB of FP32 parameters), 3 rounds
+    python bench/distributed_replay_memory.py            # width 2048, depth 16 (256 MiB of FP32 parameters), 3 rounds
     python bench/distributed_replay_memory.py --quick        # a smoke run
 """
 from __future__ import annotations

@@ -21,7 +21,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["X_VALUE", "WORLD", "sum_loss", "build_halved", "Halved", "sum_loss_killing_rank_1", "record_reduce_overflow", "train_rank"]
+__all__ = ["X_VALUE", "WORLD", "sum_loss", "build_halved", "Halved", "sum_loss_killing_rank_1",
+           "record_reduce_overflow", "train_rank"]
 
 WORLD = 2
 X_VALUE = 9000.0

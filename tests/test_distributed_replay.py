@@ -189,7 +189,8 @@ def test_a_snapshot_of_local_shards_under_torchrun_is_one_error_line_naming_the_
     assert "not a DCP directory" in lines[0] and "without torchrun" in lines[0]
 
 
-def test_a_truncated_dcp_data_file_under_torchrun_is_one_error_line_and_the_input_is_left_as_it_was(reduce_run, tmp_path):
+def test_a_truncated_dcp_data_file_under_torchrun_is_one_error_line_and_the_input_is_left_as_it_was(reduce_run,
+                                                                                                      tmp_path):
     import shutil
 
     dest = tmp_path / "snapshots"

@@ -31,7 +31,8 @@ def render_distributed_text(r: DistributedResult) -> str:
             lines.append(f"  bad input {c['input']} (rank(s) {r.input_ranks.get(c['input'], [])})")
         coll = c.get("collective")
         if coll is not None:
-            lines.append(f"  per rank  (reduced in {coll.get('reduce_dtype')}; FP32 run: {_g(coll.get('fp32_output_absmax'))})")
+            ref = _g(coll.get("fp32_output_absmax"))
+            lines.append(f"  per rank  (reduced in {coll.get('reduce_dtype')}; FP32 run: {ref})")
             lines += [f"    rank {x['rank']}: input abs-max {_g(x['input_absmax'])}  reduced abs-max "
                       f"{_g(x['output_absmax'])}" for x in coll["ranks"]]
     lines += ["", "runs:"]

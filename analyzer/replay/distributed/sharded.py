@@ -28,8 +28,8 @@ from .._attribution import _flat
 from .._mode import _OpStatsMode
 from .._runs import ReplayContext
 
-
-__all__ = ["ShardedContext", "CollectiveFailed", "COLLECTIVE_NAMESPACES", "is_collective", "is_plumbing", "sharded_layout", "bad_shards"]
+__all__ = ["ShardedContext", "CollectiveFailed", "COLLECTIVE_NAMESPACES", "is_collective", "is_plumbing",
+           "sharded_layout", "bad_shards"]
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _PLUMBING = ("fsdp", "profiler")  # FSDP2's own copies around its collectives, and profiler markers
@@ -307,6 +307,3 @@ def bad_shards(model: torch.nn.Module) -> list[str]:
             if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
                 bad.append(f"{kind}:{name}")
     return bad
-
-
-
