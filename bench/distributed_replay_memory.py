@@ -83,6 +83,14 @@ def record(root: Path, width: int, depth: int) -> Path:
 def worker(out_dir: str, args: list[str]) -> None:
     """One replay process (or the floor: ``base``): the analyzer's CLI in-process, then its peak RSS to a file."""
     code = 0
+    leave = os._exit
+
+    def record_then_leave(status: int) -> None:  # NB: under torchrun the CLI leaves with os._exit, past `finally`
+        Path(out_dir, f"rss-{os.environ.get('RANK', '0')}.txt").write_text(
+            str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        leave(status)
+
+    os._exit = record_then_leave
     try:
         if args != ["base"]:
             from analyzer.cli import main
