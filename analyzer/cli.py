@@ -28,6 +28,7 @@ import click
 from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
 from ._cli_errors import EXIT_INTERNAL, one_line as _one_line, one_line_errors as _one_line_errors
 from ._terminal import escape_controls
+from ._torchrun import under_torchrun
 from .findings import EXIT_FAIL_ON
 
 __all__ = ["main", "EXIT_INTERNAL"]
@@ -203,6 +204,14 @@ def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plo
     if show:
         _show_imports(snapshot, rank, factory, loss_fn, paths, as_json)
         return
+    if under_torchrun():  # torchrun --nproc-per-node N -m analyzer replay SNAPSHOT: every rank replays its shards
+        from ._cli_distributed import distributed_command
+
+        distributed_command(snapshot, _print_json if as_json else None, device=device, factory=factory,
+                            loss_fn=loss_fn, paths=paths, dtypes=dtypes,
+                            unsupported={"--batch": batch, "--rank": rank, "--plot": plot_path, "--rng": rng,
+                                         "--factory-kwargs": factory_kwargs, "--steps": window})
+        return
     from .render import check_output_path, plot_replay, render_replay_text, render_window_text
     from .replay import Replay
     from .replay.window import replay_window, require_window
@@ -298,6 +307,14 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
 
     RUN is a run directory, or with --batch a checkpoint (its own trainer_state.json, if any, is the report).
     """
+    if under_torchrun():  # torchrun ... -m analyzer autopsy RUN: its first failing snapshot, on every rank
+        from ._cli_distributed import distributed_command
+
+        distributed_command(run, _print_json if as_json else None, device=device, factory=factory,
+                            loss_fn=loss_fn, paths=paths, autopsy=True,
+                            unsupported={"--batch": batch, "--rank": rank, "--html": html_path, "--out": out_dir,
+                                         "--rng": rng, "--factory-kwargs": factory_kwargs, "--fail-on": fail_on})
+        return
     from .autopsy import run_autopsy
     from .render import check_output_path, render_autopsy_text, write_autopsy_outputs
 

@@ -32,7 +32,7 @@ from . import schema
 from . import triggers as _triggers
 from .compiled import clean_name
 
-__all__ = ["FsdpSnapshots", "is_sharded", "fsdp_meta", "shard_layout", "local_state", "save_dcp"]
+__all__ = ["FsdpSnapshots", "is_sharded", "fsdp_meta", "sharded_modules", "shard_layout", "local_state", "save_dcp"]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -40,29 +40,70 @@ def is_sharded(t: torch.Tensor) -> bool:
     return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
 
 
-def _policy(model: torch.nn.Module) -> dict[str, str | None] | None:
-    """``param_dtype``/``reduce_dtype``/``output_dtype`` of the outermost FSDP module, or None.
+def _policy_of(state: Any) -> dict[str, str | None] | None:
+    """``param_dtype``/``reduce_dtype``/``output_dtype`` of one module's FSDP state, or None.
 
     NB: torch 2.13 keeps it on ``FSDPModule._get_fsdp_state()._mp_policy`` (a
     ``MixedPrecisionPolicy``) and on each ``FSDPParamGroup.mp_policy``; both are private.
     """
+    try:
+        policy = getattr(state, "_mp_policy", None)
+        if policy is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            policy = getattr(group, "mp_policy", None)
+    except Exception:  # noqa: BLE001 - a private API that moved: the policy is unknown
+        return None
+    if policy is None:
+        return None
+    return {k: schema.dtype_name(getattr(policy, k, None)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+
+
+def _policy(model: torch.nn.Module) -> dict[str, str | None] | None:
+    """The policy of the outermost FSDP module, or None."""
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
-        if not callable(get_state):
-            continue
-        try:
-            state = get_state()
-            policy = getattr(state, "_mp_policy", None)
-            if policy is None:
-                group = getattr(state, "_fsdp_param_group", None)
-                policy = getattr(group, "mp_policy", None)
-        except Exception:  # noqa: BLE001 - a private API that moved: the policy is unknown
-            return None
-        if policy is None:
-            return None
-        return {k: schema.dtype_name(getattr(policy, k, None))
-                for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+        if callable(get_state):
+            try:
+                return _policy_of(get_state())
+            except Exception:  # noqa: BLE001 - a private API that moved: the policy is unknown
+                return None
     return None
+
+
+def _divide_factor(state: Any) -> float | None:
+    """The module's ``set_gradient_divide_factor`` value; None: FSDP2's default (the mean over the
+    data-parallel ranks; FP16 reductions divided partly before the sum and partly after).
+
+    NB: torch 2.13 keeps it on each ``FSDPParamGroup.gradient_divide_factor`` (private).
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    for group in groups:
+        factor = getattr(group, "gradient_divide_factor", None)
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+            return float(factor)
+    return None
+
+
+def sharded_modules(model: torch.nn.Module) -> list[dict[str, Any]] | None:
+    """Every ``fully_shard``-ed module, outermost first: ``path`` (``""``: the root), ``mp_policy``
+    and ``gradient_divide_factor``: where the distributed replay applies ``fully_shard`` again and
+    what shapes each module's gradient reduction. None when FSDP's state cannot be read.
+    """
+    out = []
+    try:
+        for path, module in model.named_modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if not callable(get_state):
+                continue
+            state = get_state()
+            out.append({"path": clean_name(path), "mp_policy": _policy_of(state),
+                        "gradient_divide_factor": _divide_factor(state)})
+    except Exception:  # noqa: BLE001 - a private API that moved: the layout is unknown
+        return None
+    return out
 
 
 def _mesh(params: list[torch.Tensor]) -> dict[str, Any] | None:
@@ -81,10 +122,15 @@ def _mesh(params: list[torch.Tensor]) -> dict[str, Any] | None:
 
 
 def fsdp_meta(model: torch.nn.Module, params: list[torch.Tensor], world_size: int) -> dict[str, Any] | None:
-    """meta.json's and the snapshots' ``fsdp`` entry: None unless some parameter is sharded."""
+    """meta.json's and the snapshots' ``fsdp`` entry: None unless some parameter is sharded.
+
+    ``modules`` (format 8): ``sharded_modules``, each ``fully_shard``-ed module with its policy and
+    gradient divide factor.
+    """
     if not any(is_sharded(p) for p in params):
         return None
-    return {"mp_policy": _policy(model), "mesh": _mesh(params), "world_size": int(world_size)}
+    return {"mp_policy": _policy(model), "mesh": _mesh(params), "world_size": int(world_size),
+            "modules": sharded_modules(model)}
 
 
 def shard_layout(t: torch.Tensor) -> dict[str, Any] | None:
@@ -194,7 +240,8 @@ class FsdpSnapshots:
         snapshots) this rank's own shards go into its file, with no collective: one failing rank
         never waits for the others.
         """
-        entry = dict(self._fsdp, dcp_dir=None, local_state=None, layout=None)
+        # the divide factor as this step reduced with it (a loop may set it after the Recorder was made)
+        entry = dict(self._fsdp, dcp_dir=None, local_state=None, layout=None, modules=sharded_modules(self.model))
         if self._dcp_ok and self._dcp_reason is not None:
             self._dcp_ok = False
             name = schema.dcp_dir_name(self._step, self._dcp_reason)

@@ -58,6 +58,9 @@ recipe, None without FP8 modules), ``fp8`` in meta.json (the FP8 statistics' set
 snapshots (the step's casts and the one that fired, ``FP8_KEYS``), the snapshot reason ``fp8`` and the trace part
 kind ``fp8`` (``trace/fp8-r00000-p000000.parquet``, ``FP8_COLUMNS``: one row per FP8 module, operand role and call
 on the steps the statistics were taken). Older runs have no fp8 parts and read these keys as None.
+It also adds ``modules`` to the ``fsdp`` entry of meta.json and snapshots: every ``fully_shard``-ed module (``path``,
+its ``mp_policy`` and ``gradient_divide_factor``: None is FSDP2's default mean), what the distributed replay
+shards again and reduces with (older runs: absent, the root module alone is sharded with the recorded policy).
 """
 from __future__ import annotations
 
@@ -187,7 +190,8 @@ META_KEYS = (
     "pid", "rank", "world_size", "device_type", "amp_dtype", "scaler", "params", "buffers",
     "factory", "factory_kwargs", "loss_fn", "layer_every", "flush_every",
     "cwd",  # since version 2: the training process's os.getcwd(), where replay looks for user code
-    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int} (FSDP2 runs)
+    "fsdp",  # since version 3: None | {"mp_policy": {...}, "mesh": {...}, "world_size": int,
+             #   since version 8 "modules": [...] as in snapshots} (FSDP2 runs)
     "optimizer",  # since version 3: None | {"class": "torch.optim.adam.Adam", "param_groups": [{"lr", "eps",
                   #   "betas", "weight_decay", ... every JSON-able hyperparameter, "params": [index into
                   #   params, None for a tensor not in the model]}]}, recorded at setup
@@ -305,7 +309,9 @@ SNAPSHOT_KEYS = (
                          #    "mesh": {"device_type": str, "shape": [int], "dim_names": [str] | None} | None,
                          #    "world_size": int,
                          #    "local_state": {name: tensor} | None (no dcp_dir: this rank's shards, buffers whole),
-                         #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None}
+                         #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None,
+                         #    since version 8: "modules": [{"path": str ("" the root), "mp_policy": {...} | None,
+                         #      "gradient_divide_factor": float | None}] (outermost first) | None}
     "optimizer",         # since version 3: None (no optimizer= given) | {"class": "torch.optim.adam.Adam",
                          #   "state_dict": optimizer.state_dict() (tensors on CPU; reason "update": post-step),
                          #   "param_names": [model parameter name | None, for each param id in param_groups order]}

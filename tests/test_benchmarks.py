@@ -25,6 +25,7 @@ QUICK = {
     "replay_cost.py": "| float16 |",
     "autopsy_time.py": "| autopsy |",
     "fsdp_sync_cost.py": "synced / local",
+    "distributed_replay_memory.py": "ratio above the floor: N=2 / N=1",
     "log_parse_time.py": "ratio: t(10 N) / t(N)",
     "spike_false_triggers.py": "all real runs:",
     "fp8_replay_cost.py": "| fp8 diagnosis |",

@@ -227,10 +227,13 @@ def _consolidate(dcp_dir, tmp_path) -> dict:
 
 def test_fsdp2_meta_records_the_mixed_precision_policy_the_mesh_and_where_each_rank_s_shard_sits(fsdp):
     metas = [json.loads((fsdp.dirs["synced"] / schema.meta_name(r)).read_text()) for r in range(fr.WORLD)]
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None}
     for meta in metas:
-        assert meta["fsdp"] == {"mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32",
-                                              "output_dtype": None},
-                                "mesh": {"device_type": "cpu", "shape": [2], "dim_names": None}, "world_size": 2}
+        # every fully_shard-ed module, outermost first (tests.dist_worker._fsdp_model: 0, 2 and the root),
+        # each with FSDP2's default gradient divide factor (None)
+        modules = [{"path": p, "mp_policy": policy, "gradient_divide_factor": None} for p in ("", "0", "2")]
+        assert meta["fsdp"] == {"mp_policy": policy, "mesh": {"device_type": "cpu", "shape": [2], "dim_names": None},
+                                "world_size": 2, "modules": modules}
     # the [8, 8] weight: rows 0..3 on rank 0, rows 4..7 on rank 1 (FSDP2 chunks dim 0)
     w = [m["params"][0] for m in metas]
     assert [(p["name"], p["shape"], p["sharded"]) for p in w] == [("0.weight", [8, 8], True)] * 2

@@ -154,7 +154,8 @@ def _check_fp8(fp8: Any, recipe: Any, path) -> None:
                    f"{', '.join(schema.FP8_CAST_KEYS[:4])}, ...", path)
 
 
-_FSDP_KEYS = ("dcp_dir", "mp_policy", "mesh", "world_size", "local_state", "layout")
+_FSDP_KEYS = ("dcp_dir", "mp_policy", "mesh", "world_size", "local_state", "layout", "modules")
+_MAX_MODULES = 1 << 16
 
 
 def _check_fsdp(fsdp: Any, path) -> None:
@@ -185,10 +186,31 @@ def _check_fsdp(fsdp: Any, path) -> None:
             if not isinstance(name, str) or not isinstance(t, torch.Tensor):
                 raise _bad("fsdp", f"local_state entry {name!r} is not a named tensor"[:200], path)
             check_dense(t, path=path, where=f"fsdp['local_state'][{name!r}]")
+    _check_fsdp_modules(fsdp.get("modules"), path)
     layout = fsdp.get("layout")
     if layout is not None and not (isinstance(layout, dict) and all(
             isinstance(v, dict) and isinstance(v.get("shape"), list) for v in layout.values())):
         raise _bad("fsdp", "layout should be None or a dict of name -> {'shape': [...], 'offset': [...]}", path)
+
+
+def _check_fsdp_modules(modules: Any, path) -> None:
+    """None (before version 8), or the ``fully_shard``-ed modules: path, policy, divide factor."""
+    if modules is None:
+        return
+    if not isinstance(modules, list) or len(modules) > _MAX_MODULES:
+        raise _bad("fsdp", "modules should be None or a list of {'path', 'mp_policy', 'gradient_divide_factor'}", path)
+    for m in modules:
+        factor = m.get("gradient_divide_factor") if isinstance(m, dict) else None
+        policy = m.get("mp_policy") if isinstance(m, dict) else None
+        ok = (isinstance(m, dict) and set(m) <= {"path", "mp_policy", "gradient_divide_factor"}
+              and isinstance(m.get("path"), str) and len(m["path"]) <= 1024
+              and (factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                      and math.isfinite(factor) and factor > 0))
+              and (policy is None or (isinstance(policy, dict) and all(
+                  isinstance(v, (str, type(None))) and (v is None or len(v) < 64) for v in policy.values()))))
+        if not ok:
+            raise _bad("fsdp", f"modules entry {str(m)[:120]!r} is not a sharded module's path, policy and "
+                               "positive divide factor", path)
 
 
 def _check_named_tensors(d: Any, key: str, field: str, path) -> None:

@@ -40,7 +40,7 @@ from ..errors import BadInputError
 from ._limits import archive_budget, check_nesting
 from ._dense import check_dense
 
-__all__ = ["load_sharded_state", "sibling_snapshot"]
+__all__ = ["load_sharded_state", "sibling_snapshot", "dcp_directory", "read_dcp_metadata"]
 
 _RERECORD = ("record with Recorder(..., sync_failures=True) so that every rank writes the step's "
              "shards into one DCP directory, then replay that snapshot")
@@ -110,6 +110,36 @@ def load_sharded_state(path: str | os.PathLike, snap: Mapping) -> dict[str, torc
         return _from_local_shards(path, snap)
     raise BadInputError("this FSDP snapshot holds neither a DCP directory nor its rank's shards", path=path,
                         fix=_RERECORD)
+
+
+def dcp_directory(path: str | os.PathLike, snap: Mapping) -> Path:
+    """The snapshot's DCP directory beside it, checked to be a plain name there (the distributed replay's weights).
+
+    Raises:
+        BadInputError: not an FSDP snapshot, no DCP directory (local shards only), or a missing or hostile one.
+    """
+    fsdp = snap.get("fsdp")
+    if not isinstance(fsdp, Mapping):
+        raise BadInputError("not a sharded (FSDP2) snapshot: it has no fsdp entry", path=path,
+                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
+    if fsdp.get("dcp_dir") is None:
+        raise BadInputError("this FSDP snapshot holds its rank's local shards, not a DCP directory, which the "
+                            "distributed replay loads", path=path,
+                            fix="replay it in one process (analyzer replay SNAPSHOT, without torchrun), or " + _RERECORD)
+    return _dcp_path(path, fsdp["dcp_dir"])
+
+
+def read_dcp_metadata(d: Path):
+    """The DCP directory's ``.metadata`` through the allow-list, every storage item checked to lie in its data files.
+
+    Raises:
+        BadInputError: a missing, corrupt, truncated or foreign DCP directory.
+    """
+    md = _read_metadata(d)
+    _check_storage(d, md)
+    if not any(isinstance(k, str) and k.startswith("model.") for k in md.state_dict_metadata):
+        raise BadInputError("the DCP checkpoint holds no 'model' state", path=d, fix=_RERECORD)
+    return md
 
 
 # -- DCP directories ------------------------------------------------------------------------------
@@ -201,10 +231,7 @@ def _from_dcp(path, d: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    md = _read_metadata(d)
-    _check_storage(d, md)
-    if not any(isinstance(k, str) and k.startswith("model.") for k in md.state_dict_metadata):
-        raise BadInputError("the DCP checkpoint holds no 'model' state", path=d, fix=_RERECORD)
+    md = read_dcp_metadata(d)
 
     class _Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):

@@ -88,6 +88,15 @@ class ReplayContext:
         return self._model
 
     def _build(self, precision: str | None = None) -> torch.nn.Module:
+        model = self.make()
+        model = self.convert(model) if self.convert is not None else model
+        self.model_state = fit_state(model, self.model_state)  # names with or without _orig_mod. segments
+        cast_model(model, self.mode, precision, self.model_state)
+        self._load(model)
+        return model.to(self.device)
+
+    def make(self) -> torch.nn.Module:
+        """A fresh model from the factory, its weights as the factory left them (a factory's error: one line)."""
         try:
             model = self.factory(**self.factory_kwargs)
         except Exception as e:  # noqa: BLE001 - user code failing is reported, not crashed on
@@ -100,12 +109,7 @@ class ReplayContext:
                 f"factory {self.factory_ref!r} returned {type(model).__name__}, not an nn.Module",
                 path=self.path, fix="pass --factory pkg.module:function returning the model",
             )
-        model = original_module(model)  # a factory returning torch.compile(model): replay its original
-        model = self.convert(model) if self.convert is not None else model
-        self.model_state = fit_state(model, self.model_state)  # names with or without _orig_mod. segments
-        cast_model(model, self.mode, precision, self.model_state)
-        self._load(model)
-        return model.to(self.device)
+        return original_module(model)  # a factory returning torch.compile(model): replay its original
 
     def _load(self, model: torch.nn.Module) -> None:
         try:
@@ -115,6 +119,15 @@ class ReplayContext:
                 f"snapshot weights do not fit the model built by {self.factory_ref!r}: {_state_dict_mismatch(e)}",
                 path=self.path, fix="pass the factory that built this model with --factory",
             ) from e
+
+    def stats_mode(self, **kwargs: Any) -> _OpStatsMode:
+        """The dispatch mode that records one run (a sharded replay waits on each collective in it)."""
+        return _OpStatsMode(**kwargs)
+
+    def grads(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The gradients the run's statistics read, by parameter name: this process's own (a sharded model's
+        local shards)."""
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.numel() > 0}
 
     def restore_rng(self) -> None:
         torch.set_rng_state(self.rng["cpu"])
@@ -172,7 +185,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     if watch:
         named = dict(model.named_buffers())
         reads = BufferReads({n: named[n] for n in watch if n in named})
-    mode = _OpStatsMode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads, override=op_override, casts=casts)
+    mode = ctx.stats_mode(zeros=zeros, capture=capture, on_ops=on_ops, reads=reads, override=op_override, casts=casts)
     sdpa_ctx = sdpa_switches(ctx.sdpa, only=sdpa_backend, device=ctx.device.type)
     sdpa_calls = record_calls(mode)
     tag_mode = _ForwardTagMode(mode, emulate_cuda=ctx.emulate_cuda and precision in LOW_PRECISION)
@@ -214,7 +227,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
             h.remove()
         if gc_was_enabled:
             gc.enable()
-    named = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.numel() > 0}
+    named = ctx.grads(model)
     grads = list(named.values())
     grad_stats = [mode.add_stat(g) for g in grads]
     absmax, nonzero = mode.finalize()  # NB: the run's one host sync

@@ -51,6 +51,19 @@ _RUNNING_STATS_OPS: dict[str, str | None] = {
     "aten.miopen_batch_norm_backward": None,
 }
 _STATS_ARGS = ("running_mean", "running_var")
+# Collectives and FSDP2's copy ops: the buffer each one fills is handed in empty (uninitialised memory),
+# never read; the c10d schemas do not mark it written (no ``Tensor(a!)``).
+_FILLED_ARGS: dict[str, tuple[str, ...]] = {
+    "c10d._reduce_scatter_base_": ("output_tensor",),
+    "c10d._allgather_base_": ("output_tensor",),
+    "c10d.reduce_scatter_": ("output_tensors",),
+    "c10d.allgather_": ("output_tensors",),
+    "c10d.allgather_into_tensor_coalesced_": ("outputs",),
+    "c10d.reduce_scatter_tensor_coalesced_": ("outputs",),
+    "fsdp.all_gather_copy_in": ("all_gather_output",),
+    "fsdp.split_with_sizes_copy": ("out",),
+    "fsdp.chunk_cat": ("out",),
+}
 _WRITTEN = Memo()  # OpOverload -> argument positions its schema marks as written (Tensor(a!))
 
 
@@ -65,6 +78,10 @@ def _arg(func, args, kwargs, name: str):
 
 def unread_args(name: str, func, args, kwargs) -> list[torch.Tensor]:
     """The tensor arguments of this call that the op never reads into an output (it may write them)."""
+    filled = _FILLED_ARGS.get(name)
+    if filled is not None:
+        found = [_arg(func, args, kwargs, n) for n in filled]
+        return [t for a in found for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
     if name not in _RUNNING_STATS_OPS:
         return []
     training = _RUNNING_STATS_OPS[name]

@@ -120,13 +120,24 @@ class Reproduction:
     recorded_device: str | None
     sharded: bool               # the step ran on several ranks: this replay runs no collective
     spike: dict | None = None   # a spike snapshot: per replayed precision, its value of the spiking metric
+    fsdp_world: int | None = None   # an FSDP2 snapshot with a DCP directory: its rank count (the distributed replay)
+    reduce_dtype: str | None = None  # its policy's reduce_dtype
+
+    @property
+    def command(self) -> str | None:
+        """The distributed replay that runs the step's collectives, for an FSDP2 snapshot that can have it."""
+        return None if self.fsdp_world is None else \
+            f"torchrun --nproc-per-node {self.fsdp_world} -m analyzer replay SNAPSHOT"
 
     def to_dict(self) -> dict:
         rec = self.recorded_loss
-        return {"not_reproduced": {**({"spike_replayed": dict(self.spike)} if self.spike is not None else {}),
+        out = {**({"spike_replayed": dict(self.spike)} if self.spike is not None else {}),
             "recorded": self.failed, "recorded_loss": rec if rec is None or math.isfinite(rec) else str(rec),
             "precision": self.precision, "replayed_loss": dict(self.replayed), "scale": self.scale,
-            "device": self.device, "recorded_device": self.recorded_device, "collectives_replayed": not self.sharded}}
+            "device": self.device, "recorded_device": self.recorded_device, "collectives_replayed": not self.sharded}
+        if self.command is not None:
+            out["distributed_replay"] = self.command
+        return {"not_reproduced": out}
 
 
 def _recorded_failure(snap) -> str | None:
@@ -157,10 +168,15 @@ def reproduction(inp: ProbeInput) -> Reproduction | None:
     run = inp.runs.get(prec)
     if run is None or not run.finite:
         return None
-    sharded = bool(getattr(snap, "fsdp", None)) or (isinstance(snap.world_size, int) and snap.world_size > 1)
+    fsdp = getattr(snap, "fsdp", None)
+    sharded = bool(fsdp) or (isinstance(snap.world_size, int) and snap.world_size > 1)
+    world = fsdp.get("world_size") if isinstance(fsdp, dict) and fsdp.get("dcp_dir") else None
+    policy = fsdp.get("mp_policy") if isinstance(fsdp, dict) else None
     return Reproduction(failed, snap.loss if isinstance(snap.loss, (int, float)) else None, prec,
                         {p: r.loss for p, r in inp.runs.items()}, inp.diagnosis.scale, str(inp.ctx.device.type),
-                        snap.device_type, sharded, sp.replayed if spiked else None)
+                        snap.device_type, sharded, sp.replayed if spiked else None,
+                        world if isinstance(world, int) and world > 1 else None,
+                        policy.get("reduce_dtype") if isinstance(policy, dict) else None)
 
 
 def _g(x: float) -> str:
@@ -186,12 +202,19 @@ def _summary(d: Diagnosis) -> str:
         parts.append(
             f"The recorder saw this step fail with {rep.failed}{loss}, but its replay in {rep.precision} on "
             f"{rep.device}, with the recorded RNG state and loss scale {_g(rep.scale)}, is finite (losses: "
-            f"{replayed}): the failure did not reproduce. Nondeterminism (atomics, another kernel or device) or "
-            "a transient hardware fault (silent data corruption, a bad memory page) made it, not this step's "
-            "numerics as replayed.")
+            f"{replayed}): the failure did not reproduce.")
+        if rep.command is not None:  # FSDP2: the collectives are the first suspect, and they can be replayed
+            parts.append(
+                f"This one-process replay cannot see the collectives of the {rep.fsdp_world} ranks (FSDP2 reduced the "
+                f"gradients in {rep.reduce_dtype or 'the parameters dtype'} across them): a failure born in a "
+                f"reduction, or brought in by one, is not replayed here. Replay the step with its collectives: "
+                f"{rep.command}.")
+        else:
+            parts.append("Nondeterminism (atomics, another kernel or device) or a transient hardware fault (silent "
+                         "data corruption, a bad memory page) made it, not this step's numerics as replayed.")
         if rep.recorded_device and rep.recorded_device != rep.device:
             parts.append(f"NB: the step ran on {rep.recorded_device} in training and on {rep.device} here.")
-        if rep.sharded:
+        if rep.sharded and rep.command is None:
             parts.append("NB: the step ran on several ranks and this one-process replay runs none of their "
                          "collectives: NaN/Inf that reached this rank through a gradient reduction from another "
                          "rank is not replayed here.")
@@ -212,6 +235,9 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
             "{'cpu': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() "
             "else None}}, 'batch.pt') (or pass the state as --rng FILE), then replay again."))
     rep: Reproduction | None = d.evidence.get("reproduction")
+    if rep is not None and rep.command is not None:
+        lines.append(AdviceLine(f"Replay the step on {rep.fsdp_world} processes, collectives included: {rep.command} "
+                                "(docs/distributed.md)."))
     if rep is not None:
         other = "cpu" if rep.device != "cpu" else "cuda"
         lines.append(AdviceLine(

@@ -1,0 +1,49 @@
+"""Text of a distributed replay (``torchrun ... -m analyzer replay``), as rank 0 prints it."""
+from __future__ import annotations
+
+import math
+
+from ..replay.distributed import DistributedResult
+
+__all__ = ["render_distributed_text"]
+
+
+def _g(v) -> str:
+    if v is None:
+        return "-"
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else f"{v:.4g}"
+
+
+def render_distributed_text(r: DistributedResult) -> str:
+    """The verdict, the agreed culprit with every rank's evidence, each run per rank, the fixes tried."""
+    lines = [f"verdict: {r.verdict}", f"  {r.summary}",
+             f"snapshot: {r.snapshot} (step {r.step}, {r.reason})",
+             f"replayed on {r.world_size} rank(s) (recorded on {r.recorded_world_size}), {r.device}, "
+             f"precision mode {r.precision_mode} ({r.precision_dtype or 'float32'}), collectives included"]
+    lines += [f"  note: {n}" for n in r.notes]
+    c = r.culprit
+    if c is not None:
+        lines += ["", "culprit:", f"  op        {c['op']}", f"  module    {c['module']}", f"  phase     {c['phase']}",
+                  f"  rank      {c['rank']}   op #{c['index']}   precision {c['precision']}",
+                  f"  inputs    {', '.join(c['input_dtypes']) or '-'}  abs-max {_g(c['input_absmax'])}",
+                  f"  output    {c['output_dtype'] or '-'}  abs-max {_g(c['output_absmax'])}"]
+        if c.get("input"):
+            lines.append(f"  bad input {c['input']} (rank(s) {r.input_ranks.get(c['input'], [])})")
+        coll = c.get("collective")
+        if coll is not None:
+            ref = _g(coll.get("fp32_output_absmax"))
+            lines.append(f"  per rank  (reduced in {coll.get('reduce_dtype')}; FP32 run: {ref})")
+            lines += [f"    rank {x['rank']}: input abs-max {_g(x['input_absmax'])}  reduced abs-max "
+                      f"{_g(x['output_absmax'])}" for x in coll["ranks"]]
+    lines += ["", "runs:"]
+    for p, ranks in r.runs.items():
+        for rank, s in enumerate(ranks):
+            state = "finite" if s["forward_finite"] and s["grads_finite"] else (
+                "forward NaN/Inf" if not s["forward_finite"] else "gradients NaN/Inf")
+            lines.append(f"  {p:<9} rank {rank}  loss {_g(s['loss']):>10}  {state}")
+    if r.fixes:
+        lines += ["", "fixes tried on every rank:"]
+        lines += [f"  [{f.status}] {f.title}: {f.detail}" for f in r.fixes]
+    if r.advice:
+        lines += ["", "advice:"] + [f"  - {a}" for a in r.advice]
+    return "\n".join(lines)

@@ -1,0 +1,8 @@
+"""The distributed replay: a sharded (FSDP2) snapshot's step on N processes under torchrun, collectives included."""
+from __future__ import annotations
+
+from .agree import DISTRIBUTED_VERDICTS, Decision, decide, summarize
+from .replay import distributed_replay
+from .result import DistributedResult
+
+__all__ = ["distributed_replay", "DistributedResult", "DISTRIBUTED_VERDICTS", "Decision", "decide", "summarize"]

@@ -1,0 +1,109 @@
+"""``DistributedResult``: what a distributed replay found, as rank 0 prints it (text and ``--json``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...findings import json_safe
+from ..fixes import Fix
+
+__all__ = ["DistributedResult", "DTYPE_MAX"]
+
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+
+
+def _g(v: float | None) -> str:
+    if v is None:
+        return "?"
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else f"{v:.4g}"
+
+
+@dataclass(frozen=True)
+class DistributedResult:
+    """The ranks' agreed answer.
+
+    Attributes:
+        verdict: one of ``agree.DISTRIBUTED_VERDICTS``.
+        culprit: the agreed op (earliest in the step, then lowest rank), with ``rank``; a collective's
+            has ``collective``: each rank's input and output abs-max.
+        runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``.
+        world_size / recorded_world_size: the replay's rank count and the run's.
+        nonfinite_inputs: parameters (their shards), buffers and batch entries already NaN/Inf, with
+            ``input_ranks``: which ranks held them.
+        fixes: the fixes tried on every rank.
+        notes: what differs from the recorded step (fewer ranks, an older snapshot's layout).
+    """
+
+    verdict: str
+    culprit: dict[str, Any] | None
+    runs: dict[str, list[dict[str, Any]]]
+    snapshot: str
+    step: int | None
+    reason: str | None
+    world_size: int
+    recorded_world_size: int
+    precision_mode: str
+    precision_dtype: str | None
+    device: str
+    nonfinite_inputs: list[str] = field(default_factory=list)
+    input_ranks: dict[str, list[int]] = field(default_factory=dict)
+    fixes: list[Fix] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def summary(self) -> str:
+        """One or two sentences, each resting on the numbers in ``culprit`` and ``runs``."""
+        c = self.culprit
+        if self.verdict == "healthy":
+            return ("Every rank ran the step's forward and backward without a NaN/Inf in every replayed precision, "
+                    "collectives included.")
+        if c is None:
+            return "; ".join(self.notes) or f"verdict {self.verdict}, with no op to blame"
+        where = f"{c['op']} in `{c['module']}` ({c['phase']}) on rank {c['rank']}"
+        if self.verdict == "nonfinite_input":
+            ranks = self.input_ranks.get(c.get("input"), [])
+            return (f"{c.get('input')} (rank(s) {ranks}) was already NaN/Inf before the first op ran; "
+                    f"the step itself is not the cause. First read by {where}.")
+        if self.verdict == "numerical_bug":
+            return f"{where} produced NaN/Inf in FP32 too: not a precision problem."
+        coll = c.get("collective")
+        if self.verdict == "overflow" and coll is not None:
+            dtype = coll.get("reduce_dtype")
+            ins = ", ".join(f"rank {r['rank']} {_g(r['input_absmax'])}" for r in coll["ranks"])
+            outs = ", ".join(f"rank {r['rank']} {_g(r['output_absmax'])}" for r in coll["ranks"])
+            ref = coll.get("fp32_output_absmax")
+            return (f"{c['op']} ({c['phase']}, module `{c['module']}`) summed the ranks' values in {dtype}: every "
+                    f"rank's input was finite (abs-max {ins}) and the reduced value is not (abs-max {outs}; "
+                    f"{dtype} max {_g(DTYPE_MAX.get(dtype))}); the FP32 run's same reduction reached {_g(ref)}.")
+        if self.verdict == "overflow":
+            return (f"{where} produced {_g(c['output_absmax'])} in {c['precision']} from finite inputs (abs-max "
+                    f"{_g(c['input_absmax'])}); the FP32 run is finite.")
+        return f"{where} is the first op with a NaN/Inf in {c['precision']}, not classified further (see the note)."
+
+    @property
+    def advice(self) -> list[str]:
+        """What to change, each line with the status of the fix that stands for it."""
+        lines = []
+        for fix in self.fixes:
+            if fix.name == "reduce_fp32":
+                lines.append(f"[{fix.status}] Reduce gradients in FP32: MixedPrecisionPolicy(..., "
+                             f"reduce_dtype=torch.float32) at every fully_shard. {fix.detail}")
+        if self.verdict == "nonfinite_input":
+            lines.append("The weights or the batch were broken before this step: look at the step before it "
+                         "(analyzer report RUN), not at this step's ops.")
+        if self.verdict == "not_classified" and self.culprit is not None:
+            lines.append(f"Replay rank {self.culprit['rank']}'s snapshot in one process for the op's class: "
+                         f"analyzer replay SNAPSHOT --rank {self.culprit['rank']}.")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe({
+            "verdict": self.verdict, "summary": self.summary, "culprit": self.culprit, "runs": self.runs,
+            "advice": self.advice, "fixes": [f.to_dict() for f in self.fixes],
+            "snapshot": self.snapshot, "step": self.step, "reason": self.reason, "device": self.device,
+            "precision_mode": self.precision_mode, "precision_dtype": self.precision_dtype,
+            "nonfinite_inputs": self.nonfinite_inputs,
+            "distributed": {"world_size": self.world_size, "recorded_world_size": self.recorded_world_size,
+                            "input_ranks": self.input_ranks, "notes": list(self.notes)},
+        })
