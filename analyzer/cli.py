@@ -26,10 +26,11 @@ import sys
 import click
 
 from .load import ARCHIVE_RATIO_ENV, DEFAULT_ARCHIVE_RATIO, archive_ratio_limit
+from ._cli_options import (checkpoint_options, device_option, fail_on_option, json_option, override_options,
+                           parse_steps, replay_options)
 from ._cli_errors import EXIT_INTERNAL, one_line as _one_line, one_line_errors as _one_line_errors
 from ._terminal import escape_controls
 from ._torchrun import under_torchrun
-from .findings import EXIT_FAIL_ON
 
 __all__ = ["main", "EXIT_INTERNAL"]
 
@@ -50,18 +51,6 @@ def _print_json(obj) -> None:
     click.echo("".join(buf))
 
 
-def _parse_steps(ctx, param, value):
-    if value is None:
-        return None
-    lo, sep, hi = value.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        return (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
-    except ValueError:
-        raise click.BadParameter("expected A:B, A: or :B with integer steps, e.g. 100:500") from None
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="amp-autopsy")
 @click.option("--debug", is_flag=True, help="On an internal error (exit 3), print the traceback too.")
@@ -80,25 +69,6 @@ def main(ctx, debug, max_archive_ratio) -> None:
     ctx.with_resource(archive_ratio_limit(max_archive_ratio))  # for this command's reads only
 
 
-def _checkpoint_options(fn):
-    """``--batch``, ``--amp``, ``--scale``: replay a checkpoint (no recorder snapshot) with the failing step's batch."""
-    fn = click.option("--scale", type=float, default=None, metavar="S",
-                      help="With --batch: the loss scale of the failing step. Default: 1 for BF16; for FP16 the "
-                           "GradScaler state saved with the checkpoint, else GradScaler's default 65536.")(fn)
-    fn = click.option("--accumulate", type=click.Choice(["auto", "mean", "sum", "join"]), default=None,
-                      help="With --batch FILE holding a list of micro-batches: how training combined their losses. "
-                           "mean: each loss / N; sum: undivided; join: replay their concatenation as one batch. "
-                           "Default auto: HF's num_items_in_batch when every micro-batch carries it, else mean.")(fn)
-    fn = click.option("--amp", type=click.Choice(["fp16", "bf16"]), default=None,
-                      help="With --batch: the precision the run trained in (default fp16).")(fn)
-    return click.option("--batch", "batch", type=click.Path(exists=True, dir_okay=False, path_type=str),
-                        default=None, metavar="FILE",
-                        help="Replay a checkpoint instead of a snapshot: a state_dict (.pt, .safetensors; with "
-                             "--factory and --loss-fn), an HF checkpoint directory or a Lightning .ckpt, with FILE, "
-                             "the failing step's batch saved by torch.save(batch, FILE) (HF Trainer: callbacks="
-                             "[recorders.integrations.hf.save_batch_on_nan(FILE)]).")(fn)
-
-
 def _open_target(path, command, batch, amp, scale, accumulate, *, rng=None, factory_kwargs=None, **kw):
     """What PATH (and --batch) name, opened by ``load.target`` (a snapshot, a run, or a checkpoint and its batch);
     `factory_kwargs` already parsed (``_factory_kwargs``)."""
@@ -112,73 +82,26 @@ def _open_target(path, command, batch, amp, scale, accumulate, *, rng=None, fact
                        factory_kwargs=factory_kwargs, **kw)
 
 
-def _override_options(fn):
-    """``--rng FILE`` (with --batch) and ``--factory-kwargs JSON``: what the command line says over the files'."""
-    fn = click.option("--factory-kwargs", "factory_kwargs", default=None, metavar="JSON",
-                      help="Keyword arguments for the model factory, a JSON object merged over the recorded ones, "
-                           "e.g. '{\"width\": 64}'.")(fn)
-    return click.option("--rng", "rng", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
-                        metavar="FILE", help="With --batch: the failing step's RNG state, saved at the step's start "
-                                             "by torch.save({'cpu': torch.get_rng_state(), 'cuda': "
-                                             "torch.cuda.get_rng_state_all()}, FILE).")(fn)
-
-
 def _factory_kwargs(text):
     from .load.overrides import parse_factory_kwargs
 
     return None if text is None else parse_factory_kwargs(text)
 
 
-def _fail_on_option(when: str, printed: str):
-    """``--fail-on SEVERITY``: exit EXIT_FAIL_ON (4) when `when` (``findings.exit_status``)."""
-    return click.option("--fail-on", "fail_on", type=click.Choice(["error", "warning"]), default=None,
-                        help=f"Exit with status {EXIT_FAIL_ON} when {when} (to gate a pipeline); {printed} is "
-                             "printed as usual.")
-
-
-_json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
-_device_option = click.option(
-    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-    help="Where to replay: cuda when present (auto), else cpu.")
-
-
-def _replay_options(*, culprit: str | None, snapshot: str):
-    """The options ``replay`` and ``autopsy`` share: --ops (without a `culprit`, none), --factory, --loss-fn, --path."""
-    options = [
-        click.option("--ops", default=8, show_default=True, type=click.IntRange(0, None),
-                     help=f"Ops to show around {culprit}."),
-    ] if culprit is not None else []
-    options += [
-        click.option("--factory", default=None, metavar="REF", help="Override the model factory, pkg.mod:function."),
-        click.option("--loss-fn", "loss_fn", default=None, metavar="REF",
-                     help="Override the loss function, pkg.mod:function."),
-        click.option("--path", "paths", multiple=True, metavar="DIR",
-                     type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=str),
-                     help=f"Also import {snapshot} factory and loss function from under DIR "
-                          "(repeatable)."),
-    ]
-
-    def apply(f):
-        for option in reversed(options):
-            f = option(f)
-        return f
-    return apply
-
-
 @main.command(epilog="After a crash without a recorder: torch.save(batch, 'batch.pt') in the loop when the loss "
                      "is NaN, then: analyzer replay model.pt --batch batch.pt --factory pkg.mod:build --loss-fn "
                      "pkg.mod:loss (HF and Lightning checkpoints need neither).")
 @click.argument("snapshot", type=click.Path(path_type=str))  # a directory gets the command that reads it
-@_checkpoint_options
-@_json_option
-@_device_option
+@checkpoint_options
+@json_option
+@device_option
 @click.option("--dtypes", default=None, metavar="LIST",
               help="Precisions to replay, e.g. fp32,fp16,bf16. Default: fp32 and the run's AMP dtype, and bf16 "
                    "(at loss scale 1) when the advice would be to switch to it.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write a PNG of per-op abs-max along execution order (for an update snapshot: the update "
                    "forensics, per parameter).")
-@_replay_options(culprit="the culprit", snapshot="the snapshot's")
+@replay_options(culprit="the culprit", snapshot="the snapshot's")
 @click.option("--show", is_flag=True,
               help="Print what replay would import, from which file, and whether the import rule allows "
                    "it; import nothing, replay nothing.")
@@ -188,7 +111,7 @@ def _replay_options(*, culprit: str | None, snapshot: str):
 @click.option("--steps", "window", type=click.IntRange(1, None), default=None, metavar="K",
               help="Also replay the K steps up to the snapshot's from its rewind window (Recorder(rewind=K)), in "
                    "FP32 and the run's precision from one state: where they part, and whether FP32 spikes.")
-@_override_options
+@override_options
 @_one_line_errors
 def replay(snapshot, batch, amp, accumulate, scale, as_json, device, dtypes, plot_path, ops, factory, loss_fn, paths, show,
            rank, window, rng, factory_kwargs):
@@ -251,14 +174,14 @@ def _show_imports(snapshot, rank, factory, loss_fn, paths, as_json) -> None:
 
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
-@_json_option
+@json_option
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Write diagnosis PNGs into this directory.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write one self-contained HTML report.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
-@click.option("--steps", callback=_parse_steps, default=None, metavar="A:B", help="Only steps A <= step < B.")
-@_fail_on_option("a finding of this severity or worse is present", "the report")
+@click.option("--steps", callback=parse_steps, default=None, metavar="A:B", help="Only steps A <= step < B.")
+@fail_on_option("a finding of this severity or worse is present", "the report")
 @_one_line_errors
 def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
     """Diagnose a run's traces: a run directory, or a log from HF, Lightning, DeepSpeed, CSV/JSONL."""
@@ -289,17 +212,17 @@ def report(run, as_json, plots_dir, html_path, rank, steps, fail_on):
 
 @main.command()
 @click.argument("run", type=click.Path(path_type=str))
-@_checkpoint_options
-@_json_option
+@checkpoint_options
+@json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write one self-contained HTML page, the answer first (links to snapshots are relative).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Write the report's plots and each replay's figure into this directory.")
 @click.option("--rank", type=click.IntRange(0, None), default=None, help="Only this rank.")
-@_device_option
-@_replay_options(culprit="each culprit", snapshot="the snapshots'")
-@_fail_on_option("the report has a finding of this severity or worse", "the autopsy")
-@_override_options
+@device_option
+@replay_options(culprit="each culprit", snapshot="the snapshots'")
+@fail_on_option("the report has a finding of this severity or worse", "the autopsy")
+@override_options
 @_one_line_errors
 def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, rank, device, ops, factory, loss_fn, paths, fail_on,
             rng, factory_kwargs):
@@ -353,14 +276,14 @@ def autopsy(run, batch, amp, accumulate, scale, as_json, html_path, out_dir, ran
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=str))  # a file, or an HF checkpoint-N/ directory
 @click.argument("checkpoint_b", required=False, type=click.Path(path_type=str))
-@_json_option
+@json_option
 @click.option("--top", default=10, show_default=True, type=click.IntRange(1, None), help="Tensors to list per finding.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to scan the tensors: cuda copies each chunk to the GPU (auto: cuda when present). "
                    "The results are the same.")
 @click.option("--all-tensors", is_flag=True, help="With --json: list every tensor (by default the 500 worst of "
               "each file; tensors_total says how many there are).")
-@_fail_on_option("a finding of this severity or worse is present", "the output")
+@fail_on_option("a finding of this severity or worse is present", "the output")
 @_one_line_errors
 def inspect(checkpoint, checkpoint_b, as_json, top, device, all_tensors, fail_on):
     """Check a checkpoint (or two) for NaN/Inf, FP16/BF16 range risk and optimizer-state damage."""
@@ -380,10 +303,10 @@ def inspect(checkpoint, checkpoint_b, as_json, top, device, all_tensors, fail_on
 
 @main.command("fp8-readiness")
 @click.argument("snapshot", type=click.Path(path_type=str))
-@_checkpoint_options
-@_json_option
-@_device_option
-@_replay_options(culprit=None, snapshot="the snapshot's")
+@checkpoint_options
+@json_option
+@device_option
+@replay_options(culprit=None, snapshot="the snapshot's")
 @_one_line_errors
 def fp8_readiness(snapshot, batch, amp, accumulate, scale, as_json, device, factory, loss_fn, paths):
     """What FP8 training would flush or saturate in a BF16 step, per Linear and operand, and which to keep in BF16.

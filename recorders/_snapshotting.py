@@ -13,7 +13,7 @@ import torch
 from . import schema
 from . import triggers as _triggers
 from ._lifecycle import RecorderWarning
-from ._update import optimizer_entry, update_entry
+from ._update import UpdateCheck, optimizer_entry, update_entry
 from .snapshot import build_snapshot, claim_snapshot, write_snapshot
 
 __all__ = ["Snapshotting"]
@@ -27,7 +27,20 @@ def _rng_states(rng: dict | None) -> dict | None:
 
 
 class Snapshotting:
-    """``Recorder._snapshot`` and the optimizer step post hook of ``check_update``."""
+    """``Recorder._snapshot`` and ``check_update``'s optimizer step post hook."""
+
+    def _setup_update_check(self) -> None:
+        """check_update: the weights' finiteness now, and the optimizer step post hook."""
+        self._update_check = UpdateCheck(self._params, self._device, self._single_device)
+        self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup
+        register = getattr(self.optimizer, "register_step_post_hook", None)
+        if callable(register):
+            self._hook = register(self._after_optimizer_step)
+        else:  # not a torch.optim.Optimizer: the rest of the record is still worth having
+            self._recorder_warning("no_step_hook", "amp-autopsy recorder: check_update=True needs a "
+                                   "torch.optim.Optimizer (its register_step_post_hook); "
+                                   f"{type(self.optimizer).__name__} has none, so optimizer steps are not "
+                                   "checked", RecorderWarning, stacklevel=5)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         """check_update: the optimizer's step post hook. Snapshot the step that broke the weights."""

@@ -32,7 +32,6 @@ from .refs import to_ref
 from ._sample import UpdateSample
 from ._rewind import rewind_steps, rewind_window
 from ._snapshotting import Snapshotting
-from ._update import UpdateCheck
 from .trace import LayerBuffer, TraceWriter
 
 __all__ = ["Recorder", "RecorderWarning"]
@@ -86,12 +85,10 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             already brought to the host, and fire once the baseline holds half a window (docs/recorder.md).
         spike_window: trailing steps of the spike baselines, >= 10.
         max_spike_snapshots: at most this many spike snapshots per run and rank, apart from `max_snapshots`.
-        rewind: K keeps host copies of the weights and optimizer state every K steps, of each step's batch (cloned: a
-            loop may refill it in place) and RNG: ``analyzer replay SNAPSHOT --steps K`` replays K steps before any
-            snapshot. Costs those copies, no host sync; memory 2x (weights + optimizer state) + 2K batches (_rewind).
-        fp8_every: with FP8 modules (torchao), measure each one's input, weight and grad_output casts every N steps
-            (hooks on those steps only); a cast flushing or saturating past the limits is an ``"fp8"`` snapshot,
-            no failure (docs/fp8.md). None: never.
+        rewind: K: host copies of weights and optimizer state every K steps and of each step's batch (cloned) and RNG,
+            for ``replay SNAPSHOT --steps K``; no host sync; memory 2x (weights + optimizer state) + 2K batches.
+        fp8_every: FP8 modules (torchao): their input, weight and grad_output casts measured every N steps (None:
+            never); a cast flushing or saturating past the limits is an ``"fp8"`` snapshot, no failure (docs/fp8.md).
 
     Call ``end_step`` after ``backward`` and before ``scaler.step`` / ``optimizer.step``:
     the gradients are final and the weights are still those the failing forward used.
@@ -397,16 +394,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
         self._rewind = rewind_window(self, model)
         if self.check_update:
-            self._update_check = UpdateCheck(self._params, self._device, self._single_device)
-            self._weights_finite = not self._update_check.nonfinite()  # NB: host sync, once at setup
-            register = getattr(self.optimizer, "register_step_post_hook", None)
-            if callable(register):
-                self._hook = register(self._after_optimizer_step)
-            else:  # not a torch.optim.Optimizer: the rest of the record is still worth having
-                self._recorder_warning("no_step_hook", "amp-autopsy recorder: check_update=True needs a "
-                                       "torch.optim.Optimizer (its register_step_post_hook); "
-                                       f"{type(self.optimizer).__name__} has none, so optimizer steps are not "
-                                       "checked", RecorderWarning, stacklevel=4)
+            self._setup_update_check()
 
     def _write_trace(self, rows, layers) -> None:
         self._writer.write(rows, layers, self._fp8.drain())
