@@ -40,7 +40,7 @@ class Snapshotting:
             self._recorder_warning("no_step_hook", "amp-autopsy recorder: check_update=True needs a "
                                    "torch.optim.Optimizer (its register_step_post_hook); "
                                    f"{type(self.optimizer).__name__} has none, so optimizer steps are not "
-                                   "checked", RecorderWarning, stacklevel=5)
+                                   "checked", RecorderWarning, stacklevel=4)  # the Recorder(...) line
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         """check_update: the optimizer's step post hook. Snapshot the step that broke the weights."""

@@ -122,6 +122,8 @@ def test_a_warning_issued_before_meta_json_exists_is_written_with_it(tmp_path):
     [msg] = _caught(caught)
     kept = json.loads((tmp_path / "run" / "meta.json").read_text())["warnings"]
     assert kept == [{"kind": "no_step_hook", "step": None, "message": msg}]
+    # the warning points at the line that built the Recorder, in this file
+    assert [w.filename for w in caught if str(w.message) == msg] == [__file__]
 
 
 def test_kept_warnings_stop_at_the_cap_and_each_message_is_cut_to_its_limit(tmp_path):
