@@ -17,7 +17,7 @@ from recorders import schema
 from ..errors import BadInputError
 from ._dense import check_dense
 from ._micro import validate_micro_batches
-from ._validate import check_named_tensors, check_optimizer_entry
+from ._validate import check_named_tensors, check_optimizer_entry, walk_tensors
 from .rngfile import check_rng_state
 
 __all__ = ["validate_rewind", "MAX_REWIND_STEPS"]
@@ -67,7 +67,7 @@ def _check_step(s: Any, i: int, path) -> None:
             isinstance(g, dict) and all(isinstance(k, str) and len(k) <= 64 and _hyper_value(v) for k, v in g.items())
             for g in groups)):
         raise _bad(path, f"{where} param_groups should be None or a list of dicts of hyperparameters (numbers)")
-    for name, t in _tensors(s["batch"], f"rewind['steps'][{i}]['batch']"):
+    for name, t in walk_tensors(s["batch"], f"rewind['steps'][{i}]['batch']"):
         check_dense(t, path=path, where=name)
     check_rng_state(s["rng"], path=path, what=f"snapshot 'rewind' {where} rng", fix=_FIX)
     if s["micro_batches"] is not None:
@@ -75,21 +75,6 @@ def _check_step(s: Any, i: int, path) -> None:
             validate_micro_batches({"micro_batches": s["micro_batches"], "batch": s["batch"]}, path)
         except BadInputError as e:
             raise _bad(path, f"{where} micro_batches: {e.message.removeprefix('snapshot ')}") from e
-
-
-def _tensors(obj: Any, prefix: str):
-    """(where, tensor) for every tensor leaf; nesting is already bounded by the file's reader."""
-    import torch
-
-    stack = [(obj, prefix)]
-    while stack:
-        cur, where = stack.pop()
-        if isinstance(cur, torch.Tensor):
-            yield where, cur
-        elif isinstance(cur, dict):
-            stack.extend((v, f"{where}[{k!r}]") for k, v in cur.items())
-        elif isinstance(cur, (list, tuple)):
-            stack.extend((v, f"{where}[{j}]") for j, v in enumerate(cur))
 
 
 def validate_rewind(snap: dict[str, Any], path: str | os.PathLike) -> None:

@@ -21,14 +21,15 @@ from ._dense import check_dense
 from ._limits import check_nesting
 from ..errors import BadInputError
 
-__all__ = ["check_nesting", "validate_snapshot", "check_optimizer_entry", "check_named_tensors"]
+__all__ = ["check_nesting", "validate_snapshot", "check_optimizer_entry", "check_named_tensors",
+           "walk_tensors"]
 
 _REFIX = "the snapshot is damaged or was not written by the amp-autopsy Recorder; re-record the run"
 _MAX_TEXT = 4096
 _MAX_KEY = 64  # a spike entry's texts: a reason or metric name
 
 
-def _walk_tensors(obj: Any, prefix: str):
+def walk_tensors(obj: Any, prefix: str):
     """(where, tensor) for every tensor leaf; nesting is already bounded by check_nesting."""
     stack = [(obj, prefix)]
     while stack:
@@ -248,7 +249,7 @@ def _check_optimizer(opt: Any, path, key: str = "optimizer") -> None:
                                               for n in names):
         raise _bad(key, what + "param_names should be a list of parameter names (or None)", path)
     prefix = "optimizer['state_dict']" if key == "optimizer" else f"{key}['optimizer']['state_dict']"
-    for where, t in _walk_tensors(sd, prefix):
+    for where, t in walk_tensors(sd, prefix):
         check_dense(t, path=path, where=where)
 
 
@@ -318,5 +319,5 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_compile(snap.get("compile"), path)
     _check_spike(snap.get("spike"), path)
     _check_fp8(snap.get("fp8"), snap.get("fp8_recipe"), path)
-    for where, t in _walk_tensors(snap.get("batch"), "batch"):
+    for where, t in walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)
