@@ -96,9 +96,10 @@ VERDICTS: dict[str, Verdict] = {}
 # The order of ``VERDICTS``, whatever order their modules are imported in: ``refine`` tries the
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
+# instability before the FP8 and precision verdicts: a spike FP32 makes too is never blamed on a precision.
 ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "fp8_underflow", "fp8_saturation",
-         "instability", "precision_error")
+         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "instability", "fp8_underflow",
+         "fp8_saturation", "precision_error")
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
