@@ -14,16 +14,18 @@ trailing baseline and the threshold it crossed). The probe reads the same metric
 - FP32 does not spike: what the low precision did is judged by the FP32 comparison
   (``probes/precision.py``): ``precision_error`` when it is beyond tolerance.
 
-NB: the recorder keeps no attention logits, so their growth over earlier steps is not known from one
-snapshot; the answer says so.
+NB: the recorder keeps no attention logits. Where the snapshot holds a rewind window (``Recorder(rewind=K)``),
+the window is replayed from its start in the run's precision and the top module's logit is measured at each
+of its steps (``attention_logit_growth``); without one, the answer says their growth is not recorded.
 
-Real output (the samples' tiny GPT in BF16, logits not divided by sqrt(head_dim), Adam at lr 0.03)::
+Real output (the samples' tiny GPT in BF16, logits not divided by sqrt(head_dim), Adam at lr 0.03, recorded with
+``rewind=8``)::
 
     verdict: instability
       The recorded loss spike reproduces in FP32: 1.802 against the trailing baseline 0.5471 (threshold 1.641,
       recorded 1.798), so the low precision did not make it: an instability of the training itself. The largest
-      pre-softmax attention logit is 3005, in `blocks.1.attn` (its growth over earlier steps is not recorded).
-      The output logits reach 15.5, log-partition (logsumexp) up to 15.53 (mean 10.93). lr 0.03 (the trace's
+      pre-softmax attention logit is 3005, in `blocks.1.attn` (over the rewind window, replayed in bfloat16 as
+      training ran it, it went from 2944 at step 272 to 3216 at step 285, x1.092). The output logits reach 15.5, log-partition (logsumexp) up to 15.53 (mean 10.93). lr 0.03 (the trace's
       trailing median 0.03); gradient norm 6.794 against a trailing median of 1.232; weight norm 64.9 against
       59.33; the largest update jump: `blocks.1.ln_1.bias` at step 284, 4.878x its trailing median.
 """
@@ -69,6 +71,7 @@ class Mechanism:
     lr: float | None = None
     grad_norm: float | None = None
     trace: TraceContext | None = None  # the run's trace over the window before the step
+    growth: dict | None = None  # the top attention module's logit over the rewind window (``_logit_growth``)
 
     @property
     def grad_norm_median(self) -> float | None:
@@ -81,7 +84,7 @@ class Mechanism:
         top = self.top_attention()
         return {"attention_logit_absmax": dict(self.attention),
                 "attention_module": None if top is None else top[0],
-                "attention_logit_growth": None,  # the recorder keeps no logits of earlier steps
+                "attention_logit_growth": self.growth,  # None without a rewind window (Recorder(rewind=K))
                 "output_logit_absmax": self.logit_absmax, "log_partition_max": self.log_partition_max,
                 "log_partition_mean": self.log_partition_mean, "lr": self.lr, "grad_norm": self.grad_norm,
                 "grad_norm_median": self.grad_norm_median,
@@ -241,7 +244,42 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
         mech = Mechanism(lr=_lr(snap), grad_norm=grad_norm(inp.runs["float32"]),
                          trace=trace_context(inp.path, snap.step, snap.rank, window))
         run_once(inp.ctx, "float32", 1.0, prepare=lambda model: _observing(model, mech))
+        top, rw = mech.top_attention(), getattr(snap, "rewind", None)
+        if top is not None and isinstance(rw, dict):
+            mech.growth = _logit_growth(inp, rw, top[0])
     return SpikeCheck(metric, value, baseline, threshold, replayed, fp32_spikes, low_spikes, mech, near)
+
+
+def _logit_growth(inp: ProbeInput, rw: dict, module: str) -> dict:
+    """`module`'s largest pre-softmax logit at each step of the snapshot's rewind window, the window replayed
+    from its start in the run's precision as training ran it (``window/_trajectory``): K more steps' cost."""
+    from ...errors import AnalyzerError
+    from ..window._trajectory import run_trajectory
+
+    ctx, per_step = inp.ctx, []
+    precision = ctx.mode.dtype or "float32"
+
+    @contextmanager
+    def observe(model, _step):
+        found = Mechanism()
+        with _observing(model, found):
+            yield
+        per_step.append(found.attention.get(module))
+
+    saved, fork = ctx.model_state, [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
+            run_trajectory(ctx, rw["model_state"], rw["optimizer"], rw["steps"], precision,
+                           bool(getattr(inp.snapshot, "has_scaler", False)), observe=observe)
+    except AnalyzerError as e:  # e.g. an optimizer the window cannot rebuild: said, not raised
+        return {"module": module, "error": e.message}
+    finally:
+        ctx.model_state = saved  # the snapshot's own step, for every run after this one
+    steps = [s["step"] for s in rw["steps"]][:len(per_step)]
+    first, last = (per_step[0], per_step[-1]) if per_step else (None, None)
+    factor = last / first if first and last is not None else None
+    return {"module": module, "precision": precision, "steps": steps, "logits": per_step, "first": first,
+            "last": last, "factor": factor}
 
 
 # -- the verdict ------------------------------------------------------------------------------------
@@ -267,8 +305,7 @@ def _summary(d: Diagnosis) -> str:
         return text
     top = m.top_attention()
     if top is not None:
-        text += (f" The largest pre-softmax attention logit is {_g(top[1])}, in `{top[0]}` (its growth over earlier "
-                 "steps is not recorded).")
+        text += f" The largest pre-softmax attention logit is {_g(top[1])}, in `{top[0]}` ({_growth_words(m.growth)})."
     if m.logit_absmax is not None:
         text += (f" The output logits reach {_g(m.logit_absmax)}, log-partition (logsumexp) up to "
                  f"{_g(m.log_partition_max)} (mean {_g(m.log_partition_mean)}).")
@@ -283,6 +320,15 @@ def _summary(d: Diagnosis) -> str:
         facts.append(f"the largest update jump: `{t.update_layer}` at step {t.update_step}, {_g(t.update_ratio)}x "
                      "its trailing median")
     return text + (f" {'; '.join(facts)}." if facts else "")
+
+
+def _growth_words(g: dict | None) -> str:
+    if g is None:
+        return "its growth over earlier steps is not recorded: Recorder(rewind=K) keeps the steps to measure it"
+    if g.get("error"):
+        return f"its growth over the rewind window could not be measured: {g['error']}"
+    return (f"over the rewind window, replayed in {g['precision']} as training ran it, it went from {_g(g['first'])} "
+            f"at step {g['steps'][0]} to {_g(g['last'])} at step {g['steps'][-1]}, x{_g(g['factor'])}")
 
 
 def _advice(d: Diagnosis) -> list[AdviceLine]:

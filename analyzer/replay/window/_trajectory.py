@@ -15,6 +15,8 @@ gradients are not finite where the record stepped skips too (GradScaler would ha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -107,10 +109,13 @@ def _unscaled_norm(model: torch.nn.Module, scale: float) -> float:
 
 
 def run_trajectory(ctx: ReplayContext, state: dict, optim: dict, steps: list[dict], precision: str,
-                   scaler: bool, *, update_last: bool = False) -> tuple[Trajectory, dict, dict]:
+                   scaler: bool, *, update_last: bool = False,
+                   observe: Callable[[torch.nn.Module, dict], ContextManager] | None = None,
+                   ) -> tuple[Trajectory, dict, dict]:
     """Train `steps` in `precision` from (`state`, `optim`). Returns the trajectory and the state and
     optimizer entry after it (`update_last`: after its last step's update, for trajectories that fork there;
-    else the last step's optimizer step is not run: nothing after it is replayed)."""
+    else the last step's optimizer step is not run: nothing after it is replayed). `observe(model, step)`:
+    a context each step's forward and backward run in (the spike probe measures the attention logits so)."""
     ctx.model_state = state
     model = ctx.build_model(precision)
     opt = rebuild_optimizer(ctx.path, optim, model)
@@ -119,7 +124,8 @@ def run_trajectory(ctx: ReplayContext, state: dict, optim: dict, steps: list[dic
         _restore_rng(ctx, s["rng"])
         opt.zero_grad(set_to_none=True)
         scale = _scale(s, precision, scaler)
-        loss = _forward_backward(ctx, model, s, precision, scale)
+        with observe(model, s) if observe is not None else nullcontext():
+            loss = _forward_backward(ctx, model, s, precision, scale)
         norm = _unscaled_norm(model, scale)
         last = s is steps[-1] and not update_last
         step = steps_optimizer(s, precision, scaler) and not last

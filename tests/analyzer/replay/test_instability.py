@@ -36,7 +36,7 @@ def spike_run(tmp_path_factory):
         data = gpt_batches(vocab_size=32, block_size=16, batch_size=16, seed=0)
         with one_thread(), Recorder(out, model, factory=f"{sm.__name__}:build_gpt", factory_kwargs=KWARGS,
                                     loss_fn=f"{sm.__name__}:gpt_loss", optimizer=opt, amp_dtype=torch.bfloat16,
-                                    grad_spike=None) as rec:
+                                    grad_spike=None, rewind=8) as rec:
             for step in range(3000):  # the first spike: step 285 under AVX-512, 1324 under the default kernels
                 batch = next(data)
                 rec.begin_step(step, batch)
@@ -68,6 +68,23 @@ def test_the_spike_replays_as_instability_naming_the_attention_logits(spike_run)
     assert f"in `{module}`" in res.summary and "precision" not in res.summary.replace("the low precision did not", "")
     assert any("QK-layernorm" in a for a in res.advice)
     assert "fp32_comparison" not in res.evidence and res.culprit is None  # no precision verdict, no op blamed
+
+
+def test_the_rewind_window_measures_the_top_attention_logit_at_each_step_before_the_spike(spike_run):
+    _, snap = spike_run
+    res = Replay(snap, device="cpu").run()
+    m = res.evidence["spike"].mechanism
+    module, logit = m.top_attention()
+    g = m.to_dict()["attention_logit_growth"]
+    rw = Replay(snap, device="cpu").snapshot.rewind
+    assert g["module"] == module and g["precision"] == "bfloat16"
+    assert g["steps"] == [s["step"] for s in rw["steps"]] and g["steps"][-1] == res.step  # every window step
+    assert len(g["logits"]) == len(g["steps"]) and all(v > 0 for v in g["logits"])
+    # the window, replayed as training ran it, ends at the step's own weights; its BF16 forward rounds q and k
+    # to 8 bits, so its logit is near, not equal to, the FP32 forward's of the same weights (3216 vs 3005 here)
+    assert g["last"] == pytest.approx(logit, rel=0.15)
+    assert g["factor"] == pytest.approx(g["last"] / g["first"])
+    assert f"to {g['last']:.4g} at step {res.step}" in res.summary
 
 
 def test_autopsy_of_the_spike_run_says_instability_and_verifies_nothing(spike_run):
