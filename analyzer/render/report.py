@@ -39,14 +39,30 @@ def _evidence_line(f: Finding) -> str:
 
 
 def _precision(fr) -> str:
-    """``float16 AMP``; ``float16 parameters, no AMP`` for a pure low-precision run (meta's params)."""
+    """``float16 AMP``; ``float16 parameters, no AMP`` for a pure low-precision run (meta's params); then the
+    FP8 matmuls of a torchao FP8 run (meta's ``fp8_recipe``)."""
     if autocast_was_inactive(getattr(fr, "meta", None)):
         return "autocast was not active during the forward: this run trained in FP32"
+    meta = fr.meta if isinstance(getattr(fr, "meta", None), dict) else {}
+    fp8 = _fp8(meta.get("fp8_recipe"))
     if fr.amp_dtype:
-        return f"{fr.amp_dtype} AMP"
-    params = (fr.meta or {}).get("params") if isinstance(getattr(fr, "meta", None), dict) else None
+        return f"{fr.amp_dtype} AMP{fp8}"
+    params = meta.get("params")
     low = sorted({p.get("dtype") for p in params or () if isinstance(p, dict)} & {"float16", "bfloat16"})
-    return f"{'/'.join(low)} parameters, no AMP" if low else "fp32/unknown AMP"
+    if low:
+        return f"{'/'.join(low)} parameters, no AMP{fp8}"
+    return f"fp32 (no AMP){fp8}" if fp8 else "fp32/unknown AMP"
+
+
+def _fp8(recipe) -> str:
+    """``, FP8 matmuls in 6 modules (tensorwise)`` from a recipe entry (``recorders.fp8_recipe``), else ``""``."""
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("modules"), dict) or not recipe["modules"]:
+        return ""
+    configs = recipe.get("configs") if isinstance(recipe.get("configs"), list) else []
+    grans = sorted({r["granularity"] for c in configs if isinstance(c, dict) and isinstance(c.get("roles"), dict)
+                    for r in c["roles"].values() if isinstance(r, dict) and isinstance(r.get("granularity"), str)})
+    how = f" ({'/'.join(grans)[:80]})" if grans else ""
+    return f", FP8 matmuls in {len(recipe['modules'])} module(s){how}"
 
 
 def render_report_text(rep: Report) -> str:

@@ -177,6 +177,8 @@ def test_the_report_names_the_cast_and_its_steps_and_is_silent_on_a_healthy_run(
     assert ev["steps_over"] == ev["steps_measured"] == 2 and ev["max_flushed_frac"] > 0.5
     text = CliRunner().invoke(cli, ["report", str(tmp_path / "bad")]).output
     assert "fp8_casts @ step 0: block.mlp.w2 input (e4m3, tensorwise)" in text
+    n = len(json.loads((tmp_path / "bad" / "meta.json").read_text())["fp8_recipe"]["modules"])
+    assert f"FP8 matmuls in {n} module(s) (tensorwise)" in text.splitlines()[0]  # the header names the FP8 run
     ok = CliRunner().invoke(cli, ["report", str(tmp_path / "ok"), "--json"])
     assert ok.exit_code == 0 and not [f for f in json.loads(ok.output)["findings"] if f["check"] == "fp8_casts"]
 
