@@ -37,6 +37,7 @@ import torch
 from recorders import schema
 
 from ..errors import BadInputError
+from ._tree import map_tensors
 
 __all__ = ["MODES", "PrecisionMode", "precision_mode", "cast_model", "cast_batch", "io_hooks"]
 
@@ -183,19 +184,10 @@ def cast_batch(batch: Any, mode: PrecisionMode, precision: str) -> Any:
         return batch
     want = getattr(torch, precision)
 
-    def cast(obj):
-        if isinstance(obj, torch.Tensor):
-            low = obj.is_floating_point() and schema.dtype_name(obj.dtype) in _LOW
-            return obj.to(want) if low else obj
-        if isinstance(obj, dict):
-            return {k: cast(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [cast(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(cast(v) for v in obj)
-        return obj
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(want) if t.is_floating_point() and schema.dtype_name(t.dtype) in _LOW else t
 
-    return cast(batch)
+    return map_tensors(batch, cast)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

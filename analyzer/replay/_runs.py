@@ -26,6 +26,7 @@ from ._writes import BufferReads
 from .fp8.casts import CastWatch
 from .backends import record_calls, sdpa_switches
 from .trace import LOW_PRECISION, RunTrace
+from ._tree import map_tensors
 
 __all__ = ["ReplayContext", "run_once", "RunTrace", "LOW_PRECISION", "OpRaised"]  # RunTrace, LOW_PRECISION: from .trace
 
@@ -151,15 +152,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = False,

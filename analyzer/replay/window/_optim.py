@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ...errors import AnalyzerError
+from .._tree import map_tensors
 
 __all__ = ["rebuild_optimizer", "set_hyperparameters"]
 
@@ -71,12 +72,4 @@ def set_hyperparameters(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]
 
 
 def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone(v) for v in obj)
-    return obj
+    return map_tensors(obj, torch.Tensor.clone)

@@ -24,6 +24,7 @@ import torch
 from .._accumulate import micro_parts, scaled_loss, step_loss
 from .._precision import cast_batch, io_hooks
 from .._runs import ReplayContext, _to_device, _check_loss, _first_line
+from .._tree import map_tensors
 from ...errors import AnalyzerError, FactoryError
 from ._optim import rebuild_optimizer, set_hyperparameters
 
@@ -149,12 +150,4 @@ def run_trajectory(ctx: ReplayContext, state: dict, optim: dict, steps: list[dic
 
 
 def _cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cpu(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
