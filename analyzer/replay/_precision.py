@@ -191,15 +191,7 @@ def cast_batch(batch: Any, mode: PrecisionMode, precision: str) -> Any:
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cast_floats(v, dtype) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cast_floats(v, dtype) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def io_hooks(model: torch.nn.Module, mode: PrecisionMode, precision: str) -> list:
