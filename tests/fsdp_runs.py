@@ -85,6 +85,7 @@ def record_fsdp_runs(root: str | Path, timeout_s: float = 240.0) -> FsdpRuns:
     killed one fails.
     """
     root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)  # the file rendezvous below needs the directory to exist
     dirs = {name: (None if name == "plain" else root / name) for name in RUNS}
     specs = {
         "plain": {"run_dir": None},
