@@ -251,7 +251,7 @@ class ReplayResult:
 
     def _spread(self, into: str) -> dict:
         """The fields the probes' evidence spreads `into` the culprit or the result (``Probe.into``), by the
-        registry; of the built-in probes only ``fp8`` spreads into the result (its ``fp8`` key)."""
+        registry, in probe order (``fp8``'s ``fp8`` key, ``random_draws``' ``random_draws``...)."""
         if not self.evidence:
             return {}
         from .probes.registry import spread
