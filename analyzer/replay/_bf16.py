@@ -7,6 +7,11 @@ makes that one run instead of printing the line as untested: at loss scale 1, as
 without a GradScaler (the ``bf16`` fix judges the switch the same way, and reuses this run). It
 costs one forward and backward in BF16, only for the verdicts whose advice names BF16
 (``overflow``, ``underflow``, ``loss_scale_overflow``...).
+
+It is one more precision run, not a probe: its trace joins the runs (``--json``'s ``runs``, the
+``bf16`` fix's reference), its finiteness joins ``Diagnosis.tried`` and its first NaN/Inf joins
+``Diagnosis.origins``, all of which the advice and the fixes read as runs; and whether it is needed
+depends on the advice of the verdict as refined, which is worded after the probes have run.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..load import Snapshot
+from .diagnosis import Diagnosis
 from .records import Culprit
 from .result import ReplayResult
 from .update import OUTSIDE_NOTE, half_ulp_at_max, update_forensics, verdict_of
@@ -110,14 +111,17 @@ def replay_update(path: str, snap: Snapshot) -> ReplayResult:
     inputs = [] if f["update_snapshot"] and factor != "unexplained" else [f"param:{q['name']}" for q in f["params"]]
     loss = snap.loss
     low = p["dtype"] if p is not None and p["dtype"] in ("float16", "bfloat16") else None
+    # the update's diagnosis: its verdict, culprit and inputs (no forward or backward ran: no runs, no evidence)
+    diag = Diagnosis(verdict, culprit=culprit, nonfinite_inputs=tuple(inputs),
+                     scale=float(snap.scale) if snap.scale else 1.0,
+                     recorded_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
+                     scaler=snap.has_scaler, mode="parameters" if low and not snap.amp_dtype else "autocast",
+                     low=low or snap.amp_dtype)
     return ReplayResult(
-        verdict=verdict, summary=summary, culprit=culprit, runs={},
+        diagnosis=diag, summary=summary, runs={},
         advice_lines=_advice_for("outside" if factor == "unexplained" and verdict == "nonfinite_input" else
                            factor if verdict == "numerical_bug" else verdict, snap),
         snapshot=path, step=snap.step, reason=snap.reason, device="cpu", recorded_device=str(snap.device_type),
-        device_note=None, amp_dtype=snap.amp_dtype, scale=float(snap.scale) if snap.scale else 1.0,
-        recorded_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
-        nonfinite_inputs=inputs, update=f, precision_mode="parameters" if low and not snap.amp_dtype else "autocast",
-        precision_dtype=low or snap.amp_dtype,
+        device_note=None, amp_dtype=snap.amp_dtype, update=f,
         precision_note=None if p is None else (f"the update was recomputed in the optimizer state's dtype "
                                                f"({p['state_dtype']}) from the saved state and hyperparameters"))

@@ -66,9 +66,9 @@ class Diagnosis:
         context_ops: the ops around the culprit.
         literal / hidden / underflow_at: the op that wrote a literal -inf, the op whose NaN/Inf was
             hidden, the op where values flushed to zero (None where they do not apply).
-        compiled: the step re-run compiled as training compiled it (None for an eager run).
         evidence: what the probes found around the verdict, by probe name (``probes/``: the
-            magnitude jump of an overflow, the micro-batch of an accumulated step, ...); each value
+            magnitude jump of an overflow, the micro-batch of an accumulated step, the compiled
+            re-run, ...); each value
             has ``to_dict()`` and maybe ``note()``. The summary and advice read it from here.
     """
 
@@ -90,7 +90,6 @@ class Diagnosis:
     literal: OpRecord | None = None
     hidden: OpRecord | None = None
     underflow_at: OpRecord | None = None
-    compiled: Mapping[str, Any] | None = None  # the compiled run (``compiled/replay.py``): ``ReplayResult.compiled``
     evidence: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -6,9 +6,10 @@ from it and the import roots its code comes from. ``run()`` returns a plain ``Re
 
 The flow: load the snapshot (``_setup``) -> rebuild the model (``_runs.ReplayContext``) -> one run
 per precision (``_runs.run_once``) -> detection (``_diagnose.diagnose``) -> the probes' evidence
-(``probes``) -> the registry's refinement (``verdicts.refine``) -> the verdict's summary and advice
-(``verdicts``) -> ``ReplayResult``; the compiled re-run (``compiled/replay.py``), the fixes (``fixes``)
-and ``analyzer.render`` come after.
+(``probes``; a compiled model's step re-run compiled is the last of them) -> the registry's
+refinement (``verdicts.refine``) -> the BF16 run its advice names (``_bf16``) -> the verdict's
+summary and advice (``verdicts``) -> ``ReplayResult``; the fixes (``fixes``) and ``analyzer.render``
+come after.
 
 Example:
     >>> from analyzer.render import render_replay_text
@@ -33,7 +34,6 @@ from ..load.dcp import load_sharded_state, sibling_snapshot
 from . import verdicts
 from ._attribution import sources_relative_to
 from ._bf16 import needs_bf16, with_bf16
-from .compiled.replay import with_compiled
 from ._diagnose import diagnose, precision_run, with_roots
 from ._precision import precision_mode
 from ._progress import Progress
@@ -41,11 +41,10 @@ from ._raised import raised_diagnosis
 from ._runs import OpRaised, ReplayContext, run_once
 from ._setup import amp_dtype, autocast_was_off, context, device_note, float_or_none, loss_scale, precisions, scan_inputs
 from ._update_result import replay_update
-from .backends import backend_of
 from .diagnosis import Diagnosis
 from .fixes import Fix, run_fixes
 from .fp8.recipe import recipe_of, to_plain
-from .probes import run_probes, spread
+from .probes import run_probes
 from .result import ReplayResult
 from .trace import RunTrace
 from .update import explained_by_update, update_applies
@@ -126,8 +125,6 @@ class Replay:
         ctx = self.context()
         with sources_relative_to(recorded_cwd(self.snapshot)):  # source lines read the same from any directory
             result = _replay(self.path, self.snapshot, ctx, self._dtypes, self._progress, self._autocast_off)
-        compiled = getattr(self.snapshot, "compile", None)  # how training torch.compile'd the model (format 5)
-        result = with_compiled(result, compiled, self.context) if compiled else result
         return dataclasses.replace(result, load_notes=notes) if notes else result
 
     def try_fixes(self, result: ReplayResult) -> list[Fix]:
@@ -205,7 +202,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
             raise first[1]
         if diag is None:
             diag = diagnose(ctx, runs, at_one, mode.dtype, scale, facts, on_ops=bar.ops)
-        diag = run_probes(path, snap, ctx, runs, diag)  # the evidence around the verdict (probes/)
+        diag = run_probes(path, snap, ctx, runs, diag)  # the evidence around the verdict (probes/), compiled re-run last
         diag = verdicts.refine(diag)  # a registered verdict that narrows this one, by its detect()
         if needs_bf16(diag, runs):  # advice to switch to BF16 is given only with BF16's own run behind it
             bar.extra("bfloat16 forward+backward (the advice names it)")
@@ -214,40 +211,17 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         with_roots([*runs.values(), diag.trace])  # what the plot marks, worked out here, not by render
         bar.done()
     recorded = snap.device_type
-    lines = tuple(verdicts.advice(diag))
+    summary, lines = verdicts.summary(diag), tuple(verdicts.advice(diag))  # worded once, from the diagnosis
     ctx.fp32_reference = runs.get("float32")  # its gradients stay with the live model, for the fixes
     runs = {p: dataclasses.replace(r, grads=None) for p, r in runs.items()}  # a result holds no tensor
     trace = None if diag.trace is None else dataclasses.replace(diag.trace, captured=None, grads=None)  # no tensors on the result
     return ReplayResult(
-        verdict=diag.verdict, summary=verdicts.summary(diag), culprit=_culprit(diag),
+        diagnosis=dataclasses.replace(diag, trace=trace), summary=summary, advice_lines=lines,
         runs={p: precision_run(r, at_one.get(p), diag.origins.get(p)) for p, r in runs.items()},
-        advice_lines=lines,
         snapshot=path, step=snap.step, reason=snap.reason,
         device=str(ctx.device.type), recorded_device=str(recorded),
         device_note=device_note(str(recorded), ctx, amp, runs),
-        amp_dtype=amp, scale=scale, recorded_loss=float_or_none(snap.loss),
-        nonfinite_inputs=nonfinite_inputs, written_only_buffers=written_only, mask_inputs=masks,
-        hidden_nonfinite=diag.hidden, literal_nonfinite=diag.literal, underflow_at=diag.underflow_at,
-        context_ops=list(diag.context_ops),
-        sdpa_backend=_sdpa_backend(diag, runs), backends=None if diag.sdpa is None else dict(diag.sdpa.backends),
-        traces=runs, culprit_trace=trace, diagnosis=dataclasses.replace(diag, trace=trace),
-        precision_mode=mode.kind, precision_dtype=mode.dtype, precision_note=mode.describe(),
+        amp_dtype=amp, traces=runs, precision_note=mode.describe(),
         exception=snap.exception, scaler_state=snap.scaler_state,
         checkpoint=getattr(snap, "source", None), micro_batches=ctx.micro,
     )
-
-
-def _culprit(diag: Diagnosis):
-    """The culprit as ``--json`` has it: the diagnosis's, with the fields its probes' evidence spreads into it."""
-    c = diag.culprit
-    extra = spread(diag.evidence, "culprit")
-    return dataclasses.replace(c, **extra) if extra and dataclasses.is_dataclass(c) else c
-
-
-def _sdpa_backend(diag: Diagnosis, runs: dict[str, RunTrace]) -> str | None:
-    """The SDPA backend the culprit's call ran, else the one the trained precision's run ran."""
-    ran = diag.sdpa.backend if diag.sdpa is not None else None
-    trace = diag.trace or list(runs.values())[min(1, len(runs) - 1)]
-    return ran or backend_of(trace.sdpa_calls)
-
-

@@ -33,7 +33,7 @@ from ._magnitude import _THROUGH, _ancestors
 from .diagnosis import Diagnosis
 from .records import hidden_first
 
-__all__ = ["AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
+__all__ = ["ANY", "AdviceLine", "Verdict", "VERDICTS", "ORDER", "register", "in_order", "refine", "summary", "advice", "respect_runs",
            "PRECISION_FIXES", "loss_feeds_model", "from_model"]
 
 
@@ -62,8 +62,8 @@ class Verdict:
         fixes: fixes tried for this verdict, in this order, before the other registered fixes
             that serve it (``FixSpec.serves``).
         refines / detect: a verdict the diagnosis does not name itself: after it reaches one of
-            `refines`, ``detect(diagnosis)`` says whether this verdict applies instead (the first
-            registered that does, wins).
+            `refines` (``ANY``: whichever it reaches), ``detect(diagnosis)`` says whether this verdict
+            applies instead (the first in ``ORDER`` that does, wins).
         sdpa_check: an SDPA culprit with this verdict is re-run under the other attention
             backends, and becomes ``kernel_specific`` when one of them is finite.
         precision_advice: the dtype is what to change: for a run without autocast (low-precision
@@ -72,7 +72,8 @@ class Verdict:
             names the cast, and the step is finite).
         amend: a refining verdict that blames another op than the one it refines (none, for
             ``healthy``): ``amend(diagnosis)`` gives the ``Diagnosis`` fields it replaces (``culprit``,
-            ``trace``, ``context_ops``), read from the evidence its ``detect`` rests on.
+            ``trace``, ``context_ops``; ``evidence``, where the evidence about the op it no longer
+            blames goes), read from the evidence its ``detect`` rests on.
     """
 
     name: str
@@ -97,9 +98,11 @@ VERDICTS: dict[str, Verdict] = {}
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
 # instability before the FP8 and precision verdicts: a spike FP32 makes too is never blamed on a precision.
-ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
-         "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "instability", "fp8_underflow",
+# compile_specific first: it refines whatever the eager runs reach (the compiled step is what training ran).
+ORDER = ("healthy", "compile_specific", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow",
+         "unregistered_op", "loss_scale_overflow", "kernel_specific", "cancellation", "instability", "fp8_underflow",
          "fp8_saturation", "precision_error")
+ANY = "*"  # ``Verdict.refines``: whichever verdict the diagnosis reached
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one
 # is kept only when that precision's replay was finite (``respect_runs``).
@@ -126,7 +129,7 @@ def in_order(registry: dict, order: tuple[str, ...]) -> None:
 def refine(d: Diagnosis) -> Diagnosis:
     """`d` with the first registered verdict that refines its verdict and detects itself in it."""
     for v in VERDICTS.values():
-        if d.verdict in v.refines and v.detect(d):
+        if (d.verdict in v.refines or ANY in v.refines) and v.detect(d):
             return dataclasses.replace(d, verdict=v.name, **(v.amend(d) if v.amend is not None else {}))
     return d
 

@@ -1,6 +1,7 @@
 """A compiled model's replay: the failing precision re-run as training compiled it, against the eager replay.
 
-``replay.with_compiled`` runs it (the module doc there says how the two are compared);
+``replay.compiled_run`` runs it (the module doc there says how the two are compared) for the
+``compiled`` probe (``probes/compiled.py``);
 ``_run.compiled_once`` is one compiled run of the step, ``_kernel_watch`` watches Inductor's
 kernels for the first non-finite output, ``_localize`` finds the smallest module whose compiled
 version alone fails; ``verdict`` registers ``compile_specific`` and ``fix`` the fix
@@ -9,6 +10,6 @@ version alone fails; ``verdict`` registers ``compile_specific`` and ``fix`` the 
 """
 from __future__ import annotations
 
-from .replay import NOT_REPRODUCED, with_compiled
+from .replay import NOT_REPRODUCED, CompiledRun, compiled_run
 
-__all__ = ["NOT_REPRODUCED", "with_compiled"]
+__all__ = ["NOT_REPRODUCED", "CompiledRun", "compiled_run"]

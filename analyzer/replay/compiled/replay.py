@@ -1,10 +1,12 @@
-"""A compiled model's replay: the eager result, then the failing precision compiled as training compiled it.
+"""A compiled model's replay: the failing precision compiled as training compiled it, against the eager runs.
 
-``with_compiled`` runs the step once more with the snapshot's ``compile`` entry applied
-(``_run``) and compares it with the eager run of the same precision:
+``compiled_run`` (the work of the ``compiled`` probe, ``probes/compiled.py``) runs the step once more
+with the snapshot's ``compile`` entry applied (``_run``) and compares it with the eager run of the same
+precision; its ``CompiledRun`` evidence is what the verdict and ``--json``'s ``compiled`` read:
 
 - both non-finite, or both finite: the eager verdict stands (``compiled`` says the compiled run agreed);
-- they disagree: verdict ``compile_specific`` (``verdict``). A compiled-only failure is
+- they disagree (``CompiledRun.specific``): verdict ``compile_specific`` (``verdict``), which refines
+  whatever the eager runs reached. A compiled-only failure is
   localized to the smallest module (``_localize``), which becomes the culprit (op
   ``<compiled>``, index -1: no eager op is blamed); an eager-only failure keeps no culprit, and
   its eager origin is kept as ``compiled["eager_only"]``;
@@ -27,43 +29,41 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import verdicts
 from .._runs import ReplayContext
 from ..diagnosis import Diagnosis
 from ..probes.micro_batch import MicroBatch
 from ..records import Culprit
-from ..result import ReplayResult
 from ..trace import RunTrace
 from ._localize import localize
 from ._run import CompiledOnce, compiled_once
-from .verdict import COMPILE_SPECIFIC, masks_sentence
+from .verdict import masks_sentence
 
-__all__ = ["with_compiled", "NOT_REPRODUCED"]
+__all__ = ["CompiledRun", "compiled_run", "NOT_REPRODUCED"]
 
 NOT_REPRODUCED = "compiled step not reproduced"
 
 
-def with_compiled(result: ReplayResult, entry: dict, context: Callable[[], ReplayContext]) -> ReplayResult:
-    """`result` (the eager replay) with the compiled run of its failing precision (see the module doc).
+def compiled_run(ctx: ReplayContext, entry: dict, runs: Mapping[str, RunTrace], eager: Diagnosis) -> CompiledRun:
+    """The step of the failing precision compiled as `entry` (the snapshot's ``compile``) says training compiled
+    it, against the eager `runs` and their diagnosis `eager` (refined; see the module doc).
 
     NB: each compiled run resets TorchDynamo's caches (``torch._dynamo.reset``) before and after it.
     """
-    ctx = context()
     fork = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork):  # the caller's RNG is left as it was
-        return _with_compiled(result, entry, ctx)
+        return _compiled_run(ctx, entry, runs, eager)
 
 
-def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> ReplayResult:
+def _compiled_run(ctx: ReplayContext, entry: dict, runs: Mapping[str, RunTrace], eager: Diagnosis) -> CompiledRun:
     modules = list(entry["modules"])
     prec = ctx.mode.dtype or "float32"  # the precision training ran (its low precision, else FP32)
-    scale = result.scale
+    scale = eager.scale
     info: dict = {"modules": modules, "precision": prec, "scale": scale,
                   "backend": modules[0].get("backend") or "inductor"}
     t0 = time.perf_counter()
@@ -71,27 +71,27 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
     if full.trace is None:
         info.update(reproduced=False, note=f"{NOT_REPRODUCED}: {full.error}; the eager verdict stands",
                     seconds=round(time.perf_counter() - t0, 2))
-        return dataclasses.replace(result, compiled=info)
+        return CompiledRun(info)
     run = full.trace
     if ctx.micro is not None:  # every micro-batch ran compiled; the first after which the step was non-finite
         info.update(micro_batches=ctx.micro["count"], micro_batch=full.micro_batch)
     same = compiled_once(ctx, modules, prec, scale, watch=True, same_masks=True) if full.drew_random else None
     compared = same if same is not None and same.trace is not None else full  # what eager is compared with
-    eager = result.traces.get(prec)
-    c, e = _side(compared.trace), (_side(eager) if eager is not None else (0 if result.verdict == "healthy" else 2))
+    trace = runs.get(prec)
+    c, e = _side(compared.trace), (_side(trace) if trace is not None else (0 if eager.verdict == "healthy" else 2))
     info.update(reproduced=True, **_run_fields(run), eager_finite=e == 0,
                 random=None if same is None else _random_info(run, same))
     masks = masks_sentence(info)
     if c < e and (c == 0 or e == 2):  # eager-only: training's compiled step (or its forward) is finite
-        info.update(eager_only=_eager_origin(result), note="the compiled step is finite; the eager NaN/Inf is "
+        info.update(eager_only=_eager_origin(eager), note="the compiled step is finite; the eager NaN/Inf is "
                     "eager-only", seconds=round(time.perf_counter() - t0, 2))
-        return _verdict(result, info, None)
+        return CompiledRun(info, specific=True)
     if not (c == 2 and e < 2 or c == 1 and e == 0):  # both fail (or neither) the same way: the verdict stands
         agree = "finite" if c == 0 else "non-finite"
         same_masks = " with eager's dropout masks" if same is not None else ""
         info.update(note=f"the compiled step{same_masks} is {agree} too: the eager verdict stands" + (
                     f"; {masks}" if masks else ""), seconds=round(time.perf_counter() - t0, 2))
-        return _stands(result, info)
+        return CompiledRun(info)
     phase = "forward" if not compared.trace.forward_finite else "backward"
     found = localize(ctx, modules, prec, scale, phase, same_masks=same is not None)
     module = found.module
@@ -100,34 +100,40 @@ def _with_compiled(result: ReplayResult, entry: dict, ctx: ReplayContext) -> Rep
                 **_kernel_fields(compared.kernels), note="the compiled step is non-finite; the eager step is finite",
                 seconds=round(time.perf_counter() - t0, 2))
     if module is not None:
-        info["ops"] = _module_ops(result.traces.get(prec), module, info["phase"])
+        info["ops"] = _module_ops(trace, module, info["phase"])
     culprit = None if module is None else _culprit(module, info["phase"], prec, run, compared.micro_batch)
-    return _verdict(result, info, culprit)
+    micro = None if culprit is None or ctx.micro is None else culprit.get("micro_batch")
+    return CompiledRun(info, specific=True, culprit=culprit,
+                       micro=None if micro is None else MicroBatch(micro, ctx.micro["count"]))
 
 
 @dataclass(frozen=True)
 class CompiledRun:
-    """Evidence: the step compiled as training compiled it agreed with the eager replay (``compiled``)."""
+    """Evidence: the step compiled as training compiled it, against the eager runs (``--json``'s ``compiled``).
+
+    Attributes:
+        info: the ``compiled`` object of ``--json`` (the module doc says its fields).
+        specific: the compiled step and the eager one disagree about finiteness: ``compile_specific``.
+        culprit: the compiled module blamed (op ``<compiled>``), that verdict's culprit; None otherwise.
+        micro: with accumulation, the micro-batch after which the compiled step was first non-finite.
+    """
 
     info: Mapping[str, Any]
+    specific: bool = False
+    culprit: Culprit | None = None
+    micro: MicroBatch | None = None
 
     def to_dict(self) -> dict:
         return {"compiled": dict(self.info)}
 
     def note(self) -> str | None:
-        """When training's dropout masks and eager's decide finiteness differently, say so."""
+        """Where the eager verdict stands: when training's dropout masks and eager's decide finiteness
+        differently, say so. None for ``compile_specific``: its summary says it itself, and the micro-batch
+        evidence it keeps (``micro``) names the micro-batch."""
+        if self.specific:
+            return None
         masks = masks_sentence(self.info)
         return f"{masks[0].upper()}{masks[1:]}." if masks else None
-
-
-def _stands(result: ReplayResult, info: dict) -> ReplayResult:
-    """`result` with the compiled run that agreed with it: its evidence in the diagnosis, the summary rewritten
-    from that diagnosis (the masks sentence, when dropout decides finiteness, is that evidence's note)."""
-    if result.diagnosis is None:
-        return dataclasses.replace(result, compiled=info)
-    d = dataclasses.replace(result.diagnosis, compiled=info,
-                            evidence={**result.diagnosis.evidence, "compiled": CompiledRun(info)})
-    return dataclasses.replace(result, compiled=info, summary=verdicts.summary(d), diagnosis=d)
 
 
 def _random_info(run: RunTrace, same: CompiledOnce) -> dict:
@@ -191,11 +197,11 @@ def _run_fields(run: RunTrace) -> dict:
             "backward_finite": run.grads_finite, "grad_absmax": run.grad_absmax}
 
 
-def _eager_origin(result: ReplayResult) -> dict:
-    c = result.culprit
+def _eager_origin(eager: Diagnosis) -> dict:
+    c = eager.culprit
     if c is None:
-        return {"verdict": result.verdict, "op": "an input", "module": "-", "phase": "-", "source": None}
-    return {"verdict": result.verdict, "op": c["op"], "module": c["module"], "phase": c["phase"],
+        return {"verdict": eager.verdict, "op": "an input", "module": "-", "phase": "-", "source": None}
+    return {"verdict": eager.verdict, "op": c["op"], "module": c["module"], "phase": c["phase"],
             "precision": c["precision"], "index": c["index"], "source": c.get("source")}
 
 
@@ -207,15 +213,3 @@ def _culprit(module: str, phase: str, prec: str, run: RunTrace, micro_batch: int
                       source=None, node=None, input_dtypes=[], output_dtype=prec, input_absmax=None,
                       output_absmax=None, output_kind=kind, custom=False)
     return culprit if micro_batch is None else dataclasses.replace(culprit, micro_batch=micro_batch)
-
-
-def _verdict(result: ReplayResult, info: dict, culprit: Culprit | None) -> ReplayResult:
-    micro = None if culprit is None or result.micro_batches is None else culprit.get("micro_batch")
-    evidence = {} if micro is None else {"micro_batch": MicroBatch(micro, result.micro_batches["count"])}
-    d = Diagnosis(COMPILE_SPECIFIC, culprit=culprit, compiled=info, scale=result.scale,
-                  nonfinite_inputs=tuple(result.nonfinite_inputs), low=result.precision_dtype, evidence=evidence)
-    lines = tuple(verdicts.advice(d))
-    summary = verdicts.summary(d)
-    return dataclasses.replace(result, verdict=COMPILE_SPECIFIC, summary=summary, culprit=culprit,
-                               advice_lines=lines, culprit_trace=None,
-                               compiled=info, diagnosis=d)

@@ -1,6 +1,9 @@
 """The ``compile_specific`` verdict: the compiled step and the eager replay disagree about finiteness.
 
-Two ways (``Diagnosis.compiled``, built by ``compiled.replay``):
+It refines any verdict the eager runs reach (``refines=(ANY,)``, first in ``verdicts.ORDER``: the
+compiled step is what training ran), detected in the ``compiled`` probe's evidence
+(``Diagnosis.evidence["compiled"]``, ``compiled.replay.CompiledRun``), whose ``specific`` says the
+two disagree. Two ways:
 
 - compiled non-finite, eager finite: the culprit is the smallest module whose compiled version
   alone makes the step non-finite (``_localize``); the fix tried is that module excluded
@@ -29,7 +32,7 @@ training's masks and eager's decide finiteness differently, the summary says so.
 from __future__ import annotations
 
 from ..diagnosis import Diagnosis
-from ..verdicts import AdviceLine, Verdict, register
+from ..verdicts import ANY, AdviceLine, Verdict, register
 
 __all__ = ["COMPILE_SPECIFIC", "masks_sentence"]
 
@@ -79,8 +82,13 @@ def _ops_by_line(ops: list[dict], lines: int = 4) -> str:
     return "; ".join(parts[:lines]) + more
 
 
+def _info(d: Diagnosis) -> dict:
+    """The compiled run's ``--json`` object, from the ``compiled`` probe's evidence."""
+    return d.evidence["compiled"].info
+
+
 def _summary(d: Diagnosis) -> str:
-    c = d.compiled
+    c = _info(d)
     prec = c["precision"]
     masks = masks_sentence(c)
     masks = f" {masks[0].upper()}{masks[1:]}." if masks else ""
@@ -130,7 +138,7 @@ def _lines(sources: list[str]) -> str:
 
 
 def _advice(d: Diagnosis) -> list[AdviceLine]:
-    c = d.compiled
+    c = _info(d)
     if c.get("eager_only") is not None:
         e = c["eager_only"]
         return [AdviceLine("Nothing to fix in the compiled training step. Where this model runs eager "
@@ -147,7 +155,22 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
                        "(sqrt, log, pow, acos) can leave it.")]
 
 
+def _detect(d: Diagnosis) -> bool:
+    ev = d.evidence.get("compiled")
+    return ev is not None and ev.specific
+
+
+def _amend(d: Diagnosis) -> dict:
+    """The compiled module is the culprit (None: eager-only, or no module alone), with no eager trace; the
+    evidence about the eager culprit goes with it, the compiled run's (and its micro-batch) stays. The eager
+    runs' facts (the inputs, a hidden or literal NaN/Inf, the ops around the eager culprit) stay, as the
+    eager replay found them."""
+    ev = d.evidence["compiled"]
+    kept = {"compiled": ev, **({"micro_batch": ev.micro} if ev.micro is not None else {})}
+    return {"culprit": ev.culprit, "trace": None, "evidence": kept}
+
+
 register(Verdict(
     COMPILE_SPECIFIC, "The step compiled as training compiled it and the eager replay disagree about "
     "finiteness: one of them is non-finite, the other finite.",
-    summary=_summary, advice=_advice, fixes=("compile_disable",)))
+    summary=_summary, advice=_advice, fixes=("compile_disable",), refines=(ANY,), detect=_detect, amend=_amend))

@@ -5,8 +5,8 @@ this package registers the built-in probes (their order is ``registry.ORDER``, n
 """
 from __future__ import annotations
 
-from . import (autocast_off, batch_fault, fp8, magnitude, micro_batch, outside_writes,  # noqa: F401  (register)
-               precision, reproduction, small_input, spike, sqrt_d)
+from . import (autocast_off, batch_fault, compiled, fp8, magnitude, micro_batch,  # noqa: F401  (register)
+               outside_writes, precision, reproduction, small_input, spike, sqrt_d)
 from .registry import ORDER, PROBES, Evidence, Probe, ProbeInput, probe, run_probes, spread
 
 __all__ = ["ORDER", "PROBES", "Evidence", "Probe", "ProbeInput", "probe", "run_probes", "spread"]

@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["ORDER", "PROBES", "Evidence", "Probe", "ProbeInput", "probe", "run_probes", "spread"]
 
 # The order probes run in, and so the order of their notes in the summary and of their fields in the JSON.
+# compiled last: the compiled re-run is compared with the eager verdict every other probe's evidence refines.
 ORDER = ("batch_fault", "micro_batch", "magnitude_jump", "small_input", "sqrt_d", "outside_writes", "autocast_off", "fp8",
-         "random_draws", "spike", "fp32_comparison", "reproduction")
+         "random_draws", "spike", "fp32_comparison", "reproduction", "compiled")
 _INTO = ("culprit", "result", None)
 
 

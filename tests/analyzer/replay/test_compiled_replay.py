@@ -24,7 +24,7 @@ import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from analyzer.replay import Replay
+from analyzer.replay import Replay, verdicts
 from recorders import Recorder
 from analyzer.replay.compiled.replay import _kernel_fields
 from analyzer.replay.compiled._run import compiled_once
@@ -96,6 +96,16 @@ def chain(tmp_path_factory):
 def _not_reproduced(result) -> None:
     assert result.compiled["reproduced"] is False
     assert result.compiled["note"].startswith("compiled step not reproduced: ")
+
+
+def test_the_compiled_run_is_the_diagnosis_evidence_its_verdict_and_summary_are_worded_from(gate):
+    _path, built, _finite, result, _fixes = gate
+    ev = result.diagnosis.evidence["compiled"]  # the registered probe ``compiled``'s evidence
+    assert result.compiled == dict(ev.info) and ev.specific is built
+    assert result.verdict == ("compile_specific" if built else "healthy")
+    assert result.summary == verdicts.summary(result.diagnosis)  # worded once, nothing appended afterwards
+    if built:
+        assert result.diagnosis.culprit is ev.culprit and result.culprit_trace is None
 
 
 def test_a_compiled_only_nan_names_the_smallest_module_and_excluding_it_from_compilation_is_verified(gate):
@@ -331,7 +341,7 @@ def test_a_compiled_only_nan_beside_dropout_is_localized_and_fixed_with_eagers_m
 
 _STALE = """
 import sys, torch
-from analyzer.replay import Replay
+from analyzer.replay import Replay, verdicts
 from analyzer.replay.compiled._run import compiled_once
 from tests.analyzer.replay.compile_models import build_gate_net, gate_batch, mse_loss
 try:  # training's way: torch.compile, Inductor's caches on

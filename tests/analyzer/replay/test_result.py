@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analyzer.render import plot_replay, render_replay_text
-from analyzer.replay import VERDICTS, ReplayResult, replay_snapshot
+from analyzer.replay import VERDICTS, Diagnosis, ReplayResult, replay_snapshot
 from analyzer.findings import json_safe
 
 from . import replay_models as rm
@@ -91,9 +91,8 @@ def test_json_safe_maps_non_finite_floats_to_strings(value, expected):
 
 def test_an_unknown_verdict_is_refused():
     with pytest.raises(ValueError, match="verdict must be one of"):
-        ReplayResult(verdict="on_fire", summary="", culprit=None, runs={}, snapshot="s", step=None,
-                     reason=None, device="cpu", recorded_device="cpu", device_note=None, amp_dtype=None,
-                     scale=1.0, recorded_loss=None)
+        ReplayResult(Diagnosis("on_fire"), summary="", runs={}, snapshot="s", step=None,
+                     reason=None, device="cpu", recorded_device="cpu", device_note=None, amp_dtype=None)
 
 
 def test_the_text_shows_the_ops_around_the_culprit_with_the_culprit_marked(results):
@@ -167,3 +166,25 @@ def test_a_result_holds_no_tensor_the_culprits_captured_inputs_stay_with_the_rep
     r = results["overflow"]
     assert r.verdict == "overflow" and r.culprit_trace is not None and r.diagnosis is not None
     assert _tensors(r) == []
+
+
+# What a Diagnosis holds that --json has: read from the result's one Diagnosis, never a second field.
+_FROM_THE_DIAGNOSIS = ("verdict", "culprit", "scale", "recorded_loss", "nonfinite_inputs", "written_only_buffers",
+                       "mask_inputs", "hidden_nonfinite", "literal_nonfinite", "underflow_at", "context_ops",
+                       "culprit_trace", "precision_mode", "precision_dtype", "sdpa_backend", "backends", "compiled")
+
+
+def test_a_result_reads_what_its_diagnosis_holds_instead_of_a_copy(results):
+    import dataclasses
+
+    assert not {f.name for f in dataclasses.fields(ReplayResult)} & set(_FROM_THE_DIAGNOSIS)
+    r = results["overflow"]
+    d = r.diagnosis
+    other = dataclasses.replace(r, diagnosis=dataclasses.replace(
+        d, masks=("batch:m",), written_only=("buffer:bn.running_var",), context_ops=d.context_ops[:1],
+        nonfinite_inputs=("param:fc.weight",), hidden=d.context_ops[0]))
+    j = other.to_dict()
+    assert j["mask_inputs"] == ["batch:m"] and j["written_only_buffers"] == ["buffer:bn.running_var"]
+    assert j["nonfinite_inputs"] == ["param:fc.weight"] and len(j["context_ops"]) == 1
+    assert j["hidden_nonfinite"]["index"] == d.context_ops[0].index and r.to_dict()["hidden_nonfinite"] is None
+    assert (j["verdict"], j["scale"], j["precision_mode"]) == (d.verdict, d.scale, d.mode)
