@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from .._origin import find_origin
 from .._runs import ReplayContext
 from .casts import Fp8Cast
+from .recipe import is_mxfp8
 from .step import (GRAD_COS_TOL, GRAD_REL_TOL, OUT_REL_TOL, Agreement, StepValues, agreement, agrees, fp8_context,
                    output_errors, run_values, worst)
 
@@ -90,6 +91,7 @@ class Fp8Evidence:
     bf16_vs_fp32: Judgement
     nonfinite_at: Mapping | None
     reference: StepValues = dataclasses.field(repr=False, compare=False)
+    mxfp8: bool = False  # every recorded module already trains in MXFP8 with RCEIL scales (recipe.is_mxfp8)
 
     @property
     def first(self) -> Fp8Cast | None:
@@ -183,5 +185,5 @@ def fp8_diagnosis(ctx: ReplayContext, precision: str) -> Fp8Evidence:
         roles=roles, modules=tuple(recipe["modules"]), precision=precision,
         losses={"float32": fp32.trace.loss, "bfloat16": bf16.trace.loss, "fp8": fp8.trace.loss},
         casts=fp8.casts, vs_bf16=judge_values(fp8, bf16), vs_fp32=judge_values(fp8, fp32),
-        bf16_vs_fp32=judge_values(bf16, fp32), nonfinite_at=nonfinite, reference=bf16)
+        bf16_vs_fp32=judge_values(bf16, fp32), nonfinite_at=nonfinite, reference=bf16, mxfp8=is_mxfp8(recipe))
 

@@ -130,6 +130,9 @@ def _smooth_swiglu(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 
 def _mxfp8(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
+    ev = _evidence(result)
+    if ev is None or ev.mxfp8:
+        return None  # the step already trains in MXFP8 with RCEIL scales: nothing to change
     def make(c: ReplayContext, ev: Fp8Evidence) -> ReplayContext:
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: PLC0415
         from torchao.quantization import quantize_  # noqa: PLC0415

@@ -82,20 +82,22 @@ def fp8_context(ctx: ReplayContext, recipe: Mapping | None = None, **convert_kw)
     base = ctx.convert
 
     def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
-        return convert(base(model) if base is not None else model, recipe, path=ctx.path, **convert_kw)
+        return convert(base(model) if base is not None else model, recipe, path=ctx.path, device=ctx.device.type,
+                       **convert_kw)
 
     return dataclasses.replace(ctx, convert=to_fp8, _model=None)
 
 
 def _tag_fp8_nodes(name: str, out) -> None:
-    """Name the autograd node of a Float8Linear's GEMM (a custom Function the function mode never sees)."""
+    """Name the autograd node of a Float8Linear's (or an MXFP8 weight's ``mx_mm``) GEMM: a custom Function the
+    function mode never sees."""
     todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
     for _ in range(4):  # the GEMM's node is within a reshape and a bias add of the output
         nxt = []
         for node in todo:
             if node is None:
                 continue
-            if "float8" in node.name().lower() and "module" not in node.metadata:
+            if ("float8" in node.name().lower() or node.name().startswith("mx_mm")) and "module" not in node.metadata:
                 node.metadata["module"] = name
             nxt.extend(n for n, _ in node.next_functions)
         todo = nxt
@@ -135,11 +137,17 @@ def run_values(ctx: ReplayContext, precision: str, label: str, *, fp8: bool = Fa
     """
     grads: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
-    watch = CastWatch() if fp8 else None
+    watch = CastWatch(mx_wgrad_hp=_mx_wgrad_hp(ctx.fp8_recipe)) if fp8 else None
     trace = run_once(ctx, precision, 1.0, casts=watch,
                      prepare=lambda model: _capture(model, grads, outputs, prepare))
     casts = tuple(watch.finalize()) if watch is not None else ()
     return StepValues(label, trace, casts, grads, outputs)
+
+
+def _mx_wgrad_hp(recipe: Mapping | None) -> bool:
+    """Whether the recipe's MXFP8 configs compute the weight gradient in high precision (``wgrad_with_hp``)."""
+    return any(c.get("kind") == "mxfp8" and bool(c.get("fields", {}).get("wgrad_with_hp"))
+               for c in (recipe or {}).get("configs", ()))
 
 
 def agreement(a: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> list[Agreement]:

@@ -60,8 +60,12 @@ def _damage(ev: Fp8Evidence) -> str:
 def _underflow(d: Diagnosis) -> str:
     ev = _ev(d)
     c, s = ev.first, ev.first.stats
-    return (f"{_where(ev)} flushed {s.flushed_frac:.1%} of its {s.nonzero} non-zero values to zero: its scale was "
-            f"set by the outlier at channel {c.outlier[1]} (row {c.outlier[0]}, |x| = {s.amax:.3g}); {_damage(ev)}")
+    if c.granularity.startswith("mxfp8"):  # a scale per block of 32: each block's largest value set its own
+        why = (f"each block of 32's scale was set by its largest value (the largest: channel {c.outlier[1]}, "
+               f"row {c.outlier[0]}, |x| = {s.amax:.3g})")
+    else:
+        why = f"its scale was set by the outlier at channel {c.outlier[1]} (row {c.outlier[0]}, |x| = {s.amax:.3g})"
+    return f"{_where(ev)} flushed {s.flushed_frac:.1%} of its {s.nonzero} non-zero values to zero: {why}; {_damage(ev)}"
 
 
 def _saturation(d: Diagnosis) -> str:
@@ -84,8 +88,14 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
     if d.verdict == UNDERFLOW and c.role == "input" and c.channel_gap >= CHANNEL_GAP:
         lines.append(AdviceLine(f"Smooth the channels of `{c.module}`'s input (Smooth-SwiGLU): a per-channel scale "
                                 "before it, folded inversely into its weight's columns.", fixes=("fp8_smooth_swiglu",)))
-    lines.append(AdviceLine("Train these Linears in MXFP8 (a scale per block of 32).", fixes=("fp8_mxfp8",)))
+    if not _all_mx(d):  # an MXFP8 (RCEIL) recipe is already that
+        lines.append(AdviceLine("Train these Linears in MXFP8 (a scale per block of 32).", fixes=("fp8_mxfp8",)))
     return lines
+
+
+def _all_mx(d: Diagnosis) -> bool:
+    ev = _ev(d)
+    return ev is not None and ev.mxfp8
 
 
 def _detects(name: str):
