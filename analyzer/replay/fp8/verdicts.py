@@ -19,7 +19,7 @@ from .diagnose import Fp8Evidence, breaking
 from .step import OUT_REL_TOL
 from .recipe import filter_source
 
-__all__ = ["UNDERFLOW", "SATURATION", "CHANNEL_GAP", "keep_high"]
+__all__ = ["UNDERFLOW", "SATURATION", "CHANNEL_GAP", "keep_high", "e5m2_applies"]
 
 UNDERFLOW, SATURATION = "fp8_underflow", "fp8_saturation"
 # the aligned-channel pattern (Smooth-SwiGLU applies): one input channel's amax at least 10x every other's
@@ -79,8 +79,9 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
     ev = _ev(d)
     c = ev.first
     lines = []
-    if d.verdict == SATURATION and c.role == "grad_output" and c.fmt == "e4m3":
-        lines.append(AdviceLine("Cast the gradients to e5m2 (its range is 128x e4m3's).", fixes=("fp8_e5m2_grads",)))
+    if e5m2_applies(c):
+        lines.append(AdviceLine("Cast the gradients to e5m2 (its range is 128x e4m3's, its smallest subnormal 128x "
+                                "smaller).", fixes=("fp8_e5m2_grads",)))
     lines.append(AdviceLine("Scale FP8 casts per row (torchao's rowwise recipe): an outlier then sets only its own "
                             "row's scale.", fixes=("fp8_rowwise",)))
     lines.append(AdviceLine(f"Keep {', '.join(keep_high(ev))} in BF16 when converting: {filter_source(keep_high(ev))}",
@@ -88,9 +89,19 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
     if d.verdict == UNDERFLOW and c.role == "input" and c.channel_gap >= CHANNEL_GAP:
         lines.append(AdviceLine(f"Smooth the channels of `{c.module}`'s input (Smooth-SwiGLU): a per-channel scale "
                                 "before it, folded inversely into its weight's columns.", fixes=("fp8_smooth_swiglu",)))
-    if not _all_mx(d):  # an MXFP8 (RCEIL) recipe is already that
+    if c.granularity == "mxfp8_floor":
+        lines.append(AdviceLine("Round the MX block scales up (MXFP8TrainingOpConfig(scale_calculation_mode="
+                                "ScaleCalculationMode.RCEIL)): each block's amax then fits e4m3's 448.",
+                                fixes=("fp8_mxfp8",)))
+    elif not _all_mx(d):  # an MXFP8 (RCEIL) recipe is already that
         lines.append(AdviceLine("Train these Linears in MXFP8 (a scale per block of 32).", fixes=("fp8_mxfp8",)))
     return lines
+
+
+def e5m2_applies(c) -> bool:
+    """Whether casting gradients to e5m2 can help the broken cast `c`: an e4m3 grad_output of a torchao float8
+    recipe (torchao 0.18's MXFP8 training casts every operand to e4m3, with no option for its gradients)."""
+    return c is not None and c.role == "grad_output" and c.fmt == "e4m3" and not c.granularity.startswith("mxfp8")
 
 
 def _all_mx(d: Diagnosis) -> bool:

@@ -21,10 +21,15 @@ from . import swiglu_models as sm
 
 REF = "tests.analyzer.replay.fp8.mx_models"
 MASSIVE, MASSIVE_DIR, MASSIVE_GAIN = (5, 37), sm.DIM - 2, 200.0
+TOP = 1.99  # a mantissa above 448 / 256 = 1.75: FLOOR's e8m0 scale maps it past e4m3's 448 (clamped by 12%)
 
 
-def build(massive: bool = False) -> nn.Module:
+def build(massive: bool = False, top_binade: bool = False) -> nn.Module:
     model = sm.build(aligned=False)
+    if top_binade:  # every Linear weight +-1.99 * 2**-6: each block's amax in the top eighth of its binade
+        with torch.no_grad():
+            for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
+                lin.weight.copy_(torch.sign(lin.weight) * TOP * 2.0 ** -6)
     if massive:
         with torch.no_grad():
             model.emb.weight[:, MASSIVE_DIR] = 1.0
@@ -54,15 +59,16 @@ def to_mxfp8(model: nn.Module, mode: str = "rceil") -> nn.Module:
     return model
 
 
-def train_mx(run_dir, *, massive: bool = False, mode: str = "rceil", steps: int = 1, snapshot: bool = False) -> list[Path]:
+def train_mx(run_dir, *, massive: bool = False, top_binade: bool = False, mode: str = "rceil", steps: int = 1,
+             snapshot: bool = False) -> list[Path]:
     """Train in BF16 parameters with emulated MXFP8 Linears under the real Recorder (``fp8_every=1``); the
     recorder's own trigger writes the snapshots (`snapshot`: the last step is also snapshotted by hand, as
     ``rec.snapshot("fp8")``, where the trigger writes none). Returns them."""
     from recorders import Recorder
 
-    model = to_mxfp8(build(massive).to(torch.bfloat16), mode)
+    model = to_mxfp8(build(massive, top_binade).to(torch.bfloat16), mode)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with Recorder(run_dir, model, factory=f"{REF}:build", factory_kwargs={"massive": massive},
+    with Recorder(run_dir, model, factory=f"{REF}:build", factory_kwargs={"massive": massive, "top_binade": top_binade},
                   loss_fn=f"{sm.REF}:lm_loss", optimizer=opt, fp8_every=1) as rec:
         for step in range(steps):
             b = sm.batch(step)

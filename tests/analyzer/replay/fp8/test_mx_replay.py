@@ -83,3 +83,28 @@ def test_a_healthy_mxfp8_step_replays_with_no_fp8_finding(tmp_path):
     assert r["verdict"] == "healthy"
     assert r["fp8"]["verdict"] is None and r["fp8"]["breaking"] == [] and r["fp8"]["agrees_with_bf16"] is True
     assert r["fp8"]["casts"] == 36
+
+
+def test_floor_block_scales_saturate_and_autopsy_verifies_rceil_against_bf16(tmp_path):
+    # every weight is +-1.99 * 2**-6: FLOOR's e8m0 scale maps 1.99 * 2**k to 509 > 448, clamped by 12%, in every
+    # block of every weight cast; the clamps compound through the SwiGLU and the step leaves BF16
+    run = tmp_path / "run"
+    snaps = mx.train_mx(run, top_binade=True, mode="floor")
+    assert [p.name.endswith("-fp8.pt") for p in snaps] == [True]  # the recorder's trigger: saturated > 0.01%
+    a = _json("autopsy", str(run))
+    assert a["verdict"] == "fp8_saturation"
+    fp8 = a["replays"][0]["fp8"]
+    first = fp8["first"]
+    assert first["granularity"] == "mxfp8_floor" and first["breaks"] == "saturation" and first["saturated"] > 0
+    assert fp8["agrees_with_bf16"] is False
+    fixes = {f["name"]: f for f in a["fixes"]}
+    assert fixes["fp8_mxfp8"]["status"] == "verified" and "RCEIL" in fixes["fp8_mxfp8"]["title"]
+    assert "the unchanged FP8 step fails the same test" in fixes["fp8_mxfp8"]["detail"]
+    assert "fp8_e5m2_grads" not in fixes  # MXFP8 training casts every operand to e4m3: no e5m2 option to try
+
+
+def test_the_same_weights_under_rceil_block_scales_saturate_nothing_and_replay_healthy(tmp_path):
+    snaps = mx.train_mx(tmp_path / "run", top_binade=True, mode="rceil", snapshot=True)
+    assert len(snaps) == 1  # the loop's own snapshot: the trigger wrote none
+    r = _json("replay", str(snaps[0]))
+    assert r["verdict"] == "healthy" and r["fp8"]["verdict"] is None and r["fp8"]["breaking"] == []
