@@ -97,7 +97,8 @@ VERDICTS: dict[str, Verdict] = {}
 # verdicts that refine another in this order (the first that detects itself wins). A verdict not
 # listed here comes after these, in the order registered.
 # instability before the FP8 and precision verdicts: a spike FP32 makes too is never blamed on a precision.
-ORDER = ("healthy", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
+# fp8_nonfinite before not_reproduced: a NaN that only the FP8 replay makes is reproduced (by FP8).
+ORDER = ("healthy", "fp8_nonfinite", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow", "unregistered_op",
          "loss_scale_overflow", "kernel_specific", "cancellation", "compile_specific", "instability", "fp8_underflow",
          "fp8_saturation", "precision_error")
 

@@ -32,7 +32,7 @@ from .._runs import ReplayContext
 from .diagnose import Fp8Evidence, judge_values
 from .recipe import filter_source, with_gradients_in
 from .step import fp8_context, run_values
-from .verdicts import CHANNEL_GAP, SATURATION, UNDERFLOW, e5m2_applies, keep_high
+from .verdicts import CHANNEL_GAP, NONFINITE, SATURATION, UNDERFLOW, e5m2_applies, keep_high
 
 __all__: list[str] = []
 
@@ -193,7 +193,7 @@ def _line(fix: Fix, _c: Mapping, _mode: str) -> str:
     return f"Verified on this step: {fix.title}."
 
 
-_BOTH = (UNDERFLOW, SATURATION)
+_BOTH = (UNDERFLOW, SATURATION, NONFINITE)
 register_fix(FixSpec("fp8_rowwise", "rowwise FP8 scaling", _rowwise, serves=_BOTH, line=_line))
 register_fix(FixSpec("fp8_keep_bf16", "the broken modules in BF16", _keep_bf16, serves=_BOTH, line=_line))
 register_fix(FixSpec("fp8_e5m2_grads", "e5m2 gradients", _e5m2_grads, serves=_BOTH, line=_line))
