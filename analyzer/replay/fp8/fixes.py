@@ -14,7 +14,7 @@ does not agree; ``not_tried``: torchao could not run it here (the reason is give
   that input, ``x / s``, and its weight's columns times ``s`` (exact in high precision); ``s = sqrt(amax_x / amax_w)`` per input channel, which
   gives the input and the weight the same range (SmoothQuant's alpha = 0.5);
 - ``fp8_mxfp8``: torchao's emulated MXFP8 training (``MXFP8TrainingOpConfig``, RCEIL) for the recorded modules;
-  under autocast their weights and inputs are cast to the autocast dtype first (``_mx_in``); not tried where the
+  under autocast their weights and inputs are cast to the autocast dtype (``step.run_values``); not tried where the
   recorded step already trains in MXFP8 with RCEIL scales.
 """
 from __future__ import annotations
@@ -134,44 +134,10 @@ def _smooth_swiglu(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
                 prepare=lambda model: _smoothed(model, c.module))
 
 
-@contextlib.contextmanager
-def _mx_in(model: torch.nn.Module, names: set[str], dtype: torch.dtype) -> Iterator[None]:
-    """The MXFP8 Linears `names` compute in `dtype`: their weights (torchao's wrapper and the ``_data`` it computes
-    with) and their inputs cast to it, for the run; the FP32 weights are put back after.
-
-    NB: torchao 0.18's emulated ``mx_mm`` quantises each operand from its own dtype and multiplies the
-    dequantised blocks, so under CPU autocast (an FP32 weight beside a BF16 input) ``mm`` raises on the dtype
-    mismatch. torchao's own MXFP8 tests train BF16 parameters without autocast; autocast rounds a Linear's
-    weight to BF16 for the matmul all the same, so this is the step autocast would run.
-    """
-    kept, handles = [], []
-    for name in names:
-        mod = model.get_submodule(name)
-        w = mod.weight
-        inner = getattr(w, "_data", None)
-        if type(inner) is not torch.Tensor or w.dtype == dtype:
-            continue
-        kept.append((w, w.data, inner))
-        w.data, w._data = w.data.to(dtype), inner.to(dtype)
-
-        def pre(_m, args):
-            x = args[0] if args else None
-            return (x.to(dtype), *args[1:]) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
-        handles.append(mod.register_forward_pre_hook(pre))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for w, data, inner in kept:
-            w.data, w._data = data, inner
-
-
 def _mxfp8(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
     ev = _evidence(result)
     if ev is None or ev.mxfp8:
         return None  # the step already trains in MXFP8 with RCEIL scales: nothing to change
-    names = set(ev.modules)
 
     def make(c: ReplayContext, _ev: Fp8Evidence) -> ReplayContext:
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: PLC0415
@@ -179,14 +145,12 @@ def _mxfp8(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
         cfg = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
         return fp8_context(c, config=cfg)
 
-    low = getattr(torch, ctx.mode.dtype) if ctx.mode.autocast and ctx.mode.dtype else None
-    prepare = (lambda model: _mx_in(model, names, low)) if low is not None else None
     title = "MXFP8 (torchao's emulated MXFP8 training, RCEIL scales) for the FP8 modules"
     if ev.first is not None and ev.first.granularity == "mxfp8_floor":
         title = "RCEIL block scales instead of FLOOR (torchao's emulated MXFP8 training) for the FP8 modules"
-    if low is not None:
+    if ctx.mode.autocast and ctx.mode.dtype:
         title += f", their GEMMs' operands in {ctx.mode.dtype} (as autocast casts them)"
-    return _try(ctx, result, "fp8_mxfp8", title, make, prepare=prepare)
+    return _try(ctx, result, "fp8_mxfp8", title, make)
 
 
 def _line(fix: Fix, _c: Mapping, _mode: str) -> str:

@@ -28,13 +28,15 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from recorders.fp8_recipe import fp8_modules
+
 from .._runs import ReplayContext, run_once
 from ..trace import RunTrace
 from .casts import CastWatch, Fp8Cast
 from .recipe import convert
 
 __all__ = ["GRAD_COS_TOL", "GRAD_REL_TOL", "OUT_REL_TOL", "StepValues", "Agreement", "run_values", "fp8_context",
-           "agreement", "output_errors", "agrees", "worst"]
+           "agreement", "output_errors", "agrees", "worst", "mx_compute_in"]
 
 GRAD_COS_TOL = 0.98  # per parameter: cosine with the reference gradient at least this
 GRAD_REL_TOL = 0.2   # per parameter: |g - ref| / |ref| at most this
@@ -129,17 +131,59 @@ def _capture(model: torch.nn.Module, grads: dict, outputs: dict, extra: Callable
             h.remove()
 
 
+@contextlib.contextmanager
+def mx_compute_in(model: torch.nn.Module, names: set[str], dtype: torch.dtype) -> Iterator[None]:
+    """The MXFP8 Linears `names` compute in `dtype`: their weights (torchao's wrapper and the ``_data`` it computes
+    with) and their inputs cast to it, for the run; the FP32 weights are put back after.
+
+    NB: torchao 0.18's emulated ``mx_mm`` quantises each operand from its own dtype and multiplies the
+    dequantised blocks, so under CPU autocast (an FP32 weight beside a BF16 input) ``mm`` raises on the dtype
+    mismatch. torchao's own MXFP8 tests train BF16 parameters without autocast; autocast rounds a Linear's
+    weight to BF16 for the matmul all the same, so this is the step autocast would run.
+    """
+    kept, handles = [], []
+    for name in names:
+        mod = model.get_submodule(name)
+        w = mod.weight
+        inner = getattr(w, "_data", None)
+        if type(inner) is not torch.Tensor or w.dtype == dtype:
+            continue
+        kept.append((w, w.data, inner))
+        w.data, w._data = w.data.to(dtype), inner.to(dtype)
+
+        def pre(_m, args):
+            x = args[0] if args else None
+            return (x.to(dtype), *args[1:]) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+        handles.append(mod.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for w, data, inner in kept:
+            w.data, w._data = data, inner
+
+
 def run_values(ctx: ReplayContext, precision: str, label: str, *, fp8: bool = False,
                prepare: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None) -> StepValues:
     """Replay the step once in `precision` (at loss scale 1) and keep its gradients, Linear outputs and FP8 casts.
 
-    `ctx` is the plain context or an ``fp8_context``; `fp8` follows the casts; `prepare` is a fix's hook.
+    `ctx` is the plain context or an ``fp8_context``; `fp8` follows the casts; `prepare` is a fix's hook. Under
+    autocast, the model's MXFP8 Linears compute on operands in the autocast dtype (``mx_compute_in``).
     """
     grads: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
     watch = CastWatch(mx_wgrad_hp=_mx_wgrad_hp(ctx.fp8_recipe)) if fp8 else None
-    trace = run_once(ctx, precision, 1.0, casts=watch,
-                     prepare=lambda model: _capture(model, grads, outputs, prepare))
+    low = getattr(torch, ctx.mode.dtype) if fp8 and ctx.mode.autocast and ctx.mode.dtype else None
+
+    @contextlib.contextmanager
+    def both(model: torch.nn.Module) -> Iterator[None]:
+        mx = {n for n, (kind, _) in fp8_modules(model).items() if kind == "mxfp8"} if low is not None else set()
+        with mx_compute_in(model, mx, low) if mx else contextlib.nullcontext():
+            with prepare(model) if prepare is not None else contextlib.nullcontext():
+                yield
+
+    trace = run_once(ctx, precision, 1.0, casts=watch, prepare=lambda model: _capture(model, grads, outputs, both))
     casts = tuple(watch.finalize()) if watch is not None else ()
     return StepValues(label, trace, casts, grads, outputs)
 

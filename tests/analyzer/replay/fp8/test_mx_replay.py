@@ -108,3 +108,19 @@ def test_the_same_weights_under_rceil_block_scales_saturate_nothing_and_replay_h
     assert len(snaps) == 1  # the loop's own snapshot: the trigger wrote none
     r = _json("replay", str(snaps[0]))
     assert r["verdict"] == "healthy" and r["fp8"]["verdict"] is None and r["fp8"]["breaking"] == []
+
+
+def test_an_mxfp8_snapshot_recorded_under_bf16_autocast_replays_on_cpu(massive_run, tmp_path):
+    # as a CUDA run under autocast writes it: FP32 master weights, amp_dtype bfloat16, the same MX recipe. torchao
+    # 0.18's emulated mx_mm refuses autocast's FP32 weight beside a BF16 input, so the replay computes the MX
+    # GEMMs on operands in BF16 (what autocast rounds a Linear's operands to)
+    _, snaps = massive_run
+    data = torch.load(snaps[0], weights_only=True)
+    data["model_state"] = {k: v.float() for k, v in data["model_state"].items()}
+    data["amp_dtype"] = "bfloat16"
+    path = tmp_path / "autocast-mx.pt"
+    torch.save(data, path)
+    r = _json("replay", str(path))
+    assert r["precision_mode"] == "autocast" and r["verdict"] == "fp8_underflow"
+    first = r["fp8"]["first"]
+    assert (first["module"], first["role"], first["granularity"]) == ("block.mlp.w2", "input", "mxfp8")
