@@ -3,6 +3,7 @@ snapshot (the recipe rebuilt with ``MXFP8TrainingOpConfig``) in FP32, BF16 and M
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -124,3 +125,13 @@ def test_an_mxfp8_snapshot_recorded_under_bf16_autocast_replays_on_cpu(massive_r
     assert r["precision_mode"] == "autocast" and r["verdict"] == "fp8_underflow"
     first = r["fp8"]["first"]
     assert (first["module"], first["role"], first["granularity"]) == ("block.mlp.w2", "input", "mxfp8")
+
+
+def test_an_mxfp8_snapshot_without_torchao_is_one_error_line_naming_the_fp8_extra(massive_run, monkeypatch):
+    _, snaps = massive_run
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # torchao absent, as without the [fp8] extra
+    res = CliRunner().invoke(main, ["replay", str(snaps[0]), "--device", "cpu"])
+    assert res.exit_code != 0
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "[fp8]" in lines[0], res.output
