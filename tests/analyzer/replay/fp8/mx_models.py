@@ -81,3 +81,8 @@ def train_mx(run_dir, *, massive: bool = False, top_binade: bool = False, mode: 
             opt.step()
             opt.zero_grad()
     return list(rec.snapshots)
+
+
+def build_mx(massive: bool = False, top_binade: bool = False) -> nn.Module:
+    """A factory that returns the model already converted for MXFP8 training: replay reads the recipe from it."""
+    return to_mxfp8(build(massive, top_binade))

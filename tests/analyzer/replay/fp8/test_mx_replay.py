@@ -135,3 +135,17 @@ def test_an_mxfp8_snapshot_without_torchao_is_one_error_line_naming_the_fp8_extr
     assert res.exit_code != 0
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "[fp8]" in lines[0], res.output
+
+
+def test_a_factory_that_returns_the_mxfp8_model_replays_the_same_casts(massive_run, tmp_path):
+    # its FP32 and BF16 runs use the plain twin (each MX weight back to a plain parameter of the same values)
+    _, snaps = massive_run
+    data = torch.load(snaps[0], weights_only=True)
+    del data["fp8_recipe"]  # the converted factory's model alone carries the recipe
+    path = tmp_path / "no-recipe.pt"
+    torch.save(data, path)
+    r = _json("replay", str(path), "--factory", f"{mx.REF}:build_mx")
+    first, fired = r["fp8"]["first"], data["fp8"]["fired"]
+    assert r["verdict"] == "fp8_underflow" and first["granularity"] == "mxfp8"
+    assert (first["module"], first["role"], first["flushed"]) == (fired["module"], fired["role"], fired["flushed"])
+    assert r["runs"]["bfloat16"]["finite"] and r["fp8"]["bf16_agrees_with_fp32"] is True
