@@ -132,11 +132,17 @@ def convert(model: torch.nn.Module, recipe: Mapping, *, keep_high: Iterable[str]
     return model
 
 
+def _mx_kernels() -> bool:
+    """Whether this CUDA device has torchao's MXFP8 kernels (compute capability 10.0 and up: Blackwell)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+
+
 def mx_config(fields: Mapping[str, Any], *, device: str = "cpu", path: str | None = None):
     """A ``torchao.prototype.moe_training.config.MXFP8TrainingOpConfig`` from the fields ``describe_fp8`` wrote.
 
-    Off CUDA its kernels are torchao's emulated ones (``KernelPreference.EMULATED``, the only MXFP8 training path
-    torchao 0.18 runs on a CPU): the casts, their e8m0 scales and the flushing are the same, the GEMM is a
+    Off CUDA, and on a CUDA device older than Blackwell (torchao's MXFP8 kernels need compute capability 10.0),
+    its kernels are torchao's emulated ones (``KernelPreference.EMULATED``, the only MXFP8 training path torchao
+    0.18 runs on a CPU): the casts, their e8m0 scales and the flushing are the same, the GEMM is a
     high-precision mm of the dequantised blocks.
     """
     _torchao(path)
@@ -149,7 +155,7 @@ def mx_config(fields: Mapping[str, Any], *, device: str = "cpu", path: str | Non
                            path=path, fix="install the [fp8] extra's torchao (pip install 'amp-autopsy[fp8]')") from e
     try:
         pref = KernelPreference(fields.get("kernel_preference", "emulated"))
-        if device != "cuda":
+        if device != "cuda" or not _mx_kernels():
             pref = KernelPreference.EMULATED
         return MXFP8TrainingOpConfig(
             kernel_preference=pref, out_dtype=_OUT_DTYPES.get(fields.get("out_dtype"), torch.bfloat16),
