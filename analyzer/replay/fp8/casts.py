@@ -28,6 +28,7 @@ Example (one tensorwise Float8Linear, forward and backward: six casts)::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -137,21 +138,27 @@ class CastWatch:
             return  # a cast with no scale the step computed (not a torchao training cast)
         x, scale, divides = self._muls[xs]
         fmt = FLOAT8_DTYPES[out.dtype]
-        # MX blocks: x is (rows, blocks, 32) with a scale per (row, block); rows and channels are those of (rows, K)
-        blocks = x.dim() >= 3 and x.shape[-1] == MX_BLOCK and scale.dim() == x.dim() and scale.shape[-1] == 1
-        width = x.shape[-2] * x.shape[-1] if blocks else x.shape[-1] if x.dim() >= 1 else 1
-        flat = x.detach().reshape(-1, width)
         counts = scaled_counts(x, xs, 1.0 / scale if divides else scale, fmt)
-        absx = flat.abs().float()
-        where = absx.flatten().argmax().double().reshape(1)  # the value that set the scale
-        top = absx.amax(0).topk(min(2, absx.shape[-1])).values.double()
-        gap = (top[0] / top[1] if top.numel() == 2 else torch.ones((), dtype=torch.float64)).reshape(1)
-        self._counts.append(torch.cat([counts, where, gap]))
+        ax = x.detach().abs().float()
+        where = ax.flatten().argmax().double().reshape(1)  # the value that set the scale
+        # Two layouts of the operand as (rows, channels): its last dim as the channels, and, where it may be MX
+        # blocks (a (rows, blocks, 32) view with a scale per block), (rows, K). The GEMM that reads the cast says
+        # which (``_gemm``); both gaps are computed here, while the operand is alive.
+        widths = [x.shape[-1] if x.dim() >= 1 else 1]
+        if x.dim() >= 3 and x.shape[-1] == MX_BLOCK and scale.dim() == x.dim() and scale.shape[-1] == 1:
+            widths.append(x.shape[-2] * x.shape[-1])
+        gaps = [self._gap(ax.reshape(-1, w)) for w in widths]
+        self._counts.append(torch.cat([counts, where, gaps[0], gaps[-1]]))
         self._by_data[out.untyped_storage().data_ptr()] = len(self._pending)
         self._pending.append({"index": rec.index, "module": rec.module, "phase": rec.phase, "role": None,
-                              "use": None, "fmt": fmt, "shape": tuple(flat.shape) if blocks else tuple(x.shape),
-                              "cols": flat.shape[-1], "floor": divides,
+                              "use": None, "fmt": fmt, "shape": tuple(x.shape), "widths": widths, "floor": divides,
                               "granularity": "tensorwise" if scale.numel() == 1 else "rowwise"})
+
+    @staticmethod
+    def _gap(ax: torch.Tensor) -> torch.Tensor:
+        """The largest channel amax over the second largest (1 for one channel), as a 1-element float64 tensor."""
+        top = ax.amax(0).topk(min(2, ax.shape[-1])).values.double()
+        return (top[0] / top[1] if top.numel() == 2 else torch.ones((), dtype=torch.float64)).reshape(1)
 
     def _gemm(self, args: tuple, rec) -> None:
         found = []
@@ -196,8 +203,11 @@ class CastWatch:
         for p, v in zip(self._pending, values):
             stats = CastStats.from_counts(p["fmt"], p["granularity"], v[:8])
             flat = int(v[8])
+            mx = p["granularity"].startswith("mxfp8") and len(p["widths"]) == 2  # the (rows, K) layout of MX blocks
+            cols, gap = (p["widths"][1], v[10]) if mx else (p["widths"][0], v[9])
+            shape = (math.prod(p["shape"]) // cols, cols) if mx else p["shape"]
             out.append(Fp8Cast(p["index"], p["module"], p["phase"], p["role"], p["use"], p["fmt"], p["granularity"],
-                               stats, p["shape"], (flat // p["cols"], flat % p["cols"]),
-                               v[9] if v[9] == v[9] else 1.0))  # 0 / 0: an all-zero operand
+                               stats, shape, (flat // cols, flat % cols),
+                               gap if gap == gap else 1.0))  # 0 / 0: an all-zero operand
         self._counts.clear()
         return out

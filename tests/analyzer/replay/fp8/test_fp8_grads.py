@@ -62,3 +62,14 @@ def test_the_e5m2_fix_applies_to_a_broken_e4m3_gradient_only(weighted, tmp_path)
     assert fix.status == "verified" and "the unchanged FP8 step agrees too" in fix.detail
     aligned = Replay(sm.train_fp8(tmp_path / "aligned"), device="cpu")  # its broken cast is w2's input
     assert FIXES["fp8_e5m2_grads"].apply(aligned.context(), aligned.run()) is None
+
+
+def test_a_rowwise_cast_of_a_32_wide_3d_input_keeps_its_own_rows_and_channels(weighted):
+    # w1's input is (4, 16, 32) with a scale per token: the layout of an MX block view, yet rowwise, read by a
+    # Float8TrainingTensor GEMM: its outlier is a channel of 32, not a position in a 512-wide row
+    from analyzer.replay import Replay
+
+    ev = Replay(weighted, device="cpu").run().diagnosis.evidence["fp8"]
+    (w1,) = [c for c in ev.casts if (c.module, c.role, c.use) == ("block.mlp.w1", "input", "forward")]
+    assert w1.granularity == "rowwise" and w1.shape == (4, 16, sm.DIM)
+    assert 0 <= w1.outlier[1] < sm.DIM and 0 <= w1.outlier[0] < 4 * 16
