@@ -82,7 +82,7 @@ def _keep_bf16(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 def _e5m2_grads(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
     ev = _evidence(result)
-    if ev is None or not e5m2_applies(ev.first):
+    if ev is None or not e5m2_applies(ev.nonfinite_cast if ev.nonfinite_at is not None else ev.first):
         return None  # the broken cast is no e4m3 gradient of a float8 recipe
     return _try(ctx, result, "fp8_e5m2_grads", "gradients cast to e5m2 in the recorded recipe",
                 lambda c, _ev: fp8_context(c, with_gradients_in(c.fp8_recipe, "float8_e5m2")))

@@ -100,7 +100,7 @@ def _advice(d: Diagnosis) -> list[AdviceLine]:
                            f"`{ev.nonfinite_at['module']}` with an epsilon.")]
     lines = []
     if e5m2_applies(c):
-        lines.append(AdviceLine("Cast the gradients to e5m2 (its range is 128x e4m3's, its smallest subnormal 128x "
+        lines.append(AdviceLine("Cast the gradients to e5m2 (its max is 128x e4m3's and its smallest subnormal 128x "
                                 "smaller).", fixes=("fp8_e5m2_grads",)))
     lines.append(AdviceLine("Scale FP8 casts per row (torchao's rowwise recipe): an outlier then sets only its own "
                             "row's scale.", fixes=("fp8_rowwise",)))
