@@ -1,11 +1,12 @@
-"""FP8 gradients: a loss that weighs two tokens 1e6 times the others, trained with torchao's rowwise recipe
-(every operand e4m3). The weight-gradient GEMM scales grad_output per output feature across the tokens: the two
-heavy tokens set every such scale, and the other 62 tokens' gradients fall below e4m3's smallest subnormal.
+"""FP8 gradients beyond e4m3's range: losses that weigh some tokens 1e6 times the others, torchao's rowwise
+recipe (every operand e4m3). The weight-gradient GEMM scales grad_output per output feature across the tokens:
+the heavy tokens set every such scale and the other tokens' gradients fall below e4m3's smallest subnormal.
 
-What that costs the step: nothing BF16 can see. A flushed value is below 2**-10 / 448 (about 2e-6) of the
-largest value of its column, which enters the same weight-gradient sums; BF16 rounds those sums to 2**-9. So
-the replay names the flushing cast and gives no verdict; e5m2 (max / smallest subnormal: 57344 * 2**16, about
-3.8e9, against e4m3's 448 * 2**9, about 2.3e5) keeps those values, and its fix is offered only through a verdict."""
+Where the heavy tokens also enter the weight-gradient sums (``swiglu_models.weighted_batch``), that costs the
+step nothing BF16 can see: a flushed value is below 2**-10 / 448 (about 2e-6) of its column's largest, and BF16
+rounds the sums it enters to 2**-9. The replay names the cast and gives no verdict. Where they do not (their
+input to the Linear is 0: ``grad_models``), the Linear's weight gradient is the flushed tokens' alone, it is
+lost, and ``fp8_underflow`` on grad_output is verified fixed by e5m2 gradients against BF16."""
 from __future__ import annotations
 
 import json
@@ -73,3 +74,28 @@ def test_a_rowwise_cast_of_a_32_wide_3d_input_keeps_its_own_rows_and_channels(we
     (w1,) = [c for c in ev.casts if (c.module, c.role, c.use) == ("block.mlp.w1", "input", "forward")]
     assert w1.granularity == "rowwise" and w1.shape == (4, 16, sm.DIM)
     assert 0 <= w1.outlier[1] < sm.DIM and 0 <= w1.outlier[0] < 4 * 16
+
+
+def test_gradients_beyond_e4m3s_range_autopsy_to_fp8_underflow_and_e5m2_is_verified_against_bf16(tmp_path):
+    # grad_models: the heavy tokens' w2 input is 0, so w2's weight gradient is the light tokens' alone, and those
+    # flush under the heavy tokens' per-feature e4m3 scales
+    from . import grad_models as gm
+
+    snaps = gm.train(tmp_path / "run")
+    assert len(snaps) == 1
+    res = CliRunner().invoke(main, ["autopsy", str(tmp_path / "run"), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    a = json.loads(res.stdout)
+    assert a["verdict"] == "fp8_underflow"
+    fp8 = a["replays"][0]["fp8"]
+    first = fp8["first"]
+    assert (first["role"], first["use"], first["phase"], first["fmt"]) == ("grad_output", "weight gradient",
+                                                                         "backward", "e4m3")
+    assert any(c["module"] == "block.mlp.w2" and c["role"] == "grad_output" for c in fp8["breaking"])
+    assert fp8["grad_jump"]["name"] == "block.mlp.w2.weight" and fp8["grad_jump"]["cosine"] < 0.5
+    assert fp8["bf16_agrees_with_fp32"] is True  # BF16 is a valid reference here
+    fixes = {f["name"]: f for f in a["fixes"]}
+    # e5m2 keeps the light tokens' gradients (its w3 gradient is ~0.18 off BF16: e5m2's 2 mantissa bits)
+    assert fixes["fp8_e5m2_grads"]["status"] == "verified"
+    assert "the unchanged FP8 step fails the same test" in fixes["fp8_e5m2_grads"]["detail"]
+    assert fixes["fp8_rowwise"]["status"] == "fails"  # the step is already rowwise
