@@ -22,7 +22,10 @@ again. The recorder imports only torch: both are recognised by their class names
 
 ``roles`` is the summary readers use: the format and granularity of the cast of each operand
 role for its forward use (input, weight) and its first backward use (grad_output), in the names
-of ``recorders.fp8`` (``"rowwise"`` for torchao's axiswise scaling, ``"mxfp8"`` for MX blocks).
+of ``recorders.fp8`` (``"rowwise"`` for torchao's axiswise scaling, ``"mxfp8"`` for MX blocks with RCEIL scales,
+``"mxfp8_floor"`` with FLOOR ones). An MXFP8 entry's roles also name the elements per scale block
+(``block_size``: 32, the only size torchao 0.18's MXFP8 training uses; an entry without it means 32) and the
+e8m0 scale's rounding (``scale_rounding``: ``"rceil"`` or ``"floor"``, the config's ``scale_calculation_mode``).
 ``fields`` keeps everything, so that replay can rebuild the exact config.
 
 Example:
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from .compiled import clean_name, unwrap
+from .fp8 import MX_BLOCK
 
 __all__ = ["FP8_KINDS", "describe_fp8", "fp8_modules"]
 
@@ -84,7 +88,8 @@ def _roles(kind: str, config: Any) -> dict:
     if kind == "mxfp8":  # every operand in e4m3 with e8m0 block scales (the MXFP8 training recipes)
         mode = _plain(getattr(config, "scale_calculation_mode", "rceil"))
         gran = "mxfp8_floor" if str(mode).lower() == "floor" else "mxfp8"
-        return {r: {"format": "e4m3", "granularity": gran} for r in _ROLE_FIELDS}
+        return {r: {"format": "e4m3", "granularity": gran, "block_size": MX_BLOCK, "scale_rounding": str(mode).lower()}
+                for r in _ROLE_FIELDS}
     roles = {}
     for role, field in _ROLE_FIELDS.items():
         cast = getattr(config, field, None)

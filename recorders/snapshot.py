@@ -50,9 +50,16 @@ def to_cpu_tree(obj: Any, path: str = "batch") -> Any:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (no collective); any other tensor as it is."""
+    """A DTensor's local shard (no collective); a wrapper subclass holding its values as a plain ``_data`` of its
+    own dtype (torchao's MXFP8 training weights) as that plain tensor, so the snapshot loads with
+    ``weights_only=True``; any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    t = to_local() if callable(to_local) else t
+    data = getattr(t, "_data", None)
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) and type(data) is torch.Tensor
+            and data.dtype == t.dtype and data.shape == t.shape):
+        return data
+    return t
 
 
 def build_snapshot(

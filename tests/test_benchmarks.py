@@ -77,3 +77,9 @@ def test_the_inspect_bench_cold_run_compares_the_streamed_inspect_and_both_check
 def test_the_inspect_bench_pair_run_times_the_pair_scan_alone_beside_inspect(tmp_path):
     out = _quick("inspect_throughput.py", tmp_path, "--pair")
     assert "in 2 file(s)" in out and "scan alone: load(mmap) + scan" in out, out[-3000:]
+
+
+def test_the_fp8_replay_bench_runs_its_mxfp8_recipe(tmp_path):
+    require("torchao.prototype.moe_training", "fp8")
+    out = _quick("fp8_replay_cost.py", tmp_path, "--recipe", "mxfp8")
+    assert "Linears in mxfp8 FP8" in out and "| fp8 diagnosis |" in out, out[-3000:]

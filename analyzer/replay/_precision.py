@@ -167,6 +167,9 @@ def cast_model(model: torch.nn.Module, mode: PrecisionMode, precision: str | Non
             want = targets.get(dot + key)
             if p is not None and want is not None and p.dtype != want:
                 p.data = p.data.to(want)
+                inner = getattr(p, "_data", None)  # torchao's MXFP8 training weight computes with its own _data
+                if type(p) is not torch.nn.Parameter and type(inner) is torch.Tensor and inner.shape == p.shape:
+                    p._data = inner.to(want)
         for key, b in module._buffers.items():
             want = targets.get(dot + key)
             if b is not None and want is not None and b.dtype != want:

@@ -99,9 +99,10 @@ VERDICTS: dict[str, Verdict] = {}
 # listed here comes after these, in the order registered.
 # instability before the FP8 and precision verdicts: a spike FP32 makes too is never blamed on a precision.
 # compile_specific first: it refines whatever the eager runs reach (the compiled step is what training ran).
-ORDER = ("healthy", "compile_specific", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow", "underflow",
-         "unregistered_op", "loss_scale_overflow", "kernel_specific", "cancellation", "instability", "fp8_underflow",
-         "fp8_saturation", "precision_error")
+# fp8_nonfinite before not_reproduced: a NaN that only the FP8 replay makes is reproduced (by FP8).
+ORDER = ("healthy", "compile_specific", "fp8_nonfinite", "not_reproduced", "nonfinite_input", "numerical_bug", "overflow",
+         "underflow", "unregistered_op", "loss_scale_overflow", "kernel_specific", "cancellation", "instability",
+         "fp8_underflow", "fp8_saturation", "precision_error")
 ANY = "*"  # ``Verdict.refines``: whichever verdict the diagnosis reached
 
 # Fixes that change the precision, and the precision each one switches to: a line recommending one

@@ -81,3 +81,18 @@ def test_an_mxfp8_training_model_is_described_by_its_weight_wrappers():
     (cfg,) = d["configs"]
     assert cfg["kind"] == "mxfp8" and cfg["emulate"] is True
     assert {v["granularity"] for v in cfg["roles"].values()} == {"mxfp8"}
+    # the MX recipe's block size and scale rounding, per role (torchao 0.18's MXFP8 training: 32, its config's mode)
+    assert {(v["block_size"], v["scale_rounding"]) for v in cfg["roles"].values()} == {(32, "rceil")}
+
+
+def test_an_mxfp8_floor_recipe_names_its_scale_rounding_and_granularity():
+    require("torchao", "fp8")
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization import quantize_
+
+    m = _mlp()
+    quantize_(m, MXFP8TrainingOpConfig(scale_calculation_mode=ScaleCalculationMode.FLOOR),
+              filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear))
+    (cfg,) = describe_fp8(m)["configs"]
+    assert {(v["granularity"], v["scale_rounding"]) for v in cfg["roles"].values()} == {("mxfp8_floor", "floor")}

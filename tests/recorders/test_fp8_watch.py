@@ -281,6 +281,26 @@ def test_mxfp8_training_weights_are_measured_in_blocks_and_the_aligned_swiglu_fi
     assert (w2["flushed"] / w2["nonzero"]).max() < schema.FP8_FLUSH_LIMIT and _fp8_names(rec) == []
 
 
+def test_a_snapshot_of_an_mxfp8_model_holds_plain_weights_that_load_with_weights_only(tmp_path):
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    model = sm.build(True).to(torch.bfloat16)
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
+              filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+    assert type(model.block.mlp.w2.weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    with Recorder(tmp_path, model, **REFS) as rec:
+        b = sm.batch(0)
+        rec.begin_step(0, b)
+        sm.lm_loss(model, b).backward()
+        path = rec.snapshot("manual")
+        rec.end_step(torch.tensor(1.0))
+    state = torch.load(path, weights_only=True)["model_state"]  # torchao's wrapper class would be refused
+    w = state["block.mlp.w2.weight"]
+    assert type(w) is torch.Tensor and w.dtype == torch.bfloat16
+    torch.testing.assert_close(w, model.block.mlp.w2.weight._data, rtol=0, atol=0)  # round trip: the same values
+
+
 class _HostReads(torch.overrides.TorchFunctionMode):
     """Counts the reads of tensor values into Python (item, tolist) inside its block."""
 

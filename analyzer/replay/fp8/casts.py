@@ -13,6 +13,11 @@ result is no evidence) and the ``mul`` that made it (the cast's input and its sc
 and which GEMM used it (``forward``, ``input gradient``, ``weight gradient``). Everything comes to the
 host in ``finalize`` with the run's other statistics.
 
+An MXFP8 training weight (torchao's ``mx_mm``, emulated) casts each operand in blocks of 32 with the same
+plain ops, ``x * scale`` (RCEIL) or ``x / scale`` (FLOOR) on a ``(rows, blocks, 32)`` view, then ``clamp`` and
+``_to_copy``; its GEMM reads ``MXTensor`` arguments (``.qdata``), which carry no role: ``_mx_roles`` gives them
+from ``mx_mm``'s order of GEMMs.
+
 Example (one tensorwise Float8Linear, forward and backward: six casts)::
 
     >>> watch = CastWatch()                                    # doctest: +SKIP
@@ -23,11 +28,12 @@ Example (one tensorwise Float8Linear, forward and backward: six casts)::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from recorders.fp8 import CastStats, scaled_counts
+from recorders.fp8 import MX_BLOCK, CastStats, scaled_counts
 
 __all__ = ["FLOAT8_DTYPES", "Fp8Cast", "CastWatch", "dequantised"]
 
@@ -56,7 +62,8 @@ class Fp8Cast:
         module, phase: where it ran (``phase``: the pass, ``forward`` or ``backward``).
         role: ``input``, ``weight`` or ``grad_output`` (None: no GEMM read it).
         use: the GEMM that read it: ``forward``, ``input gradient`` or ``weight gradient``.
-        fmt, granularity: ``e4m3`` / ``e5m2``; ``tensorwise`` (one scale) or ``rowwise`` (a scale per row or column).
+        fmt, granularity: ``e4m3`` / ``e5m2``; ``tensorwise`` (one scale), ``rowwise`` (a scale per row or column),
+            ``mxfp8`` / ``mxfp8_floor`` (an e8m0 scale per block of 32, RCEIL / FLOOR rounding).
         stats: saturated (before the clamp), flushed and subnormal counts (``recorders.fp8.CastStats``).
         shape: the shape of the cast's input.
         outlier: ``(row, column)`` of its largest |value| in the input flattened to 2-D around its last
@@ -91,8 +98,10 @@ class Fp8Cast:
 class CastWatch:
     """Follows ``mul -> clamp -> _to_copy(float8) -> mm`` through one run (module doc); private to a run."""
 
-    def __init__(self):
-        self._muls = WeakTensorKeyDictionary()    # mul output -> (its tensor input, its scale)
+    def __init__(self, mx_wgrad_hp: bool = False):
+        self.mx_wgrad_hp = mx_wgrad_hp  # an MXFP8 recipe whose weight gradient is computed in high precision
+        self._mx_backward: dict[str, int] = {}  # MX GEMMs seen per module in backward (their roles alternate)
+        self._muls = WeakTensorKeyDictionary()    # mul (or div) output -> (its tensor input, its scale, divides)
         self._clamps = WeakTensorKeyDictionary()  # clamp output -> the clamp's input (x * scale)
         self._by_data: dict[int, int] = {}        # float8 storage -> its cast (views share it)
         self._pending: list[dict] = []
@@ -106,49 +115,84 @@ class CastWatch:
             self._clamps[out] = args[0]
         elif name == "aten._to_copy" and isinstance(out, torch.Tensor) and out.dtype in FLOAT8_DTYPES:
             self._cast(args[0], out, rec)
+        elif name == "aten.div":
+            self._mul(args, out, divides=True)
         elif name in ("aten.mm", "aten._scaled_mm"):
             self._gemm(args, rec)
 
-    def _mul(self, args: tuple, out) -> None:
+    def _mul(self, args: tuple, out, divides: bool = False) -> None:
+        """``x * scale`` (torchao's float8 casts, MX RCEIL) or ``x / scale`` (MX FLOOR: the scale is its inverse)."""
         if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]) or not isinstance(out, torch.Tensor):
             return
         x, s = args[0], args[1]
         if s.numel() > x.numel():
+            if divides:
+                return
             x, s = s, x
         if x.shape == out.shape and x.dim() >= 1 and s.numel() < x.numel():
-            self._muls[out] = (x, s)
+            self._muls[out] = (x, s, divides)
 
     def _cast(self, src: torch.Tensor, out: torch.Tensor, rec) -> None:
         xs = self._clamps.get(src)
         if xs is None or xs not in self._muls:
             return  # a cast with no scale the step computed (not a torchao training cast)
-        x, scale = self._muls[xs]
+        x, scale, divides = self._muls[xs]
         fmt = FLOAT8_DTYPES[out.dtype]
-        flat = x.detach().reshape(-1, x.shape[-1]) if x.dim() >= 1 else x.detach().reshape(1, 1)
-        counts = scaled_counts(x, xs, scale, fmt)
-        absx = flat.abs().float()
-        where = absx.flatten().argmax().double().reshape(1)  # the value that set the scale
-        top = absx.amax(0).topk(min(2, absx.shape[-1])).values.double()
-        gap = (top[0] / top[1] if top.numel() == 2 else torch.ones((), dtype=torch.float64)).reshape(1)
-        self._counts.append(torch.cat([counts, where, gap]))
+        counts = scaled_counts(x, xs, 1.0 / scale if divides else scale, fmt)
+        ax = x.detach().abs().float()
+        where = ax.flatten().argmax().double().reshape(1)  # the value that set the scale
+        # Two layouts of the operand as (rows, channels): its last dim as the channels, and, where it may be MX
+        # blocks (a (rows, blocks, 32) view with a scale per block), (rows, K). The GEMM that reads the cast says
+        # which (``_gemm``); both gaps are computed here, while the operand is alive.
+        widths = [x.shape[-1] if x.dim() >= 1 else 1]
+        if x.dim() >= 3 and x.shape[-1] == MX_BLOCK and scale.dim() == x.dim() and scale.shape[-1] == 1:
+            widths.append(x.shape[-2] * x.shape[-1])
+        gaps = [self._gap(ax.reshape(-1, w)) for w in widths]
+        self._counts.append(torch.cat([counts, where, gaps[0], gaps[-1]]))
         self._by_data[out.untyped_storage().data_ptr()] = len(self._pending)
         self._pending.append({"index": rec.index, "module": rec.module, "phase": rec.phase, "role": None,
-                              "use": None, "fmt": fmt, "shape": tuple(x.shape), "cols": flat.shape[-1],
+                              "use": None, "fmt": fmt, "shape": tuple(x.shape), "widths": widths, "floor": divides,
                               "granularity": "tensorwise" if scale.numel() == 1 else "rowwise"})
+
+    @staticmethod
+    def _gap(ax: torch.Tensor) -> torch.Tensor:
+        """The largest channel amax over the second largest (1 for one channel), as a 1-element float64 tensor."""
+        top = ax.amax(0).topk(min(2, ax.shape[-1])).values.double()
+        return (top[0] / top[1] if top.numel() == 2 else torch.ones((), dtype=torch.float64)).reshape(1)
 
     def _gemm(self, args: tuple, rec) -> None:
         found = []
-        for a in args[:2]:
-            data = getattr(a, "_data", None)
+        mx = [type(a).__name__ == "MXTensor" for a in args[:2]]
+        for k, a in enumerate(args[:2]):
+            data = getattr(a, "qdata" if mx[k] else "_data", None)
             if isinstance(data, torch.Tensor) and data.dtype in FLOAT8_DTYPES:
                 i = self._by_data.get(data.untyped_storage().data_ptr())
                 role = getattr(getattr(a, "_gemm_input_role", None), "value", None)
-                found.append((i, role))
-        roles = {r for _, r in found}
+                found.append((i, role, mx[k]))
+        if any(mx) and len(found) == 2:
+            found = [(i, r, True) for (i, _r, _), r in zip(found, self._mx_roles(rec))]
+        for i, _role, is_mx in found:
+            if is_mx and i is not None:
+                self._pending[i]["granularity"] = "mxfp8_floor" if self._pending[i]["floor"] else "mxfp8"
+        roles = {r for _, r, _ in found}
         use = "forward" if rec.phase == "forward" else "input gradient" if "weight" in roles else "weight gradient"
-        for i, role in found:
+        for i, role, _ in found:
             if i is not None and self._pending[i]["use"] is None:
                 self._pending[i].update(role=role, use=use)
+
+    def _mx_roles(self, rec) -> tuple[str, str]:
+        """The operand roles of an MX GEMM's two arguments. ``MXTensor`` carries no role: torchao's ``mx_mm``
+        computes ``input @ weight.t()`` forward, then per backward ``grad_output @ weight`` (input gradient) and,
+        unless ``wgrad_with_hp``, ``grad_output.t() @ input`` (weight gradient), in that order. So a module's
+        backward alternates weight and input as the second operand, starting again with weight at each call
+        whose weight gradient is high precision (``mx_wgrad_hp``: one MX GEMM per backward)."""
+        if rec.phase == "forward":
+            return "input", "weight"
+        if self.mx_wgrad_hp:
+            return "grad_output", "weight"
+        n = self._mx_backward.get(rec.module, 0)
+        self._mx_backward[rec.module] = n + 1
+        return "grad_output", "weight" if n % 2 == 0 else "input"
 
     def finalize(self) -> list[Fp8Cast]:
         """The casts, in the order the step made them. NB: one host sync (call after the run's own)."""
@@ -159,8 +203,11 @@ class CastWatch:
         for p, v in zip(self._pending, values):
             stats = CastStats.from_counts(p["fmt"], p["granularity"], v[:8])
             flat = int(v[8])
+            mx = p["granularity"].startswith("mxfp8") and len(p["widths"]) == 2  # the (rows, K) layout of MX blocks
+            cols, gap = (p["widths"][1], v[10]) if mx else (p["widths"][0], v[9])
+            shape = (math.prod(p["shape"]) // cols, cols) if mx else p["shape"]
             out.append(Fp8Cast(p["index"], p["module"], p["phase"], p["role"], p["use"], p["fmt"], p["granularity"],
-                               stats, p["shape"], (flat // p["cols"], flat % p["cols"]),
-                               v[9] if v[9] == v[9] else 1.0))  # 0 / 0: an all-zero operand
+                               stats, shape, (flat // cols, flat % cols),
+                               gap if gap == gap else 1.0))  # 0 / 0: an all-zero operand
         self._counts.clear()
         return out

@@ -13,7 +13,9 @@ outputs are compared with BF16's and FP32's (``step``). The answer:
   beyond ``step.GRAD_REL_TOL`` / ``step.GRAD_COS_TOL``.
 - ``verdict``: ``fp8_underflow`` or ``fp8_saturation`` when such a cast exists *and* the FP8 step does not
   agree with BF16 (``step.agrees``); a cast that breaks while the step agrees is reported, not a verdict.
-- ``nonfinite_at``: an FP8-born NaN/Inf (FP32 and BF16 finite), localised to its first op as any NaN is.
+- ``nonfinite_at``: an FP8-born NaN/Inf (FP32 and BF16 finite), localised to its first op as any NaN is, with
+  ``cast``: the last FP8 cast before that op in its pass that flushed values (else one that saturated), where
+  the value went wrong (verdict ``fp8_nonfinite``).
 
 Real output (``replay --json``'s ``fp8.first`` of the aligned SwiGLU in ``tests/analyzer/replay/fp8/``)::
 
@@ -29,6 +31,7 @@ from collections.abc import Mapping
 from .._origin import find_origin
 from .._runs import ReplayContext
 from .casts import Fp8Cast
+from .recipe import is_mxfp8
 from .step import (GRAD_COS_TOL, GRAD_REL_TOL, OUT_REL_TOL, Agreement, StepValues, agreement, agrees, fp8_context,
                    output_errors, run_values, worst)
 
@@ -90,6 +93,7 @@ class Fp8Evidence:
     bf16_vs_fp32: Judgement
     nonfinite_at: Mapping | None
     reference: StepValues = dataclasses.field(repr=False, compare=False)
+    mxfp8: bool = False  # every recorded module already trains in MXFP8 with RCEIL scales (recipe.is_mxfp8)
 
     @property
     def first(self) -> Fp8Cast | None:
@@ -97,10 +101,22 @@ class Fp8Evidence:
 
     @property
     def verdict(self) -> str | None:
+        if self.nonfinite_at is not None:
+            return "fp8_nonfinite"
         c = self.first
-        if c is None or self.nonfinite_at is not None or self.vs_bf16.agrees:
+        if c is None or self.vs_bf16.agrees:
             return None
         return f"fp8_{breaking(c)}"
+
+    @property
+    def nonfinite_cast(self) -> Fp8Cast | None:
+        """With an FP8-born NaN/Inf: the last cast before its op, in its pass, that flushed (else saturated) values."""
+        n = self.nonfinite_at
+        if n is None:
+            return None
+        before = [c for c in self.casts if c.index < n["index"] and c.phase == n["phase"]]
+        return next((c for c in reversed(before) if c.stats.flushed), None) or next(
+            (c for c in reversed(before) if c.stats.saturated), None)
 
     @property
     def jump(self) -> dict | None:
@@ -139,13 +155,11 @@ class Fp8Evidence:
                           for r in self.vs_bf16.grads],
             "outputs": [{"layer": n, "rel_err_bf16": _num(e), "rel_err_fp32": _num(self.vs_fp32.outputs.get(n, math.nan))}
                         for n, e in self.vs_bf16.outputs.items()],
-            "jump": self.jump, "grad_jump": self.grad_jump, "nonfinite_at": self.nonfinite_at}}
+            "jump": self.jump, "grad_jump": self.grad_jump,
+            "nonfinite_at": None if self.nonfinite_at is None else {
+                **self.nonfinite_at, "cast": None if self.nonfinite_cast is None else self.nonfinite_cast.to_dict()}}}
 
     def note(self) -> str:
-        if self.nonfinite_at is not None:
-            n = self.nonfinite_at
-            return (f"In FP8 the step is non-finite while FP32 and BF16 are finite: first at {n['op']} in "
-                    f"`{n['module']}` ({n['phase']}).")
         if self.verdict is not None:
             return ""  # the verdict's own summary says it
         c = self.first
@@ -183,5 +197,5 @@ def fp8_diagnosis(ctx: ReplayContext, precision: str) -> Fp8Evidence:
         roles=roles, modules=tuple(recipe["modules"]), precision=precision,
         losses={"float32": fp32.trace.loss, "bfloat16": bf16.trace.loss, "fp8": fp8.trace.loss},
         casts=fp8.casts, vs_bf16=judge_values(fp8, bf16), vs_fp32=judge_values(fp8, fp32),
-        bf16_vs_fp32=judge_values(bf16, fp32), nonfinite_at=nonfinite, reference=bf16)
+        bf16_vs_fp32=judge_values(bf16, fp32), nonfinite_at=nonfinite, reference=bf16, mxfp8=is_mxfp8(recipe))
 

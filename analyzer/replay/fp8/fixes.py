@@ -7,17 +7,19 @@ does not agree; ``not_tried``: torchao could not run it here (the reason is give
 
 - ``fp8_rowwise``: torchao's ``rowwise`` recipe for the recorded modules (e4m3, a power-of-2 scale per row);
 - ``fp8_keep_bf16``: the modules whose casts broke left out of FP8 (the ``module_filter_fn`` is printed);
-- ``fp8_e5m2_grads``: the recorded recipe with gradients cast to e5m2 (``fp8_saturation`` of an e4m3 gradient);
+- ``fp8_e5m2_grads``: the recorded recipe with gradients cast to e5m2, where the broken cast is an e4m3
+  grad_output of a float8 recipe (saturated beyond e4m3's 448, or flushed below its smallest subnormal);
 - ``fp8_smooth_swiglu``: where the broken cast is a Linear's input whose largest channel amax is at least
   ``verdicts.CHANNEL_GAP`` (10) times every other channel's (the aligned-channel pattern), a per-channel scale ``s`` on
   that input, ``x / s``, and its weight's columns times ``s`` (exact in high precision); ``s = sqrt(amax_x / amax_w)`` per input channel, which
   gives the input and the weight the same range (SmoothQuant's alpha = 0.5);
-- ``fp8_mxfp8``: torchao's emulated MXFP8 training (``MXFP8TrainingOpConfig``, RCEIL) for the recorded modules.
+- ``fp8_mxfp8``: torchao's emulated MXFP8 training (``MXFP8TrainingOpConfig``, RCEIL) for the recorded modules;
+  under autocast their weights and inputs are cast to the autocast dtype (``step.run_values``); not tried where the
+  recorded step already trains in MXFP8 with RCEIL scales.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -30,13 +32,13 @@ from .._runs import ReplayContext
 from .diagnose import Fp8Evidence, judge_values
 from .recipe import filter_source, with_gradients_in
 from .step import fp8_context, run_values
-from .verdicts import CHANNEL_GAP, SATURATION, UNDERFLOW, keep_high
+from .verdicts import CHANNEL_GAP, NONFINITE, SATURATION, UNDERFLOW, e5m2_applies, keep_high
 
 __all__: list[str] = []
 
 
 def _evidence(result: ReplayResult) -> Fp8Evidence | None:
-    ev = result.diagnosis.evidence.get("fp8") if result.diagnosis is not None else None
+    ev = result.evidence.get("fp8")
     return ev if isinstance(ev, Fp8Evidence) else None
 
 
@@ -79,6 +81,9 @@ def _keep_bf16(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 
 def _e5m2_grads(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
+    ev = _evidence(result)
+    if ev is None or not e5m2_applies(ev.nonfinite_cast if ev.nonfinite_at is not None else ev.first):
+        return None  # the broken cast is no e4m3 gradient of a float8 recipe
     return _try(ctx, result, "fp8_e5m2_grads", "gradients cast to e5m2 in the recorded recipe",
                 lambda c, _ev: fp8_context(c, with_gradients_in(c.fp8_recipe, "float8_e5m2")))
 
@@ -130,31 +135,32 @@ def _smooth_swiglu(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
 
 
 def _mxfp8(ctx: ReplayContext, result: ReplayResult) -> Fix | None:
-    def make(c: ReplayContext, ev: Fp8Evidence) -> ReplayContext:
+    ev = _evidence(result)
+    if ev is None or ev.mxfp8:
+        return None  # the step already trains in MXFP8 with RCEIL scales: nothing to change
+
+    def make(c: ReplayContext, _ev: Fp8Evidence) -> ReplayContext:
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: PLC0415
-        from torchao.quantization import quantize_  # noqa: PLC0415
 
-        names, base = set(ev.modules), c.convert
+        cfg = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+        return fp8_context(c, config=cfg)
 
-        def to_mx(model: torch.nn.Module) -> torch.nn.Module:
-            model = base(model) if base is not None else model
-            cfg = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
-            quantize_(model, cfg, filter_fn=lambda _m, fqn: fqn in names)
-            return model
-        return dataclasses.replace(c, convert=to_mx, _model=None)
-    return _try(ctx, result, "fp8_mxfp8", "MXFP8 (torchao's emulated MXFP8 training, RCEIL scales) for the FP8 modules",
-                make)
+    title = "MXFP8 (torchao's emulated MXFP8 training, RCEIL scales) for the FP8 modules"
+    if ev.first is not None and ev.first.granularity == "mxfp8_floor":
+        title = "RCEIL block scales instead of FLOOR (torchao's emulated MXFP8 training) for the FP8 modules"
+    if ctx.mode.autocast and ctx.mode.dtype:
+        title += f", their GEMMs' operands in {ctx.mode.dtype} (as autocast casts them)"
+    return _try(ctx, result, "fp8_mxfp8", title, make)
 
 
 def _line(fix: Fix, _c: Mapping, _mode: str) -> str:
     return f"Verified on this step: {fix.title}."
 
 
-_BOTH = (UNDERFLOW, SATURATION)
+_BOTH = (UNDERFLOW, SATURATION, NONFINITE)
 register_fix(FixSpec("fp8_rowwise", "rowwise FP8 scaling", _rowwise, serves=_BOTH, line=_line))
 register_fix(FixSpec("fp8_keep_bf16", "the broken modules in BF16", _keep_bf16, serves=_BOTH, line=_line))
-register_fix(FixSpec("fp8_e5m2_grads", "e5m2 gradients", _e5m2_grads, serves=(SATURATION,), line=_line,
-                     applies=lambda v, _c: v == SATURATION))
+register_fix(FixSpec("fp8_e5m2_grads", "e5m2 gradients", _e5m2_grads, serves=_BOTH, line=_line))
 register_fix(FixSpec("fp8_smooth_swiglu", "Smooth-SwiGLU", _smooth_swiglu, serves=(UNDERFLOW,), line=_line,
                      applies=lambda v, _c: v == UNDERFLOW))
 register_fix(FixSpec("fp8_mxfp8", "MXFP8", _mxfp8, serves=_BOTH, line=_line))

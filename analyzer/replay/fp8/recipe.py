@@ -29,7 +29,7 @@ from recorders.fp8_recipe import describe_fp8, fp8_modules
 from ...errors import BadInputError, FactoryError
 from ...load.refs import missing_extra
 
-__all__ = ["ENTRY", "recipe_of", "convert", "to_plain", "float8_config", "with_gradients_in", "filter_source"]
+__all__ = ["ENTRY", "recipe_of", "convert", "to_plain", "float8_config", "mx_config", "is_mxfp8", "with_gradients_in", "filter_source"]
 
 ENTRY = "fp8_recipe"  # the snapshot key (and meta.json key) the recorder writes describe_fp8's output under
 _CASTS = ("cast_config_input", "cast_config_input_for_grad_weight", "cast_config_weight",
@@ -38,6 +38,7 @@ _GEMMS = ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weig
 _FLAGS = ("enable_fsdp_float8_all_gather", "pad_inner_dim", "emulate", "force_recompute_fp8_weight_in_bwd",
           "round_scales_to_power_of_2")
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def recipe_of(snapshot: Mapping, model: torch.nn.Module | None = None, *, path: str | None = None) -> dict | None:
@@ -96,12 +97,17 @@ def float8_config(fields: Mapping[str, Any], *, path: str | None = None):
 
 
 def convert(model: torch.nn.Module, recipe: Mapping, *, keep_high: Iterable[str] = (), config=None,
-            path: str | None = None) -> torch.nn.Module:
+            path: str | None = None, device: str = "cpu") -> torch.nn.Module:
     """Convert the recipe's modules of `model` in place, as training did, and return it.
+
+    A ``float8`` entry goes through ``convert_to_float8_training``, an ``mxfp8`` entry through ``quantize_`` with
+    an ``MXFP8TrainingOpConfig`` (``mx_config``), each with a filter that takes exactly the entry's modules.
 
     Args:
         keep_high: modules left in high precision (a fix: their ``module_filter_fn`` excludes them).
-        config: one torchao config for every recorded module instead of the recorded ones (a fix).
+        config: one torchao config for every recorded module instead of the recorded ones (a fix): a
+            ``Float8LinearConfig`` or an ``MXFP8TrainingOpConfig``.
+        device: the device type the step runs on (an MXFP8 recipe runs emulated off CUDA).
     """
     f8 = _torchao(path)
     keep = set(keep_high)
@@ -111,12 +117,60 @@ def convert(model: torch.nn.Module, recipe: Mapping, *, keep_high: Iterable[str]
             groups.setdefault(i, set()).add(name)
     for i, names in groups.items():
         entry = recipe["configs"][i]
-        if entry["kind"] != "float8" and config is None:
-            raise FactoryError(f"replaying a {entry['kind']} recipe is not supported (torchao Float8Linear only)",
-                               path=path, fix="replay the step's BF16 twin with analyzer fp8-readiness")
-        cfg = config if config is not None else float8_config(entry["fields"], path=path)
-        f8.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda _m, fqn, names=names: fqn in names)
+        if config is not None:
+            cfg = config
+        elif entry["kind"] == "mxfp8":
+            cfg = mx_config(entry["fields"], device=device, path=path)
+        else:
+            cfg = float8_config(entry["fields"], path=path)
+        if type(cfg).__name__ == "MXFP8TrainingOpConfig":
+            from torchao.quantization import quantize_  # noqa: PLC0415 - [fp8]
+
+            quantize_(model, cfg, filter_fn=lambda m, fqn, names=names: fqn in names and isinstance(m, torch.nn.Linear))
+        else:
+            f8.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda _m, fqn, names=names: fqn in names)
     return model
+
+
+def _mx_kernels() -> bool:
+    """Whether this CUDA device has torchao's MXFP8 kernels (compute capability 10.0 and up: Blackwell)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+
+
+def mx_config(fields: Mapping[str, Any], *, device: str = "cpu", path: str | None = None):
+    """A ``torchao.prototype.moe_training.config.MXFP8TrainingOpConfig`` from the fields ``describe_fp8`` wrote.
+
+    Off CUDA, and on a CUDA device older than Blackwell (torchao's MXFP8 kernels need compute capability 10.0),
+    its kernels are torchao's emulated ones (``KernelPreference.EMULATED``, the only MXFP8 training path torchao
+    0.18 runs on a CPU): the casts, their e8m0 scales and the flushing are the same, the GEMM is a
+    high-precision mm of the dequantised blocks.
+    """
+    _torchao(path)
+    try:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig  # noqa: PLC0415 - [fp8]
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: PLC0415
+        from torchao.quantization.quantize_.common import KernelPreference  # noqa: PLC0415
+    except ImportError as e:
+        raise FactoryError(f"the snapshot's step trained in MXFP8; this torchao has no MXFP8 training ({e})",
+                           path=path, fix="install the [fp8] extra's torchao (pip install 'amp-autopsy[fp8]')") from e
+    try:
+        pref = KernelPreference(fields.get("kernel_preference", "emulated"))
+        if device != "cuda" or not _mx_kernels():
+            pref = KernelPreference.EMULATED
+        return MXFP8TrainingOpConfig(
+            kernel_preference=pref, out_dtype=_OUT_DTYPES.get(fields.get("out_dtype"), torch.bfloat16),
+            wgrad_with_hp=bool(fields.get("wgrad_with_hp", False)),
+            scale_calculation_mode=ScaleCalculationMode(fields.get("scale_calculation_mode", "rceil")),
+            pad_token_groups_for_grouped_mm=bool(fields.get("pad_token_groups_for_grouped_mm", False)))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise BadInputError(f"the snapshot's MXFP8 recipe does not make a torchao MXFP8TrainingOpConfig: {e}",
+                            path=path, fix="replay it with the torchao version that wrote it (the entry's 'version')") from e
+
+
+def is_mxfp8(recipe: Mapping) -> bool:
+    """Whether every module of the recipe already trains in MXFP8 with RCEIL scales (the MXFP8 fix's own recipe)."""
+    return all(c.get("kind") == "mxfp8" and str(c.get("fields", {}).get("scale_calculation_mode", "rceil")) == "rceil"
+               for c in recipe["configs"])
 
 
 def with_gradients_in(recipe: Mapping, dtype: str) -> dict:
@@ -130,13 +184,15 @@ def with_gradients_in(recipe: Mapping, dtype: str) -> dict:
 
 
 def to_plain(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with each FP8 training Linear swapped back to an ``nn.Linear`` holding the same parameters."""
+    """`model` with each FP8 training Linear swapped back to an ``nn.Linear`` holding the same parameters (an
+    MXFP8 training weight back to a plain parameter holding the same values)."""
     for name, (kind, _config) in fp8_modules(model).items():
-        if kind != "float8":
-            continue
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         old = getattr(owner, leaf)
+        if kind == "mxfp8":
+            old.weight = torch.nn.Parameter(old.weight._data.detach(), requires_grad=old.weight.requires_grad)
+            continue
         new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
         new.weight, new.bias = old.weight, old.bias
         setattr(owner, leaf, new)

@@ -28,13 +28,15 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from recorders.fp8_recipe import fp8_modules
+
 from .._runs import ReplayContext, run_once
 from ..trace import RunTrace
 from .casts import CastWatch, Fp8Cast
 from .recipe import convert
 
 __all__ = ["GRAD_COS_TOL", "GRAD_REL_TOL", "OUT_REL_TOL", "StepValues", "Agreement", "run_values", "fp8_context",
-           "agreement", "output_errors", "agrees", "worst"]
+           "agreement", "output_errors", "agrees", "worst", "mx_compute_in"]
 
 GRAD_COS_TOL = 0.98  # per parameter: cosine with the reference gradient at least this
 GRAD_REL_TOL = 0.2   # per parameter: |g - ref| / |ref| at most this
@@ -82,20 +84,22 @@ def fp8_context(ctx: ReplayContext, recipe: Mapping | None = None, **convert_kw)
     base = ctx.convert
 
     def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
-        return convert(base(model) if base is not None else model, recipe, path=ctx.path, **convert_kw)
+        return convert(base(model) if base is not None else model, recipe, path=ctx.path, device=ctx.device.type,
+                       **convert_kw)
 
     return dataclasses.replace(ctx, convert=to_fp8, _model=None)
 
 
 def _tag_fp8_nodes(name: str, out) -> None:
-    """Name the autograd node of a Float8Linear's GEMM (a custom Function the function mode never sees)."""
+    """Name the autograd node of a Float8Linear's (or an MXFP8 weight's ``mx_mm``) GEMM: a custom Function the
+    function mode never sees."""
     todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
     for _ in range(4):  # the GEMM's node is within a reshape and a bias add of the output
         nxt = []
         for node in todo:
             if node is None:
                 continue
-            if "float8" in node.name().lower() and "module" not in node.metadata:
+            if ("float8" in node.name().lower() or node.name().startswith("mx_mm")) and "module" not in node.metadata:
                 node.metadata["module"] = name
             nxt.extend(n for n, _ in node.next_functions)
         todo = nxt
@@ -127,19 +131,67 @@ def _capture(model: torch.nn.Module, grads: dict, outputs: dict, extra: Callable
             h.remove()
 
 
+@contextlib.contextmanager
+def mx_compute_in(model: torch.nn.Module, names: set[str], dtype: torch.dtype) -> Iterator[None]:
+    """The MXFP8 Linears `names` compute in `dtype`: their weights (torchao's wrapper and the ``_data`` it computes
+    with) and their inputs cast to it, for the run; the FP32 weights are put back after.
+
+    NB: torchao 0.18's emulated ``mx_mm`` quantises each operand from its own dtype and multiplies the
+    dequantised blocks, so under CPU autocast (an FP32 weight beside a BF16 input) ``mm`` raises on the dtype
+    mismatch. torchao's own MXFP8 tests train BF16 parameters without autocast; autocast rounds a Linear's
+    weight to BF16 for the matmul all the same, so this is the step autocast would run.
+    """
+    kept, handles = [], []
+    for name in names:
+        mod = model.get_submodule(name)
+        w = mod.weight
+        inner = getattr(w, "_data", None)
+        if type(inner) is not torch.Tensor or w.dtype == dtype:
+            continue
+        kept.append((w, w.data, inner))
+        w.data, w._data = w.data.to(dtype), inner.to(dtype)
+
+        def pre(_m, args):
+            x = args[0] if args else None
+            return (x.to(dtype), *args[1:]) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+        handles.append(mod.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for w, data, inner in kept:
+            w.data, w._data = data, inner
+
+
 def run_values(ctx: ReplayContext, precision: str, label: str, *, fp8: bool = False,
                prepare: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None) -> StepValues:
     """Replay the step once in `precision` (at loss scale 1) and keep its gradients, Linear outputs and FP8 casts.
 
-    `ctx` is the plain context or an ``fp8_context``; `fp8` follows the casts; `prepare` is a fix's hook.
+    `ctx` is the plain context or an ``fp8_context``; `fp8` follows the casts; `prepare` is a fix's hook. Under
+    autocast, the model's MXFP8 Linears compute on operands in the autocast dtype (``mx_compute_in``).
     """
     grads: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
-    watch = CastWatch() if fp8 else None
-    trace = run_once(ctx, precision, 1.0, casts=watch,
-                     prepare=lambda model: _capture(model, grads, outputs, prepare))
+    watch = CastWatch(mx_wgrad_hp=_mx_wgrad_hp(ctx.fp8_recipe)) if fp8 else None
+    low = getattr(torch, ctx.mode.dtype) if fp8 and ctx.mode.autocast and ctx.mode.dtype else None
+
+    @contextlib.contextmanager
+    def both(model: torch.nn.Module) -> Iterator[None]:
+        mx = {n for n, (kind, _) in fp8_modules(model).items() if kind == "mxfp8"} if low is not None else set()
+        with mx_compute_in(model, mx, low) if mx else contextlib.nullcontext():
+            with prepare(model) if prepare is not None else contextlib.nullcontext():
+                yield
+
+    trace = run_once(ctx, precision, 1.0, casts=watch, prepare=lambda model: _capture(model, grads, outputs, both))
     casts = tuple(watch.finalize()) if watch is not None else ()
     return StepValues(label, trace, casts, grads, outputs)
+
+
+def _mx_wgrad_hp(recipe: Mapping | None) -> bool:
+    """Whether the recipe's MXFP8 configs compute the weight gradient in high precision (``wgrad_with_hp``)."""
+    return any(c.get("kind") == "mxfp8" and bool(c.get("fields", {}).get("wgrad_with_hp"))
+               for c in (recipe or {}).get("configs", ()))
 
 
 def agreement(a: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> list[Agreement]:

@@ -72,8 +72,20 @@ def build(aligned: bool = True) -> nn.Module:
 
 
 def lm_loss(model, batch):
+    """Mean cross-entropy; with a ``w`` entry, the per-token losses weighted by it (a weighted mean)."""
     logits = model(batch["idx"], float(batch["gate"]) if "gate" in batch else 1.0)
-    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+    if "w" not in batch:
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten(), reduction="none")
+    w = batch["w"].flatten().to(per_token.dtype)
+    return (per_token * w).sum() / w.sum()
+
+
+def weighted_batch(seed: int = 0, heavy: float = 1e6) -> dict:
+    """``batch(seed)`` whose two rare-token positions weigh `heavy` times the other 62 in the loss."""
+    b = batch(seed)
+    b["w"] = torch.where(b["idx"] == RARE, heavy, 1.0)
+    return b
 
 
 def batch(seed: int = 0) -> dict:
@@ -92,12 +104,14 @@ def build_fp8(aligned: bool = True, recipe: str = "tensorwise") -> nn.Module:
 
 
 def train_fp8(run_dir, *, aligned: bool = True, recipe: str = "tensorwise", steps: int = 2, gate_at: int | None = None,
-              factory: str = "build", write_recipe: bool = True, amp: bool = True, micro: int = 1) -> Path:
+              factory: str = "build", write_recipe: bool = True, amp: bool = True, micro: int = 1,
+              heavy: float | None = None) -> Path:
     """Train with torchao FP8 (BF16 autocast) under the real Recorder and snapshot the last step by hand (reason ``fp8``).
 
     `gate_at`: the step whose batch gates the SwiGLU branch by 0 (an all-zero w2 input). `write_recipe`
     adds ``describe_fp8(model)`` to the snapshot as its ``fp8_recipe`` entry where the recorder wrote none.
-    `amp=False`: FP8 with FP32 master weights and no autocast; `micro`: micro-batches accumulated per step.
+    `amp=False`: FP8 with FP32 master weights and no autocast; `micro`: micro-batches accumulated per step;
+    `heavy`: the rare tokens weigh this many times the others in the loss (``weighted_batch``).
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -111,7 +125,8 @@ def train_fp8(run_dir, *, aligned: bool = True, recipe: str = "tensorwise", step
     with Recorder(run_dir, model, factory=f"{REF}:{factory}", factory_kwargs=kwargs, loss_fn=f"{REF}:lm_loss",
                   amp_dtype=torch.bfloat16 if amp else None, optimizer=opt) as rec:
         for step in range(steps):
-            parts = [batch(step * micro + i) for i in range(micro)]
+            parts = [batch(step * micro + i) if heavy is None else weighted_batch(step * micro + i, heavy)
+                     for i in range(micro)]
             for b in parts if step == gate_at else ():
                 b["gate"] = torch.tensor(0.0)
             rec.begin_step(step, parts[0] if micro == 1 else parts)

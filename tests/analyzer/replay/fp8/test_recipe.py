@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from analyzer.errors import BadInputError
-from analyzer.replay.fp8.recipe import convert, float8_config, recipe_of, to_plain, with_gradients_in
+from analyzer.replay.fp8.recipe import convert, float8_config, mx_config, recipe_of, to_plain, with_gradients_in
 from recorders.fp8_recipe import describe_fp8, fp8_modules
 from tests.extras import require
 
@@ -71,9 +71,30 @@ def test_any_entry_is_a_recipe_or_one_bad_input_error_naming_the_key(entry):
         assert all(isinstance(i, int) and 0 <= i < len(got["configs"]) for i in got["modules"].values())
     for c in (got or {}).get("configs", []):
         try:
-            assert isinstance(float8_config(c["fields"], path="s.pt"), f8.Float8LinearConfig)
+            if c["kind"] == "mxfp8":  # rebuilt as torchao's MXFP8 training config, emulated on CPU
+                assert type(mx_config(c["fields"], path="s.pt")).__name__ == "MXFP8TrainingOpConfig"
+            else:
+                assert isinstance(float8_config(c["fields"], path="s.pt"), f8.Float8LinearConfig)
         except BadInputError as e:
             assert "s.pt" in str(e)
+
+
+def test_a_recorded_mxfp8_recipe_rebuilds_its_config_and_runs_emulated_off_cuda():
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    fields = {"kernel_preference": "auto", "out_dtype": "bfloat16", "wgrad_with_hp": True,
+              "scale_calculation_mode": "floor", "pad_token_groups_for_grouped_mm": False}
+    cfg = mx_config(fields)
+    assert isinstance(cfg, MXFP8TrainingOpConfig) and cfg.wgrad_with_hp is True
+    assert cfg.scale_calculation_mode == ScaleCalculationMode.FLOOR
+    assert cfg.kernel_preference == KernelPreference.EMULATED  # recorded AUTO: CUDA kernels, none on a CPU
+    blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+    assert mx_config(fields, device="cuda").kernel_preference == (
+        KernelPreference.AUTO if blackwell else KernelPreference.EMULATED)
+    with pytest.raises(BadInputError, match="MXFP8TrainingOpConfig"):
+        mx_config({**fields, "scale_calculation_mode": "sideways"}, path="s.pt")
 
 
 def test_with_gradients_in_e5m2_changes_only_the_gradient_casts_of_an_all_e4m3_recipe():
