@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...findings import json_safe
+from .._advice import advice_with_status
 from ..fixes import Fix
+from ..result import ReplayResult
 
 __all__ = ["DistributedResult", "DTYPE_MAX"]
 
@@ -33,6 +35,10 @@ class DistributedResult:
             ``input_ranks``: which ranks held them.
         fixes: the fixes tried on every rank.
         notes: what differs from the recorded step (fewer ranks, an older snapshot's layout).
+        answer: a NaN/Inf born in an ordinary op: the one-process replay's answer for the culprit rank's
+            snapshot, reached by every rank in lockstep (``lockstep.classify``); its verdict, summary,
+            culprit and advice are this result's. None: the distributed verdict stands alone.
+        culprit_rank: the rank the agreed culprit ran on.
     """
 
     verdict: str
@@ -50,10 +56,14 @@ class DistributedResult:
     input_ranks: dict[str, list[int]] = field(default_factory=dict)
     fixes: list[Fix] = field(default_factory=list)
     notes: tuple[str, ...] = ()
+    answer: ReplayResult | None = None
+    culprit_rank: int | None = None
 
     @property
     def summary(self) -> str:
         """One or two sentences, each resting on the numbers in ``culprit`` and ``runs``."""
+        if self.answer is not None:
+            return f"{self.answer.summary} (rank {self.culprit_rank}'s step.)"
         c = self.culprit
         if self.verdict == "healthy":
             return ("Every rank ran the step's forward and backward without a NaN/Inf in every replayed precision, "
@@ -84,6 +94,8 @@ class DistributedResult:
     @property
     def advice(self) -> list[str]:
         """What to change, each line with the status of the fix that stands for it."""
+        if self.answer is not None:
+            return [f"[{a.status}] {a.text}" for a in advice_with_status(self.answer, self.fixes)]
         lines = []
         for fix in self.fixes:
             if fix.name == "reduce_fp32":
@@ -98,6 +110,14 @@ class DistributedResult:
         return lines
 
     def to_dict(self) -> dict[str, Any]:
+        """``--json``: the distributed fields; with an ``answer``, its culprit (plus ``rank``) and under
+        ``replay`` the one-process result's own fields (its runs: the culprit rank's)."""
+        if self.answer is not None:
+            one = self.answer.to_dict()
+            return dict(self._dict(), culprit=dict(one["culprit"] or {}, rank=self.culprit_rank), replay=one)
+        return self._dict()
+
+    def _dict(self) -> dict[str, Any]:
         return json_safe({
             "verdict": self.verdict, "summary": self.summary, "culprit": self.culprit, "runs": self.runs,
             "advice": self.advice, "fixes": [f.to_dict() for f in self.fixes],
