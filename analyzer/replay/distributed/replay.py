@@ -140,8 +140,12 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
     fsdp = first.fsdp
     world = fsdp.get("world_size") if isinstance(fsdp, dict) else None
     if not isinstance(world, int):
-        raise BadInputError("not a sharded (FSDP2) snapshot: the distributed replay needs one", path=path,
-                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
+        raise BadInputError("not a sharded (FSDP2) snapshot: the distributed replay needs one (a DDP or "
+                            "one-process run holds the whole model on each rank, and DDP's all-reduce runs in its C++ "
+                            "reducer, which no dispatch mode sees)", path=path,
+                            fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
+                                "without torchrun")
+    _one_dimensional(path, fsdp.get("mesh"))
     if group.world_size > world:
         raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
                             f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
@@ -167,6 +171,19 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
                      f"and the reductions sum {group.world_size} ranks' gradients instead of {world}")
     return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
             "mine": (mine, snap)}
+
+
+def _one_dimensional(path: str, mesh: Any) -> None:
+    """Refuse a recorded mesh of more than one dimension (HSDP, FSDP2 with tensor parallelism): ``fully_shard``
+    is rebuilt on a 1-D mesh over every rank, which would shard and reduce it another way."""
+    shape = mesh.get("shape") if isinstance(mesh, dict) else None
+    if isinstance(shape, list) and len(shape) > 1:
+        dims = "x".join(str(d) for d in shape)
+        names = mesh.get("dim_names")
+        named = f" ({', '.join(map(str, names))})" if isinstance(names, (list, tuple)) else ""
+        raise BadInputError(f"the run sharded on a {len(shape)}-D device mesh of {dims}{named} (HSDP or FSDP2 with "
+                            "another parallelism): the distributed replay rebuilds 1-D meshes only"[:300], path=path,
+                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
 
 
 def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:
