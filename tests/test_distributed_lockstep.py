@@ -76,8 +76,16 @@ def test_a_verified_bf16_fix_under_torchrun_is_judged_against_the_fp32_run_not_o
     assert dist["advice"][0].startswith("[verified] Use MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
 
 
-def test_the_accumulated_step_is_replayed_micro_batch_by_micro_batch_under_torchrun(answers):
+def test_the_accumulated_step_is_replayed_micro_batch_by_micro_batch_reducing_once_under_torchrun(answers):
     dist, one, _ = answers["accum"]
+    # two sharded modules hold parameters (0 and 2; the root none): one reduce-scatter each per step, as the
+    # loop's set_requires_gradient_sync(False) on the first micro-batch had it, and as the step without
+    # accumulation has; every micro-batch's forward and backward all-gather again (twice the step's)
+    for p in ("float32", "float16"):
+        for rank in (0, 1):
+            got, single = dist["runs"][p][rank]["collectives"], answers["overflow"][0]["runs"][p][rank]["collectives"]
+            assert got["c10d._reduce_scatter_base_"] == single["c10d._reduce_scatter_base_"] == 2
+            assert got["c10d._allgather_base_"] == 2 * single["c10d._allgather_base_"]
     assert dist["replay"]["micro_batches"]["count"] == 2
     assert dist["replay"]["culprit"]["micro_batch"] == one.to_dict()["culprit"]["micro_batch"] == 1
     assert "micro-batch 1 (0-based) of the 2" in dist["summary"]

@@ -125,6 +125,9 @@ class ReplayContext:
         """The dispatch mode that records one run (a sharded replay waits on each collective in it)."""
         return _OpStatsMode(**kwargs)
 
+    def before_micro_batch(self, model: torch.nn.Module, last: bool) -> None:
+        """Called before each micro-batch's forward (one call, `last`, without accumulation): nothing here."""
+
     def finish_run(self, trace: RunTrace) -> RunTrace:
         """The trace ``run_once`` returns for the run it just made: this one (a distributed replay's
         ranks in lockstep return the culprit rank's, ``distributed.lockstep``)."""
@@ -197,7 +200,9 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     losses, producers, starts = [], [], []
     try:
         with sdpa_ctx, sdpa_calls, tag_mode, mode, (prepare(model) if prepare is not None else nullcontext()):
-            for part, divisor in micro_parts(ctx.micro, batch):  # one part unless the step accumulated
+            parts = micro_parts(ctx.micro, batch)  # one part unless the step accumulated
+            for k, (part, divisor) in enumerate(parts):
+                ctx.before_micro_batch(model, last=k == len(parts) - 1)
                 starts.append(len(mode.records))
                 with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=autocast):
                     try:

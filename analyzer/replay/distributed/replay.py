@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,8 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     if group.rank != 0:
         return None
     snap = loaded["snap"]  # the snapshot the command named (rank 0 replays its own rank's file of that step)
-    runs = {p: [{k: s[k] for k in ("loss", "forward_finite", "grads_finite", "grad_absmax")} for s in ss]
+    runs = {p: [dict({k: s[k] for k in ("loss", "forward_finite", "grads_finite", "grad_absmax")},
+                     collectives=dict(Counter(c["op"] for c in s["collectives"]))) for s in ss]
             for p, ss in summaries.items()}
     return DistributedResult(
         verdict=decision.verdict if answer is None else answer.verdict, culprit=decision.culprit, runs=runs, snapshot=path, step=snap.step,

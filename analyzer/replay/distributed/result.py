@@ -29,7 +29,8 @@ class DistributedResult:
         verdict: one of ``agree.DISTRIBUTED_VERDICTS``.
         culprit: the agreed op (earliest in the step, then lowest rank), with ``rank``; a collective's
             has ``collective``: each rank's input and output abs-max.
-        runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``.
+        runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``,
+            ``collectives`` (how many times each collective op ran on that rank).
         world_size / recorded_world_size: the replay's rank count and the run's.
         nonfinite_inputs: parameters (their shards), buffers and batch entries already NaN/Inf, with
             ``input_ranks``: which ranks held them.

@@ -177,6 +177,12 @@ class ShardedContext(ReplayContext):
         self.built_on_meta = True
         return model
 
+    def before_micro_batch(self, model: torch.nn.Module, last: bool) -> None:
+        """The gradients reduced once, after the last micro-batch: ``set_requires_gradient_sync(last)``, as
+        FSDP2 loops accumulate (NB: the snapshot does not say whether training reduced after every one)."""
+        if self.micro is not None:
+            model.set_requires_gradient_sync(last)
+
     def finish_run(self, trace: RunTrace) -> RunTrace:
         """This rank's trace; in lockstep, the culprit rank's with every rank's finiteness (``lockstep.Follow``)."""
         return trace if self.follow is None else self.follow.finish(trace, self.fsdp_ops())
