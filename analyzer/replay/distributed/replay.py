@@ -41,7 +41,7 @@ from .._precision import precision_mode
 from .._reference import TOLERANCE
 from .._runs import ReplayContext, run_once
 from .._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
-from ..fixes import Fix
+from ..fixes import FIXES, Fix
 from .agree import decide, summarize
 from .group import DistGroup
 from .lockstep import classify
@@ -97,6 +97,8 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     if fixes and decision.verdict == "overflow" and decision.culprit and "collective" in decision.culprit \
             and decision.culprit["collective"].get("reduce_dtype") != "float32":
         tried.append(_reduce_fix(ctx, group, decision.precision, scale, summaries["float32"]))
+    if fixes and decision.verdict == "nonfinite_input":  # nothing to run: the registry's check_input names the input
+        tried.append(FIXES["check_input"].apply(None, _Inputs(tuple(inputs))))
     if decision.verdict in CLASSIFIED and decision.culprit is not None and "collective" not in decision.culprit:
         # a NaN/Inf born in the model's own op: the one-process replay's answer, every rank in lockstep
         answer, tried = classify(ctx, group, decision.culprit["rank"], *loaded["mine"], dtypes, fixes)
@@ -113,6 +115,13 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
         nonfinite_inputs=inputs, input_ranks=input_ranks, fixes=tried,
         notes=tuple(notes) + (decision.notes if answer is None else ()), answer=answer,
         culprit_rank=None if decision.culprit is None else decision.culprit.get("rank"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What ``check_input`` reads of a result: the inputs already NaN/Inf before the step."""
+
+    nonfinite_inputs: tuple[str, ...]
 
 
 def _collective_failure(e: BaseException) -> BaseException | None:
