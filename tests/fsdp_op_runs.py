@@ -27,7 +27,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "record_op_run", "train_rank"]
+__all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "sum_loss_rank_1_runs_more_ops", "record_op_run",
+           "train_rank"]
 
 KINDS = ("log0", "overflow", "accum")
 WORLD, FAULT_RANK = 2, 1
@@ -114,3 +115,13 @@ def record_op_run(root: str | Path, kind: str, timeout_s: float = 120.0) -> Path
     if any(codes):
         raise RuntimeError(f"FSDP2 ranks exited with codes {codes}")
     return run_dir
+
+
+def sum_loss_rank_1_runs_more_ops(model: nn.Module, batch: dict) -> torch.Tensor:
+    """``sum_loss`` with one more op on rank 1 (a clone of the outputs): ranks whose steps run different ops."""
+    import os
+
+    out = model(batch["x"]).float()
+    if os.environ.get("RANK") == "1":
+        out = out.clone()
+    return out.sum()

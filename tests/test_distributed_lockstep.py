@@ -99,3 +99,12 @@ def test_the_text_answer_of_a_classified_culprit_shows_the_rank_and_the_fixes_tr
     assert "the culprit ran on rank 1" in out and "fixes tried on every rank:" in out
     assert "gradients reduced across ranks in the recorded reduce_dtype" in out
     assert "[verified] guard log at tests/fsdp_op_runs.py" in out
+
+
+def test_ranks_whose_steps_run_different_ops_stop_with_one_error_line_naming_the_one_process_replay(op_runs):
+    proc = torchrun(2, "replay", str(op_runs["overflow"] / "snapshots" / SNAP), "--loss-fn",
+                    "tests.fsdp_op_runs:sum_loss_rank_1_runs_more_ops", timeout_env="60")
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "diverged" in lines[0] and "ran different ops" in lines[0]
+    assert "analyzer replay SNAPSHOT --rank 1" in lines[0]
