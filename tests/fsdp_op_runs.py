@@ -27,8 +27,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "sum_loss_rank_1_runs_more_ops", "record_op_run",
-           "train_rank"]
+__all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "sum_loss_rank_1_runs_more_ops",
+           "record_op_run", "train_rank"]
 
 KINDS = ("log0", "overflow", "accum")
 WORLD, FAULT_RANK = 2, 1

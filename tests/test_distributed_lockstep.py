@@ -64,7 +64,7 @@ def test_torchrun_tries_the_one_process_fixes_and_reaches_their_statuses_on_ever
     assert [(f["name"], f["status"]) for f in dist["fixes"]] == [(f.name, f.status) for f in fixes]
     assert len(dist["fixes"]) >= 2
     # each status is the one every rank reached (the ranks agree; a rank that differs would be named)
-    assert all(f"on each of the 2 ranks" in f["detail"] for f in dist["fixes"])
+    assert all("on each of the 2 ranks" in f["detail"] for f in dist["fixes"])
 
 
 def test_a_verified_bf16_fix_under_torchrun_is_judged_against_the_fp32_run_not_on_finiteness(answers):

@@ -109,7 +109,8 @@ class DistGroup:
                 payload = pickle.dumps(value)
             except Exception as e:  # noqa: BLE001 - a value that cannot cross processes: every rank stops on it
                 error = AnalyzerError(f"rank {src} cannot send its {type(value).__name__} to the other ranks "
-                                      f"({type(e).__name__}: {str(e)[:120]})", fix="please report this with the snapshot")
+                                      f"({type(e).__name__}: {str(e)[:120]})",
+                                      fix="please report this with the snapshot")
         self.agree(None, error)  # NB: the source's failure raised on every rank, before any waits on the broadcast
         box = [payload]
         try:

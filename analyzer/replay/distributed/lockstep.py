@@ -25,10 +25,9 @@ import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
 from ...errors import AnalyzerError
-from ...load import recorded_cwd
+from ...load import Snapshot, recorded_cwd
 from .._attribution import sources_relative_to
 from .._setup import autocast_was_off
 from ..fixes import Fix, run_fixes
@@ -36,6 +35,7 @@ from ..result import ReplayResult
 from ..trace import RunTrace
 from .agree import UNINITIALISED
 from .group import DistGroup
+from .sharded import ShardedContext
 
 __all__ = ["Follow", "classify", "agree_fixes"]
 
@@ -47,7 +47,8 @@ _SEVERITY = {"verified": 0, "changes_result": 1, "not_tried": 2, "fails": 3}
 def _diverged(leader: int, what: str) -> AnalyzerError:
     return AnalyzerError(f"the ranks' replays of the step diverged ({what}), so rank {leader}'s ops cannot stand for "
                          "every rank's"[:300],
-                         fix=f"replay rank {leader}'s snapshot in one process: analyzer replay SNAPSHOT --rank {leader}")
+                         fix=f"replay rank {leader}'s snapshot in one process: "
+                             f"analyzer replay SNAPSHOT --rank {leader}")
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _without_garbage(trace: RunTrace, fsdp_ops: set[int]) -> RunTrace:
     return dataclasses.replace(trace, absmax=absmax, grads=None)
 
 
-def classify(ctx: Any, group: DistGroup, leader: int, path: str, snap: Any, dtypes: list[str] | None,
+def classify(ctx: ShardedContext, group: DistGroup, leader: int, path: str, snap: Snapshot, dtypes: list[str] | None,
              fixes: bool = True) -> tuple[ReplayResult, list[Fix]]:
     """The one-process answer for rank `leader`'s snapshot and the fixes every rank agreed on.
 

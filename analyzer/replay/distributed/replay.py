@@ -109,7 +109,8 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
                      collectives=dict(Counter(c["op"] for c in s["collectives"]))) for s in ss]
             for p, ss in summaries.items()}
     return DistributedResult(
-        verdict=decision.verdict if answer is None else answer.verdict, culprit=decision.culprit, runs=runs, snapshot=path, step=snap.step,
+        verdict=decision.verdict if answer is None else answer.verdict, culprit=decision.culprit, runs=runs,
+        snapshot=path, step=snap.step,
         reason=snap.reason, world_size=group.world_size, recorded_world_size=recorded_world,
         precision_mode=ctx.mode.kind, precision_dtype=ctx.mode.dtype, device=str(group.device),
         nonfinite_inputs=inputs, input_ranks=input_ranks, fixes=tried,

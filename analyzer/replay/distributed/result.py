@@ -105,9 +105,6 @@ class DistributedResult:
         if self.verdict == "nonfinite_input":
             lines.append("The weights or the batch were broken before this step: look at the step before it "
                          "(analyzer report RUN), not at this step's ops.")
-        if self.verdict == "not_classified" and self.culprit is not None:
-            lines.append(f"Replay rank {self.culprit['rank']}'s snapshot in one process for the op's class: "
-                         f"analyzer replay SNAPSHOT --rank {self.culprit['rank']}.")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
