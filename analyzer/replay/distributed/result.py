@@ -26,7 +26,8 @@ class DistributedResult:
     """The ranks' agreed answer.
 
     Attributes:
-        verdict: one of ``agree.DISTRIBUTED_VERDICTS``.
+        verdict: one of ``agree.DISTRIBUTED_VERDICTS``, or with an ``answer`` its verdict (any of the
+            one-process replay's).
         culprit: the agreed op (earliest in the step, then lowest rank), with ``rank``; a collective's
             has ``collective``: each rank's input and output abs-max.
         runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``,
