@@ -13,6 +13,7 @@ under ``fully_shard`` at both Linears and the root:
 - ``accum``: ``overflow``'s step as two micro-batches (``Recorder(micro_batches=2)``, each loss / 2 before its
   backward, ``set_requires_gradient_sync(False)`` on the first, as FSDP2 users accumulate); only rank 1's
   second micro-batch is ``BIG``.
+- ``accum_plain``: ``accum`` accumulated plainly: every micro-batch's backward reduce-scatters.
 
 Example (~10 s per kind on two cores):
     >>> run = record_op_run(tmp_path, "log0")        # doctest: +SKIP
@@ -30,7 +31,7 @@ from torch import nn
 __all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "sum_loss_rank_1_runs_more_ops",
            "record_op_run", "train_rank"]
 
-KINDS = ("log0", "overflow", "accum")
+KINDS = ("log0", "overflow", "accum", "accum_plain")
 WORLD, FAULT_RANK = 2, 1
 BIG = 6.0e4  # finite in FP16 (max 65504); through the first Linear (weights ~0.3 * randn) about 2e5
 
@@ -72,7 +73,7 @@ def train_rank(rank: int, world_size: int, init_method: str, run_dir: str, kind:
         fully_shard(m, mp_policy=policy)
     loss_fn = log_loss if kind == "log0" else sum_loss
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    micro = 2 if kind == "accum" else None
+    micro = 2 if kind.startswith("accum") else None
     rec = Recorder(run_dir, model, factory=build_model, factory_kwargs={"width": WIDTH}, loss_fn=loss_fn,
                    amp_dtype=low, optimizer=opt, flush_every=1, sync_failures=True, micro_batches=micro)
     with rec:
@@ -86,7 +87,8 @@ def train_rank(rank: int, world_size: int, init_method: str, run_dir: str, kind:
             rec.begin_step(0, parts)
             total = 0.0
             for i, part in enumerate(parts):
-                model.set_requires_gradient_sync(i == micro - 1)  # reduce once, after the last micro-batch
+                if kind == "accum":
+                    model.set_requires_gradient_sync(i == micro - 1)  # reduce once, after the last micro-batch
                 part_loss = loss_fn(model, part) / micro
                 part_loss.backward()
                 total = total + part_loss.detach()

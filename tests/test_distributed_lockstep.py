@@ -2,7 +2,8 @@
 
 The runs (``tests/fsdp_op_runs.py``, 2 ranks, gloo, CPU) fail on rank 1 only: ``log0`` (an exact zero into
 ``aten.log`` in the loss, FP32 too), ``overflow`` (the first Linear's FP16 addmm) and ``accum`` (the same
-overflow in the second of two micro-batches, accumulated with ``set_requires_gradient_sync(False)``). The
+overflow in the second of two micro-batches, accumulated with ``set_requires_gradient_sync(False)``, and
+``accum_plain``, accumulated without it). The
 distributed replay must give what ``analyzer replay SNAPSHOT --rank 1`` and its fixes give: verdict, op,
 module, phase, summary, and each fix's name and status, agreed on every rank.
 """
@@ -45,6 +46,7 @@ def answers(op_runs):
     ("log0", "numerical_bug", "aten.log", "<loss_fn>"),     # log(0) is -inf in FP32 as well
     ("overflow", "overflow", "aten.addmm", "0"),            # 6e4-valued inputs: the FP16 sum reaches ~7e4
     ("accum", "overflow", "aten.addmm", "0"),               # the same, in micro-batch 1 of 2
+    ("accum_plain", "overflow", "aten.addmm", "0"),         # the same, each micro-batch reduced in training
 ])
 def test_torchrun_gives_the_one_process_verdict_op_module_and_summary_of_the_culprit_rank(answers, kind, verdict,
                                                                                           op, module):
@@ -58,7 +60,7 @@ def test_torchrun_gives_the_one_process_verdict_op_module_and_summary_of_the_cul
     assert "hidden" not in dist["replay"]["culprit"] or dist["replay"]["culprit"]["hidden"] is None
 
 
-@pytest.mark.parametrize("kind", ["log0", "overflow", "accum"])
+@pytest.mark.parametrize("kind", ["log0", "overflow", "accum", "accum_plain"])
 def test_torchrun_tries_the_one_process_fixes_and_reaches_their_statuses_on_every_rank(answers, kind):
     dist, _, fixes = answers[kind]
     assert [(f["name"], f["status"]) for f in dist["fixes"]] == [(f.name, f.status) for f in fixes]
