@@ -373,3 +373,15 @@ def test_bf16_ddp_report_names_the_rank_and_step_of_the_first_nan_and_the_peer_b
     rep0 = build_report(run, rank=0)
     g = next(x for x in rep0.findings if x.check == "nonfinite_grads")
     assert g.step == 6 and g.evidence["peer_nonfinite_loss"] == {1: 6}
+
+
+def test_a_ddp_snapshot_under_torchrun_is_one_error_line_naming_the_one_process_replay(runs):
+    from tests.test_distributed_replay import errors, torchrun
+
+    _, synced = runs
+    snap = synced / schema.SNAPSHOT_DIR / schema.snapshot_name(NAN_STEP, NAN_RANK, "nonfinite_loss")
+    proc = torchrun(2, "replay", str(snap))
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "not a sharded (FSDP2) snapshot" in lines[0] and "C++ reducer" in lines[0]
+    assert "analyzer replay SNAPSHOT" in lines[0] and "without torchrun" in lines[0]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from analyzer.errors import BadInputError
 from analyzer.load import load_snapshot
-from analyzer.replay import replay_snapshot
+from analyzer.replay import Replay, replay_snapshot
 from tests import fsdp_reduce_runs as rr
 from tests import fsdp_runs as fr
 
@@ -149,13 +149,18 @@ def fsdp(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["synced", "batch_nan"])
 def test_the_fsdp_test_snapshots_replay_under_torchrun_to_the_one_process_verdict_op_and_module(fsdp, kind):
     snap = fsdp.dirs[kind] / "snapshots" / f"step{fr.FAULT_STEP:08d}-r{fr.FAULT_RANK:05d}-nonfinite_loss.pt"
-    one = replay_snapshot(snap)
+    replay = Replay(snap)
+    one = replay.run()
     proc = torchrun(2, "replay", str(snap), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     dist = json.loads(proc.stdout)
     assert dist["verdict"] == one.verdict == "nonfinite_input"
     assert (dist["culprit"]["op"], dist["culprit"]["module"]) == (one.culprit["op"], one.culprit["module"])
     assert dist["culprit"]["input"] == one.culprit["input"]
+    # the fix the registry has for it: nothing to run, the input to look at (check_input, not_tried)
+    assert [(f["name"], f["status"], f["title"]) for f in dist["fixes"]] == [
+        (f.name, f.status, f.title) for f in replay.try_fixes(one)] == [
+        ("check_input", "not_tried", dist["fixes"][0]["title"])]
 
 
 _VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=8))
@@ -216,3 +221,18 @@ def test_a_model_with_a_non_persistent_buffer_is_built_for_real_and_replays_as_i
     # rank 0's FP32 forward is the one-process replay's FP32 forward: same weights, same batch, same gain
     assert math.isclose(dist["runs"]["float32"][0]["loss"], one.runs["float32"].loss, rel_tol=1e-5)
     assert dist["verdict"] == "overflow" and dist["culprit"]["op"] == "c10d._reduce_scatter_base_"
+
+
+def test_a_snapshot_sharded_on_a_2d_mesh_under_torchrun_is_one_error_line_and_nothing_hangs(reduce_run, tmp_path):
+    import shutil
+
+    dest = tmp_path / "snapshots"
+    shutil.copytree(reduce_run / "snapshots", dest)
+    for path in sorted(dest.glob("*.pt")):  # every rank's snapshot of the step
+        raw = torch.load(path, weights_only=True)
+        raw["fsdp"]["mesh"] = {"device_type": "cpu", "shape": [1, 2], "dim_names": ["replicate", "shard"]}  # HSDP
+        torch.save(raw, path)
+    proc = torchrun(2, "replay", str(dest / SNAP))
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "2-D device mesh of 1x2 (replicate, shard)" in lines[0] and "without torchrun" in lines[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -96,6 +96,16 @@ class Snapshot(Mapping):
 
     def __len__(self) -> int:
         return len(self._raw)
+
+    def __reduce__(self):
+        """Pickled with its raw entries as a plain dict (the ranks of a distributed replay share one)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["_raw"] = dict(self._raw)
+        return _unpickle_snapshot, (values,)
+
+
+def _unpickle_snapshot(values: dict) -> Snapshot:
+    return Snapshot(**dict(values, _raw=MappingProxyType(values["_raw"])))
 
 
 

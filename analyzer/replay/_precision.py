@@ -56,12 +56,15 @@ class PrecisionMode:
         output_dtype: FSDP's ``output_dtype`` (None: outputs are not cast).
         low_names: in ``parameters`` mode, the state entries recorded in float16/bfloat16: the
             tensors that follow the precision of each run.
+        sharded: the step runs sharded across ranks (``replay.distributed``): the policy at every
+            ``fully_shard``-ed module, gradients reduced in the recorded ``reduce_dtype``.
     """
 
     kind: str = "autocast"
     dtype: str | None = None
     output_dtype: str | None = None
     low_names: frozenset[str] = field(default_factory=frozenset)
+    sharded: bool = False
 
     @property
     def autocast(self) -> bool:
@@ -75,8 +78,10 @@ class PrecisionMode:
                     f"autocast; the FP32 run upcasts a copy of them)")
         if self.kind == "fsdp_param_dtype":
             out = f", outputs cast to {self.output_dtype}" if self.output_dtype else ""
+            where = ("at every fully_shard-ed module as recorded; gradients reduced across ranks in the recorded "
+                     "reduce_dtype" if self.sharded else "; gradients not reduced across ranks")
             return (f"precision mode: fsdp_param_dtype (FSDP MixedPrecisionPolicy: parameters and forward "
-                    f"inputs cast to {self.dtype} for compute{out}; gradients not reduced across ranks)")
+                    f"inputs cast to {self.dtype} for compute{out}{' ' if self.sharded else ''}{where})")
         return f"precision mode: autocast ({self.dtype or 'none'})"
 
 

@@ -125,6 +125,14 @@ class ReplayContext:
         """The dispatch mode that records one run (a sharded replay waits on each collective in it)."""
         return _OpStatsMode(**kwargs)
 
+    def before_micro_batch(self, model: torch.nn.Module, last: bool) -> None:
+        """Called before each micro-batch's forward (one call, `last`, without accumulation): nothing here."""
+
+    def finish_run(self, trace: RunTrace) -> RunTrace:
+        """The trace ``run_once`` returns for the run it just made: this one (a distributed replay's
+        ranks in lockstep return the culprit rank's, ``distributed.lockstep``)."""
+        return trace
+
     def grads(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The gradients the run's statistics read, by parameter name: this process's own (a sharded model's
         local shards)."""
@@ -192,7 +200,9 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     losses, producers, starts = [], [], []
     try:
         with sdpa_ctx, sdpa_calls, tag_mode, mode, (prepare(model) if prepare is not None else nullcontext()):
-            for part, divisor in micro_parts(ctx.micro, batch):  # one part unless the step accumulated
+            parts = micro_parts(ctx.micro, batch)  # one part unless the step accumulated
+            for k, (part, divisor) in enumerate(parts):
+                ctx.before_micro_batch(model, last=k == len(parts) - 1)
                 starts.append(len(mode.records))
                 with torch.autocast(ctx.device.type, dtype=getattr(torch, precision), enabled=autocast):
                     try:
@@ -229,7 +239,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
     loss_value = step_loss(ctx.micro, values)
     # the loss the step's failure shows in: the first non-finite micro-batch loss, else the last
     loss_producer = next((p for v, p in zip(values, producers) if not math.isfinite(v)), producers[-1])
-    return RunTrace(
+    return ctx.finish_run(RunTrace(
         precision=precision, scale=scale, records=mode.records, absmax=absmax, nonzero=nonzero,
         loss=loss_value,
         loss_dtype=str(loss.dtype).removeprefix("torch."),
@@ -239,7 +249,7 @@ def run_once(ctx: ReplayContext, precision: str, scale: float, *, zeros: bool = 
         emulated_cuda_ops=tag_mode.emulated, captured=mode.captured,
         buffers_read=None if reads is None else set(reads.read), sdpa_calls=sdpa_calls.calls,
         micro_starts=None if ctx.micro is None else starts, grads=named,
-    )
+    ))
 
 
 class _InOp(Exception):

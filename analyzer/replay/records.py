@@ -20,6 +20,9 @@ class _Unset:
     def __repr__(self) -> str:
         return "UNSET"
 
+    def __reduce__(self) -> str:
+        return "UNSET"  # NB: unpickled as the one marker (a distributed replay's ranks send records), never a copy
+
 
 UNSET: Any = _Unset()
 

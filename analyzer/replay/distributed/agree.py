@@ -26,7 +26,7 @@ from typing import Any
 from ..trace import RunTrace
 from .sharded import is_collective, is_plumbing
 
-__all__ = ["summarize", "decide", "Decision", "DISTRIBUTED_VERDICTS"]
+__all__ = ["summarize", "decide", "Decision", "DISTRIBUTED_VERDICTS", "UNINITIALISED"]
 
 # The verdicts the distributed replay gives (a subset of the one-process replay's, plus ``not_classified``:
 # a low-precision culprit whose class needs the one-process replay's shadow and flush checks).
@@ -34,7 +34,7 @@ DISTRIBUTED_VERDICTS = ("healthy", "nonfinite_input", "numerical_bug", "overflow
 
 
 # Ops whose output is uninitialised memory (FSDP2 allocates its buffers so): what they hold is no value.
-_UNINITIALISED = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+UNINITIALISED = frozenset({"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
                             "aten.new_empty_strided", "aten.empty_permuted"})
 
 
@@ -75,7 +75,7 @@ def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: se
                 op["module"] = modules[rec.index]
             collectives.append(op)
             continue
-        if is_plumbing(rec.namespace) or rec.name in _UNINITIALISED or rec.index in fsdp_ops:
+        if is_plumbing(rec.namespace) or rec.name in UNINITIALISED or rec.index in fsdp_ops:
             continue
         if first_input is None and any(p is None and run.kind(s) > 0 for s, p in rec.inputs):
             first_input = _op(run, rec.index)

@@ -9,6 +9,7 @@ which becomes the same one error.
 from __future__ import annotations
 
 import os
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -96,6 +97,27 @@ class DistGroup:
             if kind == "error":
                 raise RankFailed(payload if rank == self.rank else f"rank {rank}: {payload}")
         return [payload for _, payload in out]
+
+    def share(self, value: Any, src: int) -> Any:
+        """Rank `src`'s `value` on every rank (a broadcast of one picklable object).
+
+        NB: a collective: every rank must call it the same number of times, with the same `src`.
+        """
+        payload, error = None, None
+        if self.rank == src:
+            try:
+                payload = pickle.dumps(value)
+            except Exception as e:  # noqa: BLE001 - a value that cannot cross processes: every rank stops on it
+                error = AnalyzerError(f"rank {src} cannot send its {type(value).__name__} to the other ranks "
+                                      f"({type(e).__name__}: {str(e)[:120]})",
+                                      fix="please report this with the snapshot")
+        self.agree(None, error)  # NB: the source's failure raised on every rank, before any waits on the broadcast
+        box = [payload]
+        try:
+            dist.broadcast_object_list(box, src=src)
+        except Exception as e:  # noqa: BLE001 - a peer died or the timeout ran out
+            raise self.broken(e) from e
+        return pickle.loads(box[0])  # NB: bytes this launch's own rank pickled a moment ago
 
     def settle(self) -> None:
         """A last barrier before the processes leave with an error (skipped once a collective has failed)."""

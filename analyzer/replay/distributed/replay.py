@@ -10,7 +10,11 @@ Every rank, in lockstep:
 3. all-gathers a small summary of each run (``agree.summarize``) and reaches the same verdict from them
    (``agree.decide``);
 4. when the culprit is a reduction that overflowed in ``reduce_dtype``, replays the step again with
-   ``reduce_dtype=float32`` on every rank and judges it against the FP32 run.
+   ``reduce_dtype=float32`` on every rank and judges it against the FP32 run;
+5. when the culprit is an ordinary op (rank R, op i), runs the one-process replay's detection, probes,
+   verdicts and fixes on every rank in lockstep, following rank R's traces (``lockstep.classify``): the
+   verdict, summary, evidence and fixes are those the one-process replay gives for R's snapshot, each
+   fix's status the worst any rank reached.
 
 Each phase ends in one all-gather in which a failing rank sends its error: every rank then stops with the
 lowest failing rank's error (``group.DistGroup.agree``). Only rank 0 returns the result.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -36,15 +41,18 @@ from .._precision import precision_mode
 from .._reference import TOLERANCE
 from .._runs import ReplayContext, run_once
 from .._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
-from ..fixes import Fix
+from ..fixes import FIXES, Fix
 from .agree import decide, summarize
 from .group import DistGroup
+from .lockstep import classify
 from .result import DistributedResult
 from .sharded import CollectiveFailed, ShardedContext, bad_shards, sharded_layout
 
 __all__ = ["distributed_replay"]
 
 _FIX_TITLE = "reduce_dtype=torch.float32 in every MixedPrecisionPolicy"
+# The agreed verdicts of a culprit born in an ordinary op, which the one-process pipeline then classifies
+CLASSIFIED = ("numerical_bug", "overflow", "not_classified")
 
 
 def distributed_replay(path: str | os.PathLike, *, device: str = "auto", dtypes: list[str] | None = None,
@@ -85,20 +93,36 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
         summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops()))
     inputs, input_ranks = _inputs(bad)
     decision = decide(summaries, ctx.mode.dtype, inputs)
-    tried = []
+    tried, answer = [], None
     if fixes and decision.verdict == "overflow" and decision.culprit and "collective" in decision.culprit \
             and decision.culprit["collective"].get("reduce_dtype") != "float32":
         tried.append(_reduce_fix(ctx, group, decision.precision, scale, summaries["float32"]))
+    if fixes and decision.verdict == "nonfinite_input":  # nothing to run: the registry's check_input names the input
+        tried.append(FIXES["check_input"].apply(None, _Inputs(tuple(inputs))))
+    if decision.verdict in CLASSIFIED and decision.culprit is not None and "collective" not in decision.culprit:
+        # a NaN/Inf born in the model's own op: the one-process replay's answer, every rank in lockstep
+        answer, tried = classify(ctx, group, decision.culprit["rank"], *loaded["mine"], dtypes, fixes)
     if group.rank != 0:
         return None
     snap = loaded["snap"]  # the snapshot the command named (rank 0 replays its own rank's file of that step)
-    runs = {p: [{k: s[k] for k in ("loss", "forward_finite", "grads_finite", "grad_absmax")} for s in ss]
+    runs = {p: [dict({k: s[k] for k in ("loss", "forward_finite", "grads_finite", "grad_absmax")},
+                     collectives=dict(Counter(c["op"] for c in s["collectives"]))) for s in ss]
             for p, ss in summaries.items()}
     return DistributedResult(
-        verdict=decision.verdict, culprit=decision.culprit, runs=runs, snapshot=path, step=snap.step,
+        verdict=decision.verdict if answer is None else answer.verdict, culprit=decision.culprit, runs=runs,
+        snapshot=path, step=snap.step,
         reason=snap.reason, world_size=group.world_size, recorded_world_size=recorded_world,
         precision_mode=ctx.mode.kind, precision_dtype=ctx.mode.dtype, device=str(group.device),
-        nonfinite_inputs=inputs, input_ranks=input_ranks, fixes=tried, notes=tuple(notes) + decision.notes)
+        nonfinite_inputs=inputs, input_ranks=input_ranks, fixes=tried,
+        notes=tuple(notes) + (decision.notes if answer is None else ()), answer=answer,
+        culprit_rank=None if decision.culprit is None else decision.culprit.get("rank"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What ``check_input`` reads of a result: the inputs already NaN/Inf before the step."""
+
+    nonfinite_inputs: tuple[str, ...]
 
 
 def _collective_failure(e: BaseException) -> BaseException | None:
@@ -128,8 +152,12 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
     fsdp = first.fsdp
     world = fsdp.get("world_size") if isinstance(fsdp, dict) else None
     if not isinstance(world, int):
-        raise BadInputError("not a sharded (FSDP2) snapshot: the distributed replay needs one", path=path,
-                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
+        raise BadInputError("not a sharded (FSDP2) snapshot: the distributed replay needs one (a DDP or "
+                            "one-process run holds the whole model on each rank, and DDP's all-reduce runs in its C++ "
+                            "reducer, which no dispatch mode sees)", path=path,
+                            fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
+                                "without torchrun")
+    _one_dimensional(path, fsdp.get("mesh"))
     if group.world_size > world:
         raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
                             f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
@@ -142,7 +170,7 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
     base = context(mine, snap, "cpu", factory, loss_fn, snapshot_roots(snap, paths), state={})
     modules, layout_note = sharded_layout(mine, snap.fsdp)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ReplayContext) if f.init}
-    fields.update(device=group.device, mode=precision_mode(mine, snap, amp, {}))
+    fields.update(device=group.device, mode=dataclasses.replace(precision_mode(mine, snap, amp, {}), sharded=True))
     ctx = ShardedContext(**fields, dcp_dir=d, metadata=md, modules=modules)
     with torch.random.fork_rng(devices=[group.device.index or 0] if group.device.type == "cuda" else []):
         model = ctx.build_model()
@@ -153,7 +181,21 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
         notes.append(f"recorded on {world} ranks, replayed on {group.world_size}: DCP resharded the weights, rank r "
                      f"replays recorded rank r's batch, ranks {group.world_size}..{world - 1}'s batches are left out, "
                      f"and the reductions sum {group.world_size} ranks' gradients instead of {world}")
-    return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad}
+    return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
+            "mine": (mine, snap)}
+
+
+def _one_dimensional(path: str, mesh: Any) -> None:
+    """Refuse a recorded mesh of more than one dimension (HSDP, FSDP2 with tensor parallelism): ``fully_shard``
+    is rebuilt on a 1-D mesh over every rank, which would shard and reduce it another way."""
+    shape = mesh.get("shape") if isinstance(mesh, dict) else None
+    if isinstance(shape, list) and len(shape) > 1:
+        dims = "x".join(str(d) for d in shape)
+        names = mesh.get("dim_names")
+        named = f" ({', '.join(map(str, names))})" if isinstance(names, (list, tuple)) else ""
+        raise BadInputError(f"the run sharded on a {len(shape)}-D device mesh of {dims}{named} (HSDP or FSDP2 with "
+                            "another parallelism): the distributed replay rebuilds 1-D meshes only"[:300], path=path,
+                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
 
 
 def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...findings import json_safe
+from .._advice import advice_with_status
 from ..fixes import Fix
+from ..result import ReplayResult
 
 __all__ = ["DistributedResult", "DTYPE_MAX"]
 
@@ -24,15 +26,21 @@ class DistributedResult:
     """The ranks' agreed answer.
 
     Attributes:
-        verdict: one of ``agree.DISTRIBUTED_VERDICTS``.
+        verdict: one of ``agree.DISTRIBUTED_VERDICTS``, or with an ``answer`` its verdict (any of the
+            one-process replay's).
         culprit: the agreed op (earliest in the step, then lowest rank), with ``rank``; a collective's
             has ``collective``: each rank's input and output abs-max.
-        runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``.
+        runs: per precision, per rank: ``loss``, ``forward_finite``, ``grads_finite``, ``grad_absmax``,
+            ``collectives`` (how many times each collective op ran on that rank).
         world_size / recorded_world_size: the replay's rank count and the run's.
         nonfinite_inputs: parameters (their shards), buffers and batch entries already NaN/Inf, with
             ``input_ranks``: which ranks held them.
         fixes: the fixes tried on every rank.
         notes: what differs from the recorded step (fewer ranks, an older snapshot's layout).
+        answer: a NaN/Inf born in an ordinary op: the one-process replay's answer for the culprit rank's
+            snapshot, reached by every rank in lockstep (``lockstep.classify``); its verdict, summary,
+            culprit and advice are this result's. None: the distributed verdict stands alone.
+        culprit_rank: the rank the agreed culprit ran on.
     """
 
     verdict: str
@@ -50,10 +58,14 @@ class DistributedResult:
     input_ranks: dict[str, list[int]] = field(default_factory=dict)
     fixes: list[Fix] = field(default_factory=list)
     notes: tuple[str, ...] = ()
+    answer: ReplayResult | None = None
+    culprit_rank: int | None = None
 
     @property
     def summary(self) -> str:
         """One or two sentences, each resting on the numbers in ``culprit`` and ``runs``."""
+        if self.answer is not None:
+            return f"{self.answer.summary} (rank {self.culprit_rank}'s step.)"
         c = self.culprit
         if self.verdict == "healthy":
             return ("Every rank ran the step's forward and backward without a NaN/Inf in every replayed precision, "
@@ -84,6 +96,8 @@ class DistributedResult:
     @property
     def advice(self) -> list[str]:
         """What to change, each line with the status of the fix that stands for it."""
+        if self.answer is not None:
+            return [f"[{a.status}] {a.text}" for a in advice_with_status(self.answer, self.fixes)]
         lines = []
         for fix in self.fixes:
             if fix.name == "reduce_fp32":
@@ -92,12 +106,17 @@ class DistributedResult:
         if self.verdict == "nonfinite_input":
             lines.append("The weights or the batch were broken before this step: look at the step before it "
                          "(analyzer report RUN), not at this step's ops.")
-        if self.verdict == "not_classified" and self.culprit is not None:
-            lines.append(f"Replay rank {self.culprit['rank']}'s snapshot in one process for the op's class: "
-                         f"analyzer replay SNAPSHOT --rank {self.culprit['rank']}.")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
+        """``--json``: the distributed fields; with an ``answer``, its culprit (plus ``rank``) and under
+        ``replay`` the one-process result's own fields (its runs: the culprit rank's)."""
+        if self.answer is not None:
+            one = self.answer.to_dict()
+            return dict(self._dict(), culprit=dict(one["culprit"] or {}, rank=self.culprit_rank), replay=one)
+        return self._dict()
+
+    def _dict(self) -> dict[str, Any]:
         return json_safe({
             "verdict": self.verdict, "summary": self.summary, "culprit": self.culprit, "runs": self.runs,
             "advice": self.advice, "fixes": [f.to_dict() for f in self.fixes],

@@ -27,6 +27,7 @@ from ...errors import BadInputError
 from .._attribution import _flat
 from .._mode import _OpStatsMode
 from .._runs import ReplayContext
+from ..trace import RunTrace
 
 __all__ = ["ShardedContext", "CollectiveFailed", "COLLECTIVE_NAMESPACES", "is_collective", "is_plumbing",
            "sharded_layout", "bad_shards"]
@@ -136,9 +137,12 @@ class ShardedContext(ReplayContext):
     reduce_override: str | None = None           # a fix's reduce_dtype ("float32")
     _flat_sizes: dict = field(default_factory=dict, repr=False)  # a module's flat collective numel -> its path
     built_on_meta: bool = False  # the model was built on the meta device: no rank ever held it whole
+    follow: Any = None  # lockstep.Follow while the one-process pipeline runs on every rank; None: each its own
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
         """A fresh sharded model with this rank's shards, for a run in `precision` (None: as stored, FP32)."""
+        if self.follow is not None:
+            self.follow.begin(precision)
         self._model = None
         gc.collect()  # NB: the previous run's shards and buffers go before the next model is built
         model = self._make_meta()
@@ -172,6 +176,16 @@ class ShardedContext(ReplayContext):
             return None
         self.built_on_meta = True
         return model
+
+    def before_micro_batch(self, model: torch.nn.Module, last: bool) -> None:
+        """The gradients reduced once, after the last micro-batch: ``set_requires_gradient_sync(last)``, as
+        FSDP2 loops accumulate (NB: the snapshot does not say whether training reduced after every one)."""
+        if self.micro is not None:
+            model.set_requires_gradient_sync(last)
+
+    def finish_run(self, trace: RunTrace) -> RunTrace:
+        """This rank's trace; in lockstep, the culprit rank's with every rank's finiteness (``lockstep.Follow``)."""
+        return trace if self.follow is None else self.follow.finish(trace, self.fsdp_ops())
 
     def stats_mode(self, **kwargs: Any) -> _OpStatsMode:
         self.last_mode = _CollectiveMode(**kwargs)
