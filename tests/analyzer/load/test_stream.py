@@ -148,11 +148,12 @@ def test_the_stream_finds_the_damaged_record_the_whole_file_check_finds(tmp_path
     if not path.exists():
         _save(path)
     raw = bytearray(path.read_bytes())
-    raw[int(at * len(raw))] ^= 0x10
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(bytes(raw))
     with zipfile.ZipFile(path) as zf:  # the directory as it was: a flip there is the loader's to meet
         infos = zf.infolist()
+        directory = zf.start_dir  # so the flip lands in the records, never in the central directory
+    raw[int(at * directory)] ^= 0x10
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(raw))
     damaged, later = _stream.Stream(bad, infos, torchfile._crc32).result()
     got = torchfile._damaged(bad, damaged) if damaged else None
     if got is None and later:
