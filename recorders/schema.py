@@ -61,6 +61,10 @@ on the steps the statistics were taken). Older runs have no fp8 parts and read t
 It also adds ``modules`` to the ``fsdp`` entry of meta.json and snapshots: every ``fully_shard``-ed module (``path``,
 its ``mp_policy`` and ``gradient_divide_factor``: None is FSDP2's default mean), what the distributed replay
 shards again and reduces with (older runs: absent, the root module alone is sharded with the recorded policy).
+9 adds MXFP8 recipes: an MXFP8 entry of ``fp8_recipe`` names, per operand role, ``block_size`` (elements per e8m0
+scale) and ``scale_rounding`` (``"rceil"`` or ``"floor"``; older runs: absent, read as 32 and from the granularity),
+and a snapshot's ``model_state`` holds torchao's MXFP8 training weights as plain tensors (older MXFP8 snapshots
+hold the wrapper class, which ``weights_only`` loading refuses).
 """
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ __all__ = [
     "FP8_SATURATE_LIMIT", "PART_KINDS",
 ]
 
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 
 META_FILE = "meta.json"
 TRACE_DIR = "trace"
