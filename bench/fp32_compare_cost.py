@@ -14,8 +14,8 @@ import time
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/ and tests/ from a checkout
 
 from analyzer.replay import Replay
-from analyzer.replay._compare import compare
-from analyzer.replay._runs import run_once
+from analyzer.replay.detection._compare import compare
+from analyzer.replay.runs._runs import run_once
 
 
 def main(path: str, n: int = 7) -> None:

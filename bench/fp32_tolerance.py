@@ -2,7 +2,7 @@
 
 Trains every sample scenario (samples/), replays each snapshot, and prints, for each step whose runs are
 all finite, the loss and whole-gradient error of the low precision against FP32 in units of the dtype's
-eps, beside the tolerance (analyzer/replay/_compare.py). Run: python bench/fp32_tolerance.py [OUT_DIR]
+eps, beside the tolerance (analyzer/replay/detection/_compare.py). Run: python bench/fp32_tolerance.py [OUT_DIR]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/ and tests/ from a checkout
 
 from analyzer.replay import Replay
-from analyzer.replay._compare import GRAD_K, LOSS_K, compare
+from analyzer.replay.detection._compare import GRAD_K, LOSS_K, compare
 from samples._common import snapshots_of
 
 SCENARIOS = ("healthy", "stalled_layers", "loss_outside_autocast", "fp16_attention_overflow", "bf16_nan",

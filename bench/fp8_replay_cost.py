@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analyzer.load import load_snapshot  # noqa: E402  (at the top: --help proves every import works)
-from analyzer.replay._precision import precision_mode  # noqa: E402
-from analyzer.replay._setup import context  # noqa: E402
+from analyzer.replay.runs._precision import precision_mode  # noqa: E402
+from analyzer.replay.runs._setup import context  # noqa: E402
 from analyzer.replay.fp8.diagnose import fp8_diagnosis  # noqa: E402
 from analyzer.replay.fp8.step import fp8_context, run_values  # noqa: E402
 from recorders.fp8_recipe import describe_fp8  # noqa: E402

@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analyzer.load import load_snapshot  # noqa: E402  (at the top: --help proves every import works)
-from analyzer.replay._runs import run_once  # noqa: E402
-from analyzer.replay._setup import context  # noqa: E402
+from analyzer.replay.runs._runs import run_once  # noqa: E402
+from analyzer.replay.runs._setup import context  # noqa: E402
 from recorders.snapshot import build_snapshot, write_snapshot  # noqa: E402
 from samples.models import build_gpt, gpt_loss  # noqa: E402
 

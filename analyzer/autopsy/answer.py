@@ -62,7 +62,7 @@ def _where(result: Any, info: SnapshotInfo | None) -> str:
 
 def _first_nonfinite(result: Any) -> list[str]:
     """The forward op whose NaN/Inf a later op hid, when the culprit is in backward: the first event in time."""
-    from ..replay.records import hidden_first  # loaded with the replay that made `result`
+    from ..replay.result.records import hidden_first  # loaded with the replay that made `result`
 
     c = result.culprit
     if not hidden_first(c):

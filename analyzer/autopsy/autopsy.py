@@ -9,7 +9,7 @@ stages and returns one frozen ``AutopsyResult`` (``result.py``):
    the earliest of each trigger kind, never GradScaler's start-up calibration), usually one; the
    answer leads with the one the report's first error finding points at (``_primary_first``);
 3. the replay of each (``replay_snapshot``, the precisions ``analyzer replay`` uses by default);
-4. the counterfactual fixes tried on each replay's culprit (``analyzer.replay.fixes``). Two
+4. the counterfactual fixes tried on each replay's culprit (``analyzer.replay.fixes.registry``). Two
    snapshots that blame the same op in the same module and phase share one set of fixes: trying
    them again costs one replay per fix and cannot say anything new.
 

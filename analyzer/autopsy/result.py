@@ -95,7 +95,7 @@ class AutopsyResult:
         """The ``--json`` object: ``report`` and each of ``replays`` exactly as their own commands print them."""
         culprit = self.culprit
         if culprit is not None:  # a replay ran, so analyzer.replay (and torch) is loaded already
-            from ..replay.records import headline
+            from ..replay.result.records import headline
 
             culprit = headline(culprit)  # the op the answer leads with: replay --json's culprit
         return json_safe({

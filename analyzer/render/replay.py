@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ..load.exceptions import raised_text
 
 if TYPE_CHECKING:  # NB: analyzer.replay imports torch; rendering a report must not
-    from ..replay.result import ReplayResult
+    from ..replay.result.replay_result import ReplayResult
 
 __all__ = ["render_replay_text", "plot_replay", "replay_figure"]
 
@@ -60,7 +60,7 @@ def render_replay_text(result: ReplayResult, ops: int = 8) -> str:
         lines.append(f"  {_micro_text(r.micro_batches)}")
     for note in (r.checkpoint or {}).get("notes", ()):  # a checkpoint and a batch: what stood in for the snapshot
         lines.append(f"  NB: {note}")
-    from ..replay.records import headline  # loaded with the replay that made `result`
+    from ..replay.result.records import headline  # loaded with the replay that made `result`
 
     c = headline(r.culprit)  # the op the answer leads with, as --json's culprit
     if c:
@@ -178,7 +178,7 @@ def _compiled_line(cmp: dict) -> str:
 
 
 def _update_lines(u: dict, shown: int = 3) -> list[str]:
-    """The update forensics (``analyzer.replay.update``): per parameter, the factor behind each NaN/Inf."""
+    """The update forensics (``analyzer.replay.update.forensics``): per parameter, the factor behind each NaN/Inf."""
     lines = ["", f"update forensics ({u['optimizer']}; forward and backward not replayed):"]
     for p in u["params"][:8]:
         why = ", ".join(f"{k} {n}" for k, n in p["factors"].items())

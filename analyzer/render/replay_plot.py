@@ -182,7 +182,7 @@ def _cover_every_op(ax, result) -> None:
 
 def _headline(result):
     """The culprit the answer leads with (``replay.records.headline``): the text's and ``--json``'s."""
-    from ..replay.records import headline  # loaded with the replay that made `result`
+    from ..replay.result.records import headline  # loaded with the replay that made `result`
 
     return headline(result.culprit)
 

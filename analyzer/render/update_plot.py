@@ -2,7 +2,7 @@
 
 An update snapshot (``Recorder(check_update=True)``), or one whose NaN/Inf weights its saved
 optimizer state explains, is not replayed forward and backward (``ReplayResult.runs`` is empty,
-``ReplayResult.update`` holds ``analyzer.replay.update``'s forensics), so the per-op figure of
+``ReplayResult.update`` holds ``analyzer.replay.update.forensics``'s forensics), so the per-op figure of
 ``replay_plot.plot_replay_ops`` would be empty axes. This one draws the forensics instead:
 
 - top: per parameter (most NaN/Inf elements first), its NaN/Inf elements as one bar split by the
@@ -36,7 +36,7 @@ from .plots import _legend, _plain, plt
 
 __all__ = ["plot_update_forensics", "FACTORS"]
 
-# The forensics' factors, in the order update.py assigns them, and how the legend names them.
+# The forensics' factors, in the order replay/update/forensics.py assigns them, and how the legend names them.
 FACTORS = {
     "grad": "gradient NaN/Inf",
     "state": "optimizer state NaN/Inf",

@@ -31,23 +31,23 @@ from recorders.fp8_recipe import fp8_modules
 
 from ..load import Snapshot, load_snapshot, recorded_cwd, snapshot_roots
 from ..load.dcp import load_sharded_state, sibling_snapshot
-from . import verdicts
-from ._attribution import sources_relative_to
-from ._bf16 import needs_bf16, with_bf16
-from ._diagnose import diagnose, precision_run, with_roots
-from ._precision import precision_mode
+from .verdicts import registry as verdicts
+from .runs._attribution import sources_relative_to
+from .runs._bf16 import needs_bf16, with_bf16
+from .detection._diagnose import diagnose, precision_run, with_roots
+from .runs._precision import precision_mode
 from ._progress import Progress
-from ._raised import raised_diagnosis
-from ._runs import OpRaised, ReplayContext, run_once
-from ._setup import amp_dtype, autocast_was_off, context, device_note, float_or_none, loss_scale, precisions, scan_inputs
-from ._update_result import replay_update
-from .diagnosis import Diagnosis
-from .fixes import Fix, run_fixes
+from .detection._raised import raised_diagnosis
+from .runs._runs import OpRaised, ReplayContext, run_once
+from .runs._setup import amp_dtype, autocast_was_off, context, device_note, float_or_none, loss_scale, precisions, scan_inputs
+from .update._result import replay_update
+from .result.diagnosis import Diagnosis
+from .fixes.registry import Fix, run_fixes
 from .fp8.recipe import recipe_of, to_plain
 from .probes import run_probes
-from .result import ReplayResult
-from .trace import RunTrace
-from .update import explained_by_update, update_applies
+from .result.replay_result import ReplayResult
+from .result.trace import RunTrace
+from .update.forensics import explained_by_update, update_applies
 
 __all__ = ["Replay", "replay_snapshot", "try_fixes"]
 
@@ -176,7 +176,7 @@ def _replay(path: str, snap: Snapshot, ctx: ReplayContext, dtypes: list[str] | N
         def run_precision(p: str, scale: float = scale) -> None:
             try:
                 runs[p] = run_once(ctx, p, scale, on_ops=bar.ops, watch=watch if p == "float32" else None)
-            except OpRaised as e:  # an op raised: the culprit when FP32 ran the step (_raised.py)
+            except OpRaised as e:  # an op raised: the culprit when FP32 ran the step (detection/_raised.py)
                 if p == "float32" or "float32" not in runs:
                     raise
                 raised[p], runs[p] = e, e.trace

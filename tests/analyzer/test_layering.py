@@ -87,14 +87,14 @@ def test_render_imports_no_private_module_of_an_analysis():
                  if t.startswith(ANALYSES) and any(part.startswith("_") for part in t.split(".")[2:]))
     # a public module inside an analysis package is fine only as the package itself or its named modules
     deep = sorted((m, t) for m, targets in graph.items() if m.startswith("analyzer.render") for t in targets
-                  if t.startswith(("analyzer.report.checks", "analyzer.replay._origin")))
+                  if t.startswith(("analyzer.report.checks", "analyzer.replay.detection._origin")))
     assert bad == [] and deep == []
 
 
 def test_the_import_graph_reader_sees_the_imports_it_must():
     # the reader itself: known edges of the tree are found (relative, parent-relative, lazy)
     graph = _graph()
-    assert "analyzer.replay.verdicts" in graph["analyzer.replay.replay"]  # from . import verdicts
+    assert "analyzer.replay.verdicts.registry" in graph["analyzer.replay.replay"]  # from . import verdicts
     assert "analyzer.load" in graph["analyzer.replay.replay"]             # from ..load import ...
     assert "analyzer.replay" in graph["analyzer.autopsy.autopsy"]        # lazy, inside a function
 

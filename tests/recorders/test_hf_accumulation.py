@@ -110,7 +110,7 @@ def test_a_healthy_accumulated_step_replays_to_the_gradients_the_trainer_summed(
     from transformers import TrainerCallback
 
     from analyzer.replay import Replay
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
     from recorders.integrations.hf import AmpAutopsyCallback
 
     class Grab(TrainerCallback):

@@ -78,7 +78,7 @@ def raised(request, tmp_path_factory):
 
 def _replayed_grads(path: Path) -> tuple[dict, object]:
     from analyzer.replay import Replay
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
 
     ctx = Replay(path, device="cpu").context()
     trace = run_once(ctx, "float32", 1.0)

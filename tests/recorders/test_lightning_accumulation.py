@@ -140,7 +140,7 @@ def test_lightnings_own_metrics_csv_gets_no_precision_range_claim(accum_run):
 
 def test_a_healthy_accumulated_step_replays_to_the_gradients_lightning_summed(tmp_path):
     from analyzer.replay import Replay
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
     from recorders.integrations.lightning import AmpAutopsyCallback
 
     class Grab(L.Callback):

@@ -6,7 +6,7 @@
 kernels for the first non-finite output, ``_localize`` finds the smallest module whose compiled
 version alone fails; ``verdict`` registers ``compile_specific`` and ``fix`` the fix
 ``compile_disable``. How a model's compiled names map back to its own (``_orig_mod.``) is
-``analyzer.replay._compiled``, which the runs use for every model.
+``analyzer.replay.runs._compiled``, which the runs use for every model.
 """
 from __future__ import annotations
 

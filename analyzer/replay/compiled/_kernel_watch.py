@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .._attribution import shown_source
+from ..runs._attribution import shown_source
 
 __all__ = ["KernelWatch", "watching_kernels"]
 

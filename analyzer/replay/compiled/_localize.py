@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._run import compiled_once
-from .._runs import ReplayContext
+from ..runs._runs import ReplayContext
 
 __all__ = ["Localized", "localize", "MAX_RUNS"]
 

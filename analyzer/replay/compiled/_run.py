@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from .._accumulate import micro_parts, scaled_loss, step_loss
-from .._precision import cast_batch, io_hooks
-from .._runs import ReplayContext, _nan_max, _to_device
-from ..backends import sdpa_switches
-from ..trace import LOW_PRECISION, RunTrace
+from ..runs._accumulate import micro_parts, scaled_loss, step_loss
+from ..runs._precision import cast_batch, io_hooks
+from ..runs._runs import ReplayContext, _nan_max, _to_device
+from ..detection.backends import sdpa_switches
+from ..result.trace import LOW_PRECISION, RunTrace
 from ._kernel_watch import watching_kernels
 
 __all__ = ["CompiledOnce", "compiled_once", "cannot_compile"]

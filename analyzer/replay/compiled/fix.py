@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._runs import ReplayContext
-from ..fixes import Fix, FixSpec, _judge, register_fix
-from ..result import ReplayResult
+from ..runs._runs import ReplayContext
+from ..fixes.registry import Fix, FixSpec, _judge, register_fix
+from ..result.replay_result import ReplayResult
 from ._run import compiled_once
 from .verdict import COMPILE_SPECIFIC
 

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from .._runs import ReplayContext
-from ..diagnosis import Diagnosis
+from ..runs._runs import ReplayContext
+from ..result.diagnosis import Diagnosis
 from ..probes.micro_batch import MicroBatch
-from ..records import Culprit
-from ..trace import RunTrace
+from ..result.records import Culprit
+from ..result.trace import RunTrace
 from ._localize import localize
 from ._run import CompiledOnce, compiled_once
 from .verdict import masks_sentence

@@ -31,8 +31,8 @@ training's masks and eager's decide finiteness differently, the summary says so.
 """
 from __future__ import annotations
 
-from ..diagnosis import Diagnosis
-from ..verdicts import ANY, AdviceLine, Verdict, register
+from ..result.diagnosis import Diagnosis
+from ..verdicts.registry import ANY, AdviceLine, Verdict, register
 
 __all__ = ["COMPILE_SPECIFIC", "masks_sentence"]
 

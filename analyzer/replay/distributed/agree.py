@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..trace import RunTrace
+from ..result.trace import RunTrace
 from .sharded import is_collective, is_plumbing
 
 __all__ = ["summarize", "decide", "Decision", "DISTRIBUTED_VERDICTS", "UNINITIALISED"]

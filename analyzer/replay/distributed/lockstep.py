@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 from ...errors import AnalyzerError
 from ...load import Snapshot, recorded_cwd
-from .._attribution import sources_relative_to
-from .._setup import autocast_was_off
-from ..fixes import Fix, run_fixes
-from ..result import ReplayResult
-from ..trace import RunTrace
+from ..runs._attribution import sources_relative_to
+from ..runs._setup import autocast_was_off
+from ..fixes.registry import Fix, run_fixes
+from ..result.replay_result import ReplayResult
+from ..result.trace import RunTrace
 from .agree import UNINITIALISED
 from .group import DistGroup
 from .sharded import ShardedContext

@@ -37,11 +37,11 @@ import torch
 from ...errors import AnalyzerError, BadInputError
 from ...load import load_snapshot, snapshot_roots
 from ...load.dcp import dcp_directory, read_dcp_metadata, sibling_snapshot
-from .._precision import precision_mode
-from .._reference import TOLERANCE
-from .._runs import ReplayContext, run_once
-from .._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
-from ..fixes import FIXES, Fix
+from ..runs._precision import precision_mode
+from ..fixes._reference import TOLERANCE
+from ..runs._runs import ReplayContext, run_once
+from ..runs._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
+from ..fixes.registry import FIXES, Fix
 from .agree import decide, summarize
 from .group import DistGroup
 from .lockstep import classify

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...findings import json_safe
-from .._advice import advice_with_status
-from ..fixes import Fix
-from ..result import ReplayResult
+from ..verdicts._advice import advice_with_status
+from ..fixes.registry import Fix
+from ..result.replay_result import ReplayResult
 
 __all__ = ["DistributedResult", "DTYPE_MAX"]
 

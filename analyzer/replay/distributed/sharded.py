@@ -24,10 +24,10 @@ import torch
 from recorders import schema
 
 from ...errors import BadInputError
-from .._attribution import _flat
-from .._mode import _OpStatsMode
-from .._runs import ReplayContext
-from ..trace import RunTrace
+from ..runs._attribution import _flat
+from ..runs._mode import _OpStatsMode
+from ..runs._runs import ReplayContext
+from ..result.trace import RunTrace
 
 __all__ = ["ShardedContext", "CollectiveFailed", "COLLECTIVE_NAMESPACES", "is_collective", "is_plumbing",
            "sharded_layout", "bad_shards"]

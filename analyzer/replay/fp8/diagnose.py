@@ -28,8 +28,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from .._origin import find_origin
-from .._runs import ReplayContext
+from ..detection._origin import find_origin
+from ..runs._runs import ReplayContext
 from .casts import Fp8Cast
 from .recipe import is_mxfp8
 from .step import (GRAD_COS_TOL, GRAD_REL_TOL, OUT_REL_TOL, Agreement, StepValues, agreement, agrees, fp8_context,

@@ -26,9 +26,9 @@ import torch
 from torch.nn.utils import parametrize
 
 from ...errors import AnalyzerError
-from ..fixes import Fix, FixSpec, register_fix
-from ..result import ReplayResult
-from .._runs import ReplayContext
+from ..fixes.registry import Fix, FixSpec, register_fix
+from ..result.replay_result import ReplayResult
+from ..runs._runs import ReplayContext
 from .diagnose import Fp8Evidence, judge_values
 from .recipe import filter_source, with_gradients_in
 from .step import fp8_context, run_values

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from recorders.fp8 import CastStats, cast_counts
 
-from .._runs import ReplayContext, run_once
+from ..runs._runs import ReplayContext, run_once
 
 __all__ = ["FLUSH_LIMIT", "SATURATE_LIMIT", "RECIPES", "OperandStats", "Readiness", "fp8_readiness"]
 

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from recorders.fp8_recipe import fp8_modules
 
-from .._runs import ReplayContext, run_once
-from ..trace import RunTrace
+from ..runs._runs import ReplayContext, run_once
+from ..result.trace import RunTrace
 from .casts import CastWatch, Fp8Cast
 from .recipe import convert
 

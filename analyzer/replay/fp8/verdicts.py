@@ -13,8 +13,8 @@ Real output (``analyzer replay`` on the aligned SwiGLU of ``tests/analyzer/repla
 """
 from __future__ import annotations
 
-from ..diagnosis import Diagnosis
-from ..verdicts import AdviceLine, Verdict, register
+from ..result.diagnosis import Diagnosis
+from ..verdicts.registry import AdviceLine, Verdict, register
 from .diagnose import Fp8Evidence, breaking
 from .step import OUT_REL_TOL
 from .recipe import filter_source

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._setup import autocast_was_off
+from ..runs._setup import autocast_was_off
 from .registry import ProbeInput, probe
 
 __all__ = ["AutocastOff", "autocast_off"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._actionable import BATCH_FAULT_ADVICE, batch_fault
+from ..detection._actionable import BATCH_FAULT_ADVICE, batch_fault
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["BatchFault", "fault", "BATCH_FAULT_ADVICE"]
 

@@ -10,7 +10,7 @@ detects itself in and words its summary and advice from.
 """
 from __future__ import annotations
 
-from .. import verdicts
+from ..verdicts import registry as verdicts
 from ..compiled.replay import CompiledRun, compiled_run
 from .registry import ProbeInput, probe
 

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._magnitude import magnitude_jump
+from ..detection._magnitude import magnitude_jump
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["MagnitudeJump", "jump"]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._accumulate import input_micro, micro_of
+from ..runs._accumulate import input_micro, micro_of
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["MicroBatch", "micro_batch"]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..update import OUTSIDE_NOTE, written_outside
+from ..update.forensics import OUTSIDE_NOTE, written_outside
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["OutsideWrites", "outside_writes"]
 

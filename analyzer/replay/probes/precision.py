@@ -6,7 +6,7 @@ Within tolerance it stays ``healthy`` (the comparison is in ``--json`` as ``fp32
 Beyond it, the step is re-run once in its precision with each forward op measured against FP32
 (``_born``): the op where the error is born, and once more with that op alone computed in FP32, its
 result cast back: how much of the loss and gradient difference is left, so how much it accounts for.
-That second run is also the fix ``born_fp32`` (``_born_fix.py``), judged against FP32.
+That second run is also the fix ``born_fp32`` (``fixes/_born.py``), judged against FP32.
 
 Real output (``tests/analyzer/replay/finite_error_models.py``: a one-pass variance in BF16 on activations
 centred on 8; docs/replay.md reads it)::
@@ -28,21 +28,21 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._born import LOCAL_K, Born, OpError, born, measure
-from .._compare import Comparison, compare
-from .._diagnose import _context_ops, _op_fields
-from ..records import Culprit
-from ..trace import LOW_PRECISION, RunTrace
-from ..verdicts import AdviceLine, Verdict, _keep_fp32, _where, register
+from ..detection._born import LOCAL_K, Born, OpError, born, measure
+from ..detection._compare import Comparison, compare
+from ..detection._diagnose import _context_ops, _op_fields
+from ..result.records import Culprit
+from ..result.trace import LOW_PRECISION, RunTrace
+from ..verdicts.registry import AdviceLine, Verdict, _keep_fp32, _where, register
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["PRECISION_ERROR", "PrecisionCheck", "fp32_comparison"]
 
 PRECISION_ERROR = "precision_error"
-_BACKOFFS = 24  # halvings of the loss scale tried for the fixed step, as GradScaler backs off (_region_fix.py)
+_BACKOFFS = 24  # halvings of the loss scale tried for the fixed step, as GradScaler backs off (fixes/_region.py)
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ def _run_fixed(inp: ProbeInput, low: RunTrace, trace: RunTrace, errors: list[OpE
     """The step with the born op alone in FP32, its result cast back (``computed``), or with the values the op
     reads made from FP32 values upstream (``amplified``; kept in FP32 where the model takes them: the bool)."""
     from ...errors import AnalyzerError
-    from .._fix_hooks import op_fp32_override
-    from .._runs import run_once
+    from ..fixes._hooks import op_fp32_override
+    from ..runs._runs import run_once
 
     i, scale = b.op.index, low.scale
     made, kept = _made_by(trace, errors, i), False

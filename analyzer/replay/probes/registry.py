@@ -33,13 +33,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..verdicts import in_order
+from ..verdicts.registry import in_order
 
 if TYPE_CHECKING:
     from ...load import Snapshot
-    from .._runs import ReplayContext
-    from ..diagnosis import Diagnosis
-    from ..trace import RunTrace
+    from ..runs._runs import ReplayContext
+    from ..result.diagnosis import Diagnosis
+    from ..result.trace import RunTrace
 
 __all__ = ["ORDER", "PROBES", "Evidence", "Probe", "ProbeInput", "probe", "run_probes", "spread"]
 

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from recorders import schema
 
-from ..verdicts import AdviceLine, Verdict, register
+from ..verdicts.registry import AdviceLine, Verdict, register
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["NOT_REPRODUCED", "RNG_OPS", "RandomDraws", "Reproduction", "random_draws", "reproduction"]
 

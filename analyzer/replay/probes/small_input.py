@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..trace import LOW_PRECISION
+from ..result.trace import LOW_PRECISION
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["SmallInput", "small_input"]
 

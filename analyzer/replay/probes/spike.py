@@ -42,13 +42,13 @@ from torch.overrides import TorchFunctionMode
 
 from recorders import schema
 
-from .._compare import compare, grad_norm
-from .._spike_trace import TraceContext, trace_context
-from ..verdicts import AdviceLine, Verdict, register
+from ..detection._compare import compare, grad_norm
+from ._spike_trace import TraceContext, trace_context
+from ..verdicts.registry import AdviceLine, Verdict, register
 from .registry import ProbeInput, probe
 
 if TYPE_CHECKING:
-    from ..diagnosis import Diagnosis
+    from ..result.diagnosis import Diagnosis
 
 __all__ = ["INSTABILITY", "SpikeCheck", "Mechanism", "spike"]
 
@@ -239,7 +239,7 @@ def spike(inp: ProbeInput) -> SpikeCheck | None:
         near = c is not None and not c.beyond
     mech = None
     if fp32_spikes or near:
-        from .._runs import run_once
+        from ..runs._runs import run_once
 
         mech = Mechanism(lr=_lr(snap), grad_norm=grad_norm(inp.runs["float32"]),
                          trace=trace_context(inp.path, snap.step, snap.rank, window))

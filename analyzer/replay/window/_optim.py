@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...errors import AnalyzerError
-from .._tree import map_tensors
+from ..runs._tree import map_tensors
 
 __all__ = ["rebuild_optimizer", "set_hyperparameters"]
 

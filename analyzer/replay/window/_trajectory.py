@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._accumulate import micro_parts, scaled_loss, step_loss
-from .._precision import cast_batch, io_hooks
-from .._runs import ReplayContext, _to_device, _check_loss, _first_line
-from .._tree import map_tensors
+from ..runs._accumulate import micro_parts, scaled_loss, step_loss
+from ..runs._precision import cast_batch, io_hooks
+from ..runs._runs import ReplayContext, _to_device, _check_loss, _first_line
+from ..runs._tree import map_tensors
 from ...errors import AnalyzerError, FactoryError
 from ._optim import rebuild_optimizer, set_hyperparameters
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import AnalyzerError
-from .._attribution import sources_relative_to
+from ..runs._attribution import sources_relative_to
 from ..replay import Replay
 from ...load import recorded_cwd
 from ._trajectory import run_trajectory

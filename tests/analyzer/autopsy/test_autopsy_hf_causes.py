@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from analyzer.autopsy.autopsy import run_autopsy
-from analyzer.replay._actionable import installed_line
+from analyzer.replay.detection._actionable import installed_line
 from tests.extras import require
 
 require("transformers", "hf")

@@ -10,7 +10,7 @@ import math
 
 from analyzer.render.distributed import render_distributed_text
 from analyzer.replay.distributed import DistributedResult, decide
-from analyzer.replay.fixes import Fix
+from analyzer.replay.fixes.registry import Fix
 
 RS = "c10d._reduce_scatter_base_"
 

@@ -1,4 +1,4 @@
-"""Tiny models for the fixes tried on a snapshot (``analyzer.replay.fixes``), and their recorded steps.
+"""Tiny models for the fixes tried on a snapshot (``analyzer.replay.fixes.registry``), and their recorded steps.
 
 ``build_logit`` with ``bce_loss`` is a hand-written binary cross-entropy:
 ``-(y*log(p) + (1-y)*log(1-p))`` with ``p = sigmoid(x)``. A logit of 10 gives ``p = 0.9999546``

@@ -107,7 +107,7 @@ def test_the_autopsy_heads_its_answer_with_the_nan_input_of_micro_batch_2(nan_ru
 
 def test_a_healthy_accumulated_step_replays_healthy_with_the_gradients_training_summed(tmp_path):
     from analyzer.replay import Replay
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
 
     run = _train(tmp_path / "run", amp_dtype=None, nan=False, manual_at=1)
     [path] = run["snapshots"]
@@ -176,6 +176,6 @@ def test_a_list_is_taken_for_micro_batches_only_when_its_items_share_one_structu
     ("buffer:1.running_mean", None), ("batch:9.x", None),  # past the micro-batches the step had
 ])
 def test_a_nonfinite_input_names_a_micro_batch_only_for_an_entry_of_the_batch_list(name, index):
-    from analyzer.replay._accumulate import input_micro
+    from analyzer.replay.runs._accumulate import input_micro
 
     assert input_micro(name, MICRO) == index

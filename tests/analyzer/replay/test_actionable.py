@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from analyzer.replay._actionable import batch_fault, installed_line, library_of
+from analyzer.replay.detection._actionable import batch_fault, installed_line, library_of
 
 _DIV = {"op": "aten.div", "phase": "forward", "output_kind": "nan"}
 

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.replay import Advice, Diagnosis, advice_with_status, replay_snapshot, try_fixes, verdicts
+from analyzer.replay import Advice, Diagnosis, advice_with_status, replay_snapshot, try_fixes
+from analyzer.replay.verdicts import registry as verdicts
 
 from . import fix_models as fm
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from analyzer.replay import Diagnosis, advice_with_status, replay_snapshot, try_fixes, verdicts
+from analyzer.replay import Diagnosis, advice_with_status, replay_snapshot, try_fixes
+from analyzer.replay.verdicts import registry as verdicts
 from recorders import Recorder
 from tests import update_runs as ur
 

@@ -26,7 +26,7 @@ from analyzer.cli import main
 from analyzer.errors import BadInputError
 from analyzer.load import load_snapshot
 from analyzer.replay import replay_snapshot
-from analyzer.replay.backends import call_of, fused_backend
+from analyzer.replay.detection.backends import call_of, fused_backend
 from recorders import schema
 from recorders._sdpa import sdpa_state
 

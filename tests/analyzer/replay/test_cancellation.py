@@ -9,7 +9,7 @@ import pytest
 
 from analyzer.autopsy.autopsy import run_autopsy
 from analyzer.replay import Replay, advice_with_status
-from analyzer.replay._reference import TOLERANCE
+from analyzer.replay.fixes._reference import TOLERANCE
 from tests.analyzer.replay import cancel_models as cm
 from tests.extras import require
 

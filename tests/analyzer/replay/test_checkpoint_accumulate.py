@@ -49,7 +49,7 @@ def loop(tmp_path_factory):
 def _replayed_grads(d, batch: str, accumulate: str) -> list[torch.Tensor]:
     from analyzer.load.adhoc import load_checkpoint_snapshot
     from analyzer.replay import Replay
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
 
     snap = load_checkpoint_snapshot(d / "ckpt.pt", d / batch, factory=f"{rm.REF}:build_mlp",
                                     loss_fn=f"{rm.REF}:mse", amp="bf16", accumulate=accumulate)

@@ -129,7 +129,7 @@ def test_the_compiled_run_sums_the_micro_batch_losses_as_the_eager_run_does(aot_
     """Without the NaN the two runs must agree: aot_eager keeps eager numerics, so the summed losses and
     gradients match; a compiled run of the first micro-batch alone would give another loss."""
     from analyzer.replay.compiled._run import compiled_once
-    from analyzer.replay._runs import run_once
+    from analyzer.replay.runs._runs import run_once
 
     _, _, replay, _ = aot_nan
     ctx = replay.context()

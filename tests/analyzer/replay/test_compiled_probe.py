@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from analyzer.replay import verdicts
+from analyzer.replay.verdicts import registry as verdicts
 from analyzer.replay.compiled.replay import CompiledRun
-from analyzer.replay.diagnosis import Diagnosis
+from analyzer.replay.result.diagnosis import Diagnosis
 from analyzer.replay.probes import ORDER, PROBES
 from analyzer.replay.probes.micro_batch import MicroBatch
-from analyzer.replay.records import Culprit
+from analyzer.replay.result.records import Culprit
 
 
 def _info(**extra) -> dict:

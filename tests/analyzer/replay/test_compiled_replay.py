@@ -24,7 +24,8 @@ import torch
 from click.testing import CliRunner
 
 from analyzer.cli import main
-from analyzer.replay import Replay, verdicts
+from analyzer.replay import Replay
+from analyzer.replay.verdicts import registry as verdicts
 from recorders import Recorder
 from analyzer.replay.compiled.replay import _kernel_fields
 from analyzer.replay.compiled._run import compiled_once

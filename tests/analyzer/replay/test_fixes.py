@@ -1,4 +1,4 @@
-"""Fixes tried on the snapshot (``analyzer.replay.fixes``): real recorded steps, real replays, real fix runs."""
+"""Fixes tried on the snapshot (``analyzer.replay.fixes.registry``): real recorded steps, real replays, real fix runs."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from analyzer.replay import FIX_STATUSES, Fix, Replay, replay_snapshot, try_fixes
-from analyzer.replay._runs import run_once
+from analyzer.replay.runs._runs import run_once
 
 from . import fix_models as fm
 from . import replay_models as rm

@@ -19,7 +19,7 @@ from torch import nn
 
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
-from analyzer.replay._magnitude import MIN_GROWTH
+from analyzer.replay.detection._magnitude import MIN_GROWTH
 from recorders import Recorder
 from samples import fp16_attention_overflow as demo
 from tests.sample_runs import demo_run, sample_run

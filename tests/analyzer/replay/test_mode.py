@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from analyzer.replay._attribution import _ForwardTagMode, attach_module_hooks
-from analyzer.replay._mode import _OpStatsMode
-from analyzer.replay._origin import align, find_origin, op_roots
-from analyzer.replay._runs import ReplayContext, run_once
-from analyzer.replay._shadow import shadow
+from analyzer.replay.runs._attribution import _ForwardTagMode, attach_module_hooks
+from analyzer.replay.runs._mode import _OpStatsMode
+from analyzer.replay.detection._origin import align, find_origin, op_roots
+from analyzer.replay.runs._runs import ReplayContext, run_once
+from analyzer.replay.detection._shadow import shadow
 
 from . import replay_models as rm
 

@@ -20,7 +20,7 @@ from torch import nn
 from analyzer.load import load_snapshot
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
-from analyzer.replay.update import OUTSIDE_NOTE, _classify, update_applies, update_forensics
+from analyzer.replay.update.forensics import OUTSIDE_NOTE, _classify, update_applies, update_forensics
 from recorders import Recorder
 
 REF = "tests.analyzer.replay.test_outside_write"

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from analyzer.cli import main
 from analyzer.replay import Replay
-from analyzer.replay._compare import GRAD_K, LOSS_K
+from analyzer.replay.detection._compare import GRAD_K, LOSS_K
 from tests.analyzer.replay.finite_error_models import SIN_LINE, VARIANCE_LINE, norm_batch, positions_batch, record_step
 
 _STEPS = {}

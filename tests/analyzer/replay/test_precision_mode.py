@@ -19,7 +19,7 @@ from analyzer.cli import main
 from analyzer.errors import BadInputError
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
-from analyzer.replay._precision import MODES, precision_mode
+from analyzer.replay.runs._precision import MODES, precision_mode
 
 from . import precision_models as pm
 from . import replay_models as rm

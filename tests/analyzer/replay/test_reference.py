@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from analyzer.replay import Replay
-from analyzer.replay._reference import PLAUSIBLE_FACTOR, last_finite_loss
+from analyzer.replay.fixes._reference import PLAUSIBLE_FACTOR, last_finite_loss
 from recorders import Recorder
 from tests.analyzer.replay import replay_models as rm
 

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from analyzer.replay import FIXES, PROBES, VERDICTS, fixes, verdicts
+from analyzer.replay import FIXES, PROBES, VERDICTS
+from analyzer.replay.fixes import registry as fixes
+from analyzer.replay.verdicts import registry as verdicts
 from analyzer.replay.probes import registry
 
 

@@ -19,7 +19,7 @@ TOP_KEYS = {"verdict", "summary", "culprit", "runs", "advice", "snapshot", "step
             "hidden_nonfinite", "literal_nonfinite", "underflow_at", "context_ops", "format", "format_version",
             "precision_mode", "precision_dtype", "precision_note"}
 TOP_KEYS |= {"sdpa_backend", "backends"}  # the attention backend that ran, and the others tried
-TOP_KEYS |= {"update"}  # the update forensics (analyzer.replay.update); None for a forward/backward replay
+TOP_KEYS |= {"update"}  # the update forensics (analyzer.replay.update.forensics); None for a forward/backward replay
 TOP_KEYS |= {"exception"}  # an exception snapshot's exception (type, message, frames, step); None otherwise
 TOP_KEYS |= {"checkpoint"}  # a replay of a checkpoint and a batch: the files read and the defaults; None otherwise
 TOP_KEYS |= {"micro_batches"}  # a step that accumulated gradients: how its micro-batches were combined; None otherwise

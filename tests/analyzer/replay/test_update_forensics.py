@@ -19,7 +19,7 @@ from analyzer.errors import AnalyzerError
 from analyzer.load import load_snapshot
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
-from analyzer.replay.update import update_applies
+from analyzer.replay.update.forensics import update_applies
 
 from ..report.update_models import clip_run, fp16_embedding_run, sgd_overflow_run, snapshots
 

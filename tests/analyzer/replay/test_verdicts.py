@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from analyzer.replay import (FIXES, VERDICTS, AdviceLine, Diagnosis, Fix, FixSpec, Replay, Verdict,
-                             advice_with_status, register, register_fix, verdicts)
+from analyzer.replay import FIXES, VERDICTS, AdviceLine, Diagnosis, Fix, FixSpec, Replay, Verdict, advice_with_status, register, register_fix
+from analyzer.replay.verdicts import registry as verdicts
 
 _NAME = "log_of_zero_test"
 _LINE = "Clamp what goes into this log (a verdict defined in the test)."

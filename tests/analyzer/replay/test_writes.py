@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from analyzer.render import render_replay_text
 from analyzer.replay import replay_snapshot
-from analyzer.replay._mode import _OpStatsMode
-from analyzer.replay._writes import BufferReads
+from analyzer.replay.runs._mode import _OpStatsMode
+from analyzer.replay.runs._writes import BufferReads
 from recorders.snapshot import build_snapshot, write_snapshot
 
 from . import replay_models as rm

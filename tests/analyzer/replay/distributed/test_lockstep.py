@@ -10,7 +10,7 @@ import pickle
 
 from analyzer.load import load_snapshot
 from analyzer.replay import Replay
-from analyzer.replay.records import UNSET
+from analyzer.replay.result.records import UNSET
 
 
 def test_a_pickled_snapshot_loads_back_with_its_raw_entries_and_fields(log_zero_step):

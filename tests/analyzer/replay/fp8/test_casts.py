@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from analyzer.replay._mode import _OpStatsMode
+from analyzer.replay.runs._mode import _OpStatsMode
 from analyzer.replay.fp8.casts import CastWatch, dequantised
 
 
@@ -42,8 +42,8 @@ def test_the_dispatch_mode_reads_float8_outputs_dequantised():
 def test_a_saturating_cast_in_a_step_that_leaves_bf16_refines_healthy_to_fp8_saturation():
     import dataclasses
 
-    from analyzer.replay import verdicts
-    from analyzer.replay.diagnosis import Diagnosis
+    from analyzer.replay.verdicts import registry as verdicts
+    from analyzer.replay.result.diagnosis import Diagnosis
     from analyzer.replay.fp8.diagnose import Fp8Evidence, Judgement
     from analyzer.replay.fp8.step import agreement
 

@@ -1,0 +1,1 @@
+"""The verdicts a replay can reach: the registry (``registry.py``) and the built-in verdicts."""
