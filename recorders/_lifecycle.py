@@ -186,6 +186,10 @@ class Lifecycle:
                 )
             return None
 
-    def _check_open(self) -> None:
+    def _live(self) -> bool:
+        """Whether a step call should record: False when disabled or stopped; raises when the recorder is closed."""
+        if not self.enabled:
+            return False
         if self.closed:
             raise RuntimeError(f"the recorder for {self.run_dir} is closed")
+        return not self.stopped

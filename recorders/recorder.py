@@ -210,10 +210,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         mutate in place (BatchNorm running statistics) are copied on the device here, so a
         snapshot of this step holds their pre-forward values.
         """
-        if not self.enabled:
-            return
-        self._check_open()
-        if self.stopped:
+        if not self._live():
             return
         try:
             self._watch.begin(int(step), self._step if self._step is not None and self._last is None else None)
@@ -246,10 +243,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
             A failure is snapshotted when its condition starts (edge-triggered) and the
             ``max_snapshots`` limit allows.
         """
-        if not self.enabled:
-            return None
-        self._check_open()
-        if self.stopped:
+        if not self._live():
             return None
         if self._step is None:
             raise RuntimeError("end_step() without begin_step(): call rec.begin_step(step, batch) "
@@ -275,10 +269,7 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         Manual snapshots do not count towards ``max_snapshots``. Returns the file written, or
         None if writing failed (after a warning) or the recorder is disabled or stopped.
         """
-        if not self.enabled:
-            return None
-        self._check_open()
-        if self.stopped:
+        if not self._live():
             return None
         if self._step is None:
             raise RuntimeError("snapshot() needs a current step: call rec.begin_step(step, batch) first")

@@ -219,24 +219,26 @@ def _switch_from(ctx: ReplayContext, result: ReplayResult, frm: str) -> Fix:
     return out if isinstance(out, Fix) else _judge(result, name, title, out, note=note)
 
 
-def _bf16_line(_fix: Fix, _c, mode: str) -> str:
-    if mode == "parameters":
-        return "Train in bfloat16 instead (model.to(torch.bfloat16)): it has FP32's range and needs no loss scaling."
-    if mode == "fsdp_param_dtype":
-        return "Use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range and needs no loss scaling."
-    return "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler."
+def _by_mode(parameters: str, fsdp_param_dtype: str, autocast: str):
+    """An advice line per precision mode: low-precision parameters, FSDP's param_dtype, or autocast."""
+    lines = {"parameters": parameters, "fsdp_param_dtype": fsdp_param_dtype}
+    return lambda _fix, _c, mode: lines.get(mode, autocast)
+
+
+_bf16_line = _by_mode(
+    "Train in bfloat16 instead (model.to(torch.bfloat16)): it has FP32's range and needs no loss scaling.",
+    "Use MixedPrecisionPolicy(param_dtype=torch.bfloat16): it has FP32's range and needs no loss scaling.",
+    "Switch to BF16 (torch.autocast(..., dtype=torch.bfloat16)); BF16 needs no GradScaler.")
 
 
 register_fix(FixSpec(
     "bf16", "the step in BF16 (from FP16)", _switch("bf16"), serves=_PRECISION_VERDICTS, line=_bf16_line))
 
 
-def _fp32_line(_fix: Fix, _c, mode: str) -> str:
-    if mode == "parameters":
-        return "Train this model in FP32: keep its parameters float32 (no .half() / .to(torch.bfloat16))."
-    if mode == "fsdp_param_dtype":
-        return "Shard this model without a low param_dtype (MixedPrecisionPolicy(param_dtype=torch.float32))."
-    return "Train this model in FP32 (no autocast)."
+_fp32_line = _by_mode(
+    "Train this model in FP32: keep its parameters float32 (no .half() / .to(torch.bfloat16)).",
+    "Shard this model without a low param_dtype (MixedPrecisionPolicy(param_dtype=torch.float32)).",
+    "Train this model in FP32 (no autocast).")
 
 
 register_fix(FixSpec(
