@@ -2,7 +2,10 @@
 
 One 2-rank FSDP2 run (gloo, CPU, BF16 ``param_dtype``) of an MLP whose parameters dominate
 (``_replay_model.build``: ``--width`` x ``--width`` Linear layers, a batch of 2 rows) is recorded once:
-rank 1's batch holds a NaN at step 0, so every rank snapshots that step into one DCP directory. Then,
+at step 0 rank 1's batch holds a NaN (``--fault input``: the replay stops at ``nonfinite_input``) or a finite
+3e38 that the first Linear overflows (``--fault op``: a NaN/Inf born in an ordinary op, so under torchrun every
+rank also runs the one-process diagnosis and fixes in lockstep), so every rank snapshots that step into one
+DCP directory. Then,
 alternating for ``--rounds`` rounds, the same snapshot is replayed by
 
 - ``N=1``: ``python -m analyzer replay SNAP`` (the whole model consolidated in one process);
@@ -43,7 +46,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 
 
-def _record_rank(rank: int, world: int, init: str, run_dir: str, width: int, depth: int) -> None:
+def _record_rank(rank: int, world: int, init: str, run_dir: str, width: int, depth: int, fault: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -64,7 +67,7 @@ def _record_rank(rank: int, world: int, init: str, run_dir: str, width: int, dep
         g = torch.Generator().manual_seed(rank)
         batch = {"x": torch.randn(2, width, generator=g), "y": torch.randn(2, 1, generator=g)}
         if rank == 1:
-            batch["x"][0, 0] = float("nan")
+            batch["x"][0, 0] = float("nan") if fault == "input" else 3e38
         rec.begin_step(0, batch)
         loss = rm.loss_fn(model, batch)
         loss.backward()
@@ -72,11 +75,11 @@ def _record_rank(rank: int, world: int, init: str, run_dir: str, width: int, dep
     dist.destroy_process_group()
 
 
-def record(root: Path, width: int, depth: int) -> Path:
+def record(root: Path, width: int, depth: int, fault: str) -> Path:
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_record_rank, args=(2, f"file://{root}/rendezvous", str(root / "run"), width, depth), nprocs=2)
+    mp.spawn(_record_rank, args=(2, f"file://{root}/rendezvous", str(root / "run"), width, depth, fault), nprocs=2)
     return next((root / "run" / "snapshots").glob("step00000000-r00001-*.pt"))
 
 
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fault", choices=("input", "op"), default="input",
+                    help="input: a NaN in rank 1's batch; op: a finite 3e38 the first Linear overflows")
     ap.add_argument("--quick", action="store_true", help="a smoke run: width 256, depth 2, 1 round")
     ap.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -142,7 +147,7 @@ def main() -> None:
     params = a.depth * (a.width * a.width + a.width) + a.width + 1
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        snap = record(tmp / "rec", a.width, a.depth)
+        snap = record(tmp / "rec", a.width, a.depth, a.fault)
         variants = ("base", "N=1", "N=2")
         peaks: dict[str, list[float]] = {v: [] for v in variants}
         walls: dict[str, list[float]] = {v: [] for v in variants}
@@ -153,7 +158,7 @@ def main() -> None:
                 walls[v].append(w)
     med = {v: statistics.median(peaks[v]) for v in variants}
     floor = med["base"]
-    print(f"model: {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB in FP32; {a.rounds} round(s), "
+    print(f"model: {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB in FP32; --fault {a.fault}; {a.rounds} round(s), "
           f"alternating; machine shared with other jobs: wall times are noisy, RSS is not")
     print("| variant | peak RSS per rank, largest rank (MiB) | above the floor (MiB) | wall (s) |")
     print("|---|---|---|---|")
