@@ -1,15 +1,18 @@
 """The Recorder's FP8 statistics: every N-th step, each FP8 module's input, weight and grad_output casts.
 
 A model converted for FP8 training (torchao ``Float8Linear``, an MXFP8 training weight) casts three operands per
-Linear per step: its input and weight for the forward GEMM, the gradient of its output (grad_output) for the
-backward ones. On every ``fp8_every``-th step, ``Fp8Watch`` puts a forward hook on each FP8 module (its input
-and weight) and a tensor hook on its output (grad_output), and counts each cast with ``recorders.fp8.cast_counts``
-in the recipe's format and granularity for that role (``describe_fp8``'s ``roles``): amax, scale, saturated
-(before the clamp), flushed, subnormal. The counts stay on the device; ``take`` hands them to the step's one host
+Linear per step, each for the two GEMMs that read it (``schema.FP8_USES``): input for the forward and the weight
+gradient, weight for the forward and the input gradient, grad_output for the input and the weight gradient. On
+every ``fp8_every``-th step, ``Fp8Watch`` puts a forward hook on each FP8 module (its input and weight) and a
+tensor hook on its output (grad_output), and counts each cast with ``recorders.fp8.cast_counts`` in the format,
+granularity and axis that GEMM casts it with (``describe_fp8``'s ``uses``; ``_casts``: rowwise and MX scales run
+along the reduction dim of each GEMM, so the second cast of a rowwise operand is scaled across the tokens, and a
+tensorwise second cast in the first one's format, the same counts, is left out): amax, scale, saturated (before
+the clamp), flushed, subnormal. The counts stay on the device; ``take`` hands them to the step's one host
 transfer (``_stats.StepStats._record``), ``record`` turns the host values into ``schema.FP8_COLUMNS`` rows and
 fires the trigger: a cast whose flushed fraction passes ``schema.FP8_FLUSH_LIMIT`` or whose saturated fraction
-passes ``schema.FP8_SATURATE_LIMIT`` makes the step an ``fp8`` snapshot (edge-triggered per module and role, at
-most ``MAX_SNAPSHOTS`` per run). Other steps register no hook and pay nothing.
+passes ``schema.FP8_SATURATE_LIMIT`` makes the step an ``fp8`` snapshot (edge-triggered per module, role and use,
+at most ``MAX_SNAPSHOTS`` per run). Other steps register no hook and pay nothing.
 
 NB: the hooks see the operands the module is given; torchao re-casts its input to the autocast dtype first, which
 changes no count that matters here (flushing and saturation are set by the scale, not by BF16 rounding).
@@ -20,8 +23,9 @@ Example (a real run of the aligned SwiGLU model in tests/recorders/test_fp8_watc
 
     >>> rec = Recorder(run_dir, model, fp8_every=1)   # doctest: +SKIP
     >>> torch.load(rec.snapshots[0], weights_only=True)["fp8"]["fired"]   # doctest: +SKIP
-    {'module': 'block.mlp.w2', 'role': 'input', 'call': 0, 'format': 'e4m3', 'granularity': 'tensorwise',
-     'numel': 4096, 'nonzero': 4034, 'amax': 19999.92, 'saturated': 0, 'flushed': 3950, 'subnormal': 82,
+    {'module': 'block.mlp.w2', 'role': 'input', 'use': 'forward', 'call': 0, 'format': 'e4m3',
+     'granularity': 'tensorwise', 'numel': 4096, 'nonzero': 4034, 'amax': 19999.92, 'saturated': 0, 'flushed': 3950,
+     'subnormal': 82,
      'scale_min': 0.0224, 'scale_max': 0.0224, 'flushed_frac': 0.9792, 'saturated_frac': 0.0, 'subnormal_frac': 0.02}
 """
 from __future__ import annotations
@@ -74,6 +78,31 @@ def te_state(modules: dict[str, torch.nn.Module]) -> dict | None:
     return out or None
 
 
+def _casts(spec: dict | None) -> list[tuple[str, dict, int]]:
+    """``(use, cast, dim)`` of each cast of one operand role (``describe_fp8``'s role entry), in the GEMMs' order.
+
+    `dim` is the axis of the operand, flattened to 2-D around its last dim, that a rowwise or MX scale runs along
+    (torchao 0.18: ``float8_linear.py``'s ``axiswise_dim``, ``mxfp8_linear.py``'s ``to_mx`` of a transposed copy):
+    the first use reduces over the last dim (input and grad_output per token, weight per output feature, along
+    ``in_features``), the second over dim 0 (input and grad_output per feature across the tokens for the weight
+    gradient; weight per input feature, along ``out_features``, for the input gradient). A second use cast like
+    the first under one tensorwise scale gives the same counts: it is left out. A role entry without ``uses``
+    (a recipe of format 8) is its first use alone.
+    """
+    if not spec:
+        return []
+    uses = spec.get("uses") or {None: spec}
+    out = []
+    for k, (use, cast) in enumerate(uses.items()):
+        if cast.get("scaling") == "disabled":
+            continue  # this GEMM reads the operand in high precision
+        if k and cast.get("granularity") == "tensorwise" and any(
+                cast.get("format") == c["format"] and c["granularity"] == "tensorwise" for _, c, _ in out):
+            continue
+        out.append((use, cast, -1 if k == 0 else 0))
+    return out
+
+
 class Fp8Watch:
     """The FP8 casts of sampled steps (module docstring). Inert (``on`` False) without FP8 modules or `every`."""
 
@@ -91,7 +120,7 @@ class Fp8Watch:
         self.casts: list[dict] | None = None  # this step's casts, once recorded (None: not measured)
         self.last_fired: dict | None = None  # the cast that fired this step's fp8 snapshot
         self.error: BaseException | None = None  # raised by a hook: re-raised by take(), where the recorder stops
-        self._above: set[tuple[str, str]] = set()
+        self._above: set[tuple[str, str, str]] = set()  # (module, role, use) above the limits at the last measure
         self._handles: list = []
         self._pending: list[torch.Tensor] = []
         self._labels: list[tuple] = []
@@ -141,17 +170,19 @@ class Fp8Watch:
             self._fail(e)
 
     def _add(self, name: str, role: str, call: int, x: torch.Tensor, roles: dict) -> None:
-        spec = roles.get(role)
-        if not spec or spec.get("scaling") == "disabled" or x.numel() == 0:
+        """Count each cast of operand `x`: one per GEMM that reads it (``_casts``)."""
+        casts = _casts(roles.get(role))
+        if not casts or x.numel() == 0:
             return  # this operand stays in high precision under the recipe
         to_local = getattr(x, "to_local", None)  # an FSDP2 shard: this rank's, no collective
         x = to_local() if callable(to_local) else x
         if isinstance(getattr(x, "_data", None), torch.Tensor):  # torchao's training weight wrapper: its plain data
             x = x._data
         with torch.no_grad():
-            counts = cast_counts(x, spec["format"], spec["granularity"])
-        self._pending.append(counts.to(self.device))
-        self._labels.append((name, role, call, spec["format"], spec["granularity"]))
+            flat = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+            for use, spec, dim in casts:
+                self._pending.append(cast_counts(flat, spec["format"], spec["granularity"], dim).to(self.device))
+                self._labels.append((name, role, use, call, spec["format"], spec["granularity"]))
 
     def _fail(self, e: BaseException) -> None:
         self.error = self.error or e
@@ -179,10 +210,11 @@ class Fp8Watch:
         `free`: no other reason snapshots this step (else the cast that would fire is kept as evidence only and
         spends none of the fp8 snapshots)."""
         casts, over, now = [], [], set()
-        for i, (name, role, call, fmt, gran) in enumerate(self._labels):
+        for i, (name, role, use, call, fmt, gran) in enumerate(self._labels):
             v = values[i * _N:(i + 1) * _N]
             numel, nonzero, sat, flushed, sub = (int(v[k]) for k in (0, 1, 3, 4, 5))
-            cast = {"module": name, "role": role, "call": call, "format": fmt, "granularity": gran,
+            use = use or schema.FP8_FIRST_USE[role]
+            cast = {"module": name, "role": role, "use": use, "call": call, "format": fmt, "granularity": gran,
                     "numel": numel, "nonzero": nonzero, "amax": v[2], "saturated": sat, "flushed": flushed,
                     "subnormal": sub, "scale_min": v[6], "scale_max": v[7],
                     "flushed_frac": flushed / nonzero if nonzero else 0.0,
@@ -190,8 +222,8 @@ class Fp8Watch:
             casts.append(cast)
             self._rows.append({"step": step, "rank": rank, **{k: cast[k] for k in schema.FP8_COLUMNS if k in cast}})
             if cast["flushed_frac"] > schema.FP8_FLUSH_LIMIT or cast["saturated_frac"] > schema.FP8_SATURATE_LIMIT:
-                now.add((name, role))
-                if (name, role) not in self._above:  # edge-triggered: a stretch above the limits fires once
+                now.add((name, role, use))
+                if (name, role, use) not in self._above:  # edge-triggered: a stretch above the limits fires once
                     over.append(cast)
         self._above = now
         self.casts = casts

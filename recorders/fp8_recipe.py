@@ -26,6 +26,10 @@ of ``recorders.fp8`` (``"rowwise"`` for torchao's axiswise scaling, ``"mxfp8"`` 
 ``"mxfp8_floor"`` with FLOOR ones). An MXFP8 entry's roles also name the elements per scale block
 (``block_size``: 32, the only size torchao 0.18's MXFP8 training uses; an entry without it means 32) and the
 e8m0 scale's rounding (``scale_rounding``: ``"rceil"`` or ``"floor"``, the config's ``scale_calculation_mode``).
+Each role also lists its ``uses`` (since format 9): the GEMMs that read it (``schema.FP8_USES``: input for the forward
+and the weight gradient, weight for the forward and the input gradient, grad_output for the input and the weight
+gradient), each with the format, granularity and scaling of that GEMM's cast (torchao's ``cast_config_*_for_grad_*``
+fields; an MXFP8 recipe with ``wgrad_with_hp`` computes the weight gradient in high precision: no such use).
 ``fields`` keeps everything, so that replay can rebuild the exact config.
 
 Example:
@@ -42,6 +46,7 @@ from typing import Any
 
 import torch
 
+from . import schema
 from .compiled import clean_name, unwrap
 from .fp8 import MX_BLOCK
 
@@ -50,6 +55,10 @@ __all__ = ["FP8_KINDS", "describe_fp8", "fp8_modules"]
 FP8_KINDS = ("float8", "mxfp8")  # torchao's Float8Linear; an MXFP8 training weight wrapper
 _ROLE_FIELDS = {"input": "cast_config_input", "weight": "cast_config_weight",
                 "grad_output": "cast_config_grad_output"}
+# torchao 0.18 float8_linear.py: the config field of each (role, use), the first use's being _ROLE_FIELDS'
+_SECOND_USE = {"input": ("weight gradient", "cast_config_input_for_grad_weight"),
+               "weight": ("input gradient", "cast_config_weight_for_grad_input"),
+               "grad_output": ("weight gradient", "cast_config_grad_output_for_grad_weight")}
 _GRANULARITY = {"tensorwise": "tensorwise", "axiswise": "rowwise"}
 _FORMAT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 _DEFAULT_FORMAT = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}  # torchao's e4m3/e5m2 defaults
@@ -84,21 +93,33 @@ def _config_of(mod: torch.nn.Module) -> tuple[str, Any] | None:
     return None
 
 
+def _cast(role: str, cast: Any) -> dict:
+    """One float8 cast config as the format, granularity and scaling of a role's cast."""
+    gran = _plain(getattr(cast, "scaling_granularity", None))
+    return {"format": _FORMAT.get(getattr(cast, "target_dtype", None), _DEFAULT_FORMAT[role]),
+            "granularity": _GRANULARITY.get(gran, gran),
+            "scaling": _plain(getattr(cast, "scaling_type", None))}  # "disabled": this operand stays in high precision
+
+
 def _roles(kind: str, config: Any) -> dict:
     if kind == "mxfp8":  # every operand in e4m3 with e8m0 block scales (the MXFP8 training recipes)
         mode = _plain(getattr(config, "scale_calculation_mode", "rceil"))
         gran = "mxfp8_floor" if str(mode).lower() == "floor" else "mxfp8"
-        return {r: {"format": "e4m3", "granularity": gran, "block_size": MX_BLOCK, "scale_rounding": str(mode).lower()}
-                for r in _ROLE_FIELDS}
+        hp_wgrad = bool(getattr(config, "wgrad_with_hp", False))  # mx_mm: the weight gradient in high precision
+        roles = {}
+        for r in _ROLE_FIELDS:
+            cast = {"format": "e4m3", "granularity": gran}
+            uses = [schema.FP8_FIRST_USE[r]] + ([] if hp_wgrad and r != "weight" else [_SECOND_USE[r][0]])
+            roles[r] = {**cast, "block_size": MX_BLOCK, "scale_rounding": str(mode).lower(),
+                        "uses": {u: dict(cast) for u in uses}}
+        return roles
     roles = {}
     for role, field in _ROLE_FIELDS.items():
-        cast = getattr(config, field, None)
-        gran = _plain(getattr(cast, "scaling_granularity", None))
-        scaling = _plain(getattr(cast, "scaling_type", None))
-        dtype = getattr(cast, "target_dtype", None)
-        roles[role] = {"format": _FORMAT.get(dtype, _DEFAULT_FORMAT[role]),
-                       "granularity": _GRANULARITY.get(gran, gran),
-                       "scaling": scaling}  # "disabled": this operand stays in high precision
+        first = _cast(role, getattr(config, field, None))
+        use, second_field = _SECOND_USE[role]
+        second = getattr(config, second_field, None)
+        roles[role] = {**first, "uses": {schema.FP8_FIRST_USE[role]: first,
+                                         use: first if second is None else _cast(role, second)}}
     return roles
 
 

@@ -65,6 +65,10 @@ shards again and reduces with (older runs: absent, the root module alone is shar
 scale) and ``scale_rounding`` (``"rceil"`` or ``"floor"``; older runs: absent, read as 32 and from the granularity),
 and a snapshot's ``model_state`` holds torchao's MXFP8 training weights as plain tensors (older MXFP8 snapshots
 hold the wrapper class, which ``weights_only`` loading refuses).
+9 also counts every FP8 cast the recipe makes: each operand role once per GEMM that reads it (``FP8_USES``), in that
+GEMM's format, granularity and axis. The ``fp8`` trace parts gain the column ``use``, a snapshot's ``fp8`` casts and
+``fired`` the key ``use``, and a role entry of ``fp8_recipe`` the key ``uses`` (its format, granularity and scaling
+per use). Older runs: no ``use``, read as the role's first use (``FP8_FIRST_USE``).
 """
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ __all__ = [
     "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS", "REWIND_KEYS", "REWIND_STEP_KEYS",
     "LOSS_SPIKE", "GRAD_SPIKE", "SPIKE_KEYS", "SPIKE_SETTINGS",
     "FP8", "FP8_COLUMNS", "FP8_GLOB", "FP8_KEYS", "FP8_CAST_KEYS", "FP8_SETTINGS", "FP8_ROLES", "FP8_FLUSH_LIMIT",
-    "FP8_SATURATE_LIMIT", "PART_KINDS",
+    "FP8_SATURATE_LIMIT", "FP8_USES", "FP8_FIRST_USE", "PART_KINDS",
 ]
 
 FORMAT_VERSION = 9
@@ -160,17 +164,20 @@ LAYER_COLUMNS: dict[str, pl.DataType] = {
 }
 # Trace columns (steps and layers) added after version 1, with the version that added them: parts
 # of older versions lack them and readers give null.
-COLUMNS_ADDED: dict[str, int] = {"update_rms": 3, "unchanged_frac": 3}
+COLUMNS_ADDED: dict[str, int] = {"update_rms": 3, "unchanged_frac": 3, "use": 9}
 
-# Since version 8, long format: one row per (step, rank, FP8 module, operand role, call) on the steps whose FP8
+# Since version 8, long format: one row per (step, rank, FP8 module, operand role, use, call) on the steps whose FP8
 # casts were measured (Recorder(fp8_every=N): every N-th step). Each row is one scaled cast as
-# ``recorders.fp8.cast_counts`` counts it, in the recipe's format and granularity for that role's forward use
-# (input, weight) or first backward use (grad_output). Fractions: flushed / nonzero, saturated / numel.
+# ``recorders.fp8.cast_counts`` counts it, in the recipe's format, granularity and axis for that role's use: the GEMM
+# that reads the cast (FP8_USES; since version 9: older rows measured the first use, FP8_FIRST_USE, and lack the
+# column). A tensorwise second use in the first use's format makes the same counts and has no row of its own.
+# Fractions: flushed / nonzero, saturated / numel.
 FP8_COLUMNS: dict[str, pl.DataType] = {
     "step": pl.Int64,
     "rank": pl.Int32,
     "module": pl.String,        # the FP8 module's name (model.named_modules(), without _orig_mod.)
     "role": pl.String,          # FP8_ROLES
+    "use": pl.String,           # since version 9: FP8_USES, the GEMM that reads the cast (older: null, the first use)
     "call": pl.Int32,           # 0 for the module's first forward of the step (micro-batches, reuse: 1, 2, ...)
     "format": pl.String,        # "e4m3" | "e5m2"
     "granularity": pl.String,   # recorders.fp8.GRANULARITIES: "tensorwise" | "rowwise" | "mxfp8" | "mxfp8_floor"
@@ -184,6 +191,11 @@ FP8_COLUMNS: dict[str, pl.DataType] = {
     "scale_max": pl.Float64,
 }
 FP8_ROLES = ("input", "weight", "grad_output")
+# The GEMMs of a torchao FP8 Linear that read a cast (replay's CastWatch names them alike): the forward output GEMM
+# (input, weight), the input-gradient GEMM (grad_output, weight) and the weight-gradient GEMM (grad_output, input).
+FP8_USES = ("forward", "input gradient", "weight gradient")
+# Each role's first use: what rows and casts of version 8, which name no use, measured.
+FP8_FIRST_USE = {"input": "forward", "weight": "forward", "grad_output": "input gradient"}
 # An FP8 cast fires the ``fp8`` snapshot (and the report's fp8 check) when more than FP8_FLUSH_LIMIT of its non-zero
 # values flush to zero, or more than FP8_SATURATE_LIMIT of its values saturate (analyzer fp8-readiness's limits).
 FP8_FLUSH_LIMIT = 0.05
@@ -365,8 +377,10 @@ KEYS_ADDED["fp8"] = 8  # the step's FP8 casts (recorders/_fp8_watch.py); older: 
 # has them), "columns": [names of the columns: "gemm1_input", "gemm1_weight", "gemm1_output" forward;
 # "gemm1_grad_output", "gemm1_grad_input" backward]}}}: Transformer Engine's per-module FP8 state, copied at snapshot time).
 FP8_KEYS = ("casts", "fired", "flush_limit", "saturate_limit", "transformer_engine")
-# One cast in a snapshot's "fp8": the FP8_COLUMNS of its trace row without step and rank, and its fractions.
-FP8_CAST_KEYS = ("module", "role", "call", "format", "granularity", "numel", "nonzero", "amax", "saturated", "flushed",
+# One cast in a snapshot's "fp8": the FP8_COLUMNS of its trace row without step and rank, and its fractions (``use``
+# since version 9; older casts lack it and read as FP8_FIRST_USE of their role).
+FP8_CAST_KEYS = ("module", "role", "use", "call", "format", "granularity", "numel", "nonzero", "amax", "saturated",
+                 "flushed",
                  "subnormal", "scale_min", "scale_max", "flushed_frac", "saturated_frac", "subnormal_frac")
 
 # A snapshot's "micro_batches" (version 6), in this order: count (int >= 1: len(batch)), combine (a key of

@@ -305,7 +305,7 @@ def _load_run_dir(path: Path, progress: bool) -> Run:
                 notes.append(f"partial run: rank {shown[key]}'s last steps part has no layers part "
                              "(killed between the two writes); per-layer checks end earlier")
 
-    fp8 = _scan_streams(parts["fp8"], shown, schema.FP8_COLUMNS, present) if fp8_files else None
+    fp8 = _fp8_uses(_scan_streams(parts["fp8"], shown, schema.FP8_COLUMNS, present)) if fp8_files else None
 
     sdir = path / schema.SNAPSHOT_DIR
     snapshots = [sdir / n for n in _listing(sdir) if not n.startswith(".") and _SNAP_RE.match(n)]
@@ -329,6 +329,12 @@ def _scan_streams(parts: dict[tuple[int, int], list[tuple[int, Path]]], shown: d
         frames.append(_scan([f for _, f in sorted(parts[key])], columns, present)
                       .with_columns(rank=pl.lit(shown[key], dtype=columns["rank"])))
     return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
+
+
+def _fp8_uses(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """The fp8 rows with every ``use`` named: a part of format 8 has none and measured each role's first use."""
+    first = pl.col("role").replace_strict(schema.FP8_FIRST_USE, default=None, return_dtype=pl.String)
+    return lf.with_columns(use=pl.coalesce(pl.col("use"), first))
 
 
 def snapshot_info(path: Path) -> SnapshotInfo:

@@ -109,6 +109,22 @@ def _unpickle_snapshot(values: dict) -> Snapshot:
 
 
 
+def _fp8_uses(snap: dict) -> dict:
+    """`snap` with a ``use`` in each FP8 cast of a format-8 snapshot: its casts name none and measured each role's
+    first use (``schema.FP8_FIRST_USE``). Validated before: casts and fired are dicts or None."""
+    fp8 = snap.get("fp8")
+    version = snap.get("format_version")
+    if not isinstance(fp8, dict) or not isinstance(version, int) or version >= 9:
+        return snap
+
+    def named(c):
+        return c if not isinstance(c, dict) or "use" in c else {**c, "use": schema.FP8_FIRST_USE.get(c.get("role"))}
+
+    fp8 = {k: ([named(c) for c in v] if k == "casts" and isinstance(v, list) else named(v) if k == "fired" else v)
+           for k, v in fp8.items()}
+    return {**snap, "fp8": fp8}
+
+
 def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """Load and validate a recorder snapshot into a ``Snapshot``. Raises BadInputError / VersionError."""
     if os.path.isdir(path):  # a run directory: name its first failing snapshot and autopsy
@@ -130,5 +146,6 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     validate_micro_batches(snap, path)
     validate_rewind(snap, path)
     snap = clean_old_names(snap)  # a compiled model's snapshot older than version 5: no _orig_mod. names
+    snap = _fp8_uses(snap)
     return Snapshot(path=os.fspath(path), **{k: snap.get(k) for k in schema.SNAPSHOT_KEYS},
                     _raw=MappingProxyType(snap), load_notes=tuple(notes))

@@ -96,3 +96,43 @@ def test_an_mxfp8_floor_recipe_names_its_scale_rounding_and_granularity():
               filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear))
     (cfg,) = describe_fp8(m)["configs"]
     assert {(v["granularity"], v["scale_rounding"]) for v in cfg["roles"].values()} == {("mxfp8_floor", "floor")}
+
+
+def _uses(cfg: dict) -> dict:
+    return {(role, use): (c["format"], c["granularity"], c.get("scaling")) for role, v in cfg["roles"].items()
+            for use, c in v["uses"].items()}
+
+
+def test_each_role_names_the_cast_of_every_gemm_that_reads_it_from_torchaos_per_gemm_configs():
+    float8 = require("torchao.float8", "fp8")
+    m = _mlp()
+    float8.convert_to_float8_training(m, config=float8.Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp"))
+    (cfg,) = describe_fp8(m)["configs"]
+    # torchao 0.18's rowwise_with_gw_hp: the weight gradient in high precision (its input and grad_output casts
+    # disabled), the input gradient's weight cast tensorwise, every other cast rowwise
+    assert _uses(cfg) == {
+        ("input", "forward"): ("e4m3", "rowwise", "dynamic"),
+        ("input", "weight gradient"): ("e4m3", "tensorwise", "disabled"),
+        ("weight", "forward"): ("e4m3", "rowwise", "dynamic"),
+        ("weight", "input gradient"): ("e4m3", "tensorwise", "dynamic"),
+        ("grad_output", "input gradient"): ("e4m3", "rowwise", "dynamic"),
+        ("grad_output", "weight gradient"): ("e4m3", "tensorwise", "disabled")}
+
+
+def test_an_mxfp8_recipe_with_a_high_precision_weight_gradient_has_no_weight_gradient_casts():
+    require("torchao", "fp8")
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    uses = {}
+    for recipe in (MXFP8TrainingRecipe.MXFP8_RCEIL, MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP):
+        m = _mlp()
+        quantize_(m, MXFP8TrainingOpConfig.from_recipe(recipe),
+                  filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear))
+        (cfg,) = describe_fp8(m)["configs"]
+        uses[recipe] = set(_uses(cfg))
+    assert uses[MXFP8TrainingRecipe.MXFP8_RCEIL] == {
+        ("input", "forward"), ("input", "weight gradient"), ("weight", "forward"), ("weight", "input gradient"),
+        ("grad_output", "input gradient"), ("grad_output", "weight gradient")}
+    assert uses[MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP] == {
+        ("input", "forward"), ("weight", "forward"), ("weight", "input gradient"), ("grad_output", "input gradient")}

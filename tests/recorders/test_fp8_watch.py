@@ -60,8 +60,8 @@ def test_aligned_swiglu_under_tensorwise_writes_an_fp8_snapshot_naming_w2s_input
     assert returned == [None] * 4  # an fp8 snapshot is no training failure
     snap = load_snapshot(rec.snapshots[0])  # weights_only, validated
     fired = snap.fp8["fired"]
-    assert (fired["module"], fired["role"], fired["format"], fired["granularity"]) == \
-        ("block.mlp.w2", "input", "e4m3", "tensorwise")
+    assert (fired["module"], fired["role"], fired["use"], fired["format"], fired["granularity"]) == \
+        ("block.mlp.w2", "input", "forward", "e4m3", "tensorwise")
     # the rare token's channel reaches ~2e4 (GAIN * sqrt(DIM))**2 ... while the rest is ~0.01: one scale 448 / 2e4
     # flushes most of the tensor (swiglu_models' docstring; fp8-readiness measures 97.8% on this model)
     assert fired["flushed_frac"] > 0.5 and fired["amax"] > 1e4
@@ -69,6 +69,8 @@ def test_aligned_swiglu_under_tensorwise_writes_an_fp8_snapshot_naming_w2s_input
     assert snap.fp8_recipe["configs"][0]["roles"]["grad_output"]["format"] == "e5m2"
     roles = {(c["module"], c["role"]) for c in snap.fp8["casts"]}
     assert ("block.mlp.w2", "grad_output") in roles and ("head", "weight") in roles and len(roles) == 6 * 3
+    # tensorwise: each operand's second GEMM casts it under the same one scale and format, counted once, as its first
+    assert {(c["role"], c["use"]) for c in snap.fp8["casts"]} == set(schema.FP8_FIRST_USE.items())
 
 
 def test_the_recorded_input_cast_equals_cast_stats_of_the_operand_the_module_received(tmp_path):
@@ -89,8 +91,23 @@ def test_rowwise_scaling_or_no_aligned_channel_writes_no_fp8_snapshot(tmp_path, 
     rec, _ = _swiglu(tmp_path, aligned=aligned, recipe=recipe, fp8_every=1)
     assert _fp8_names(rec) == []
     fp8 = load_run(tmp_path).fp8.collect()
-    assert fp8.height == 4 * 6 * 3  # measured all the same: 4 steps x 6 Linears x 3 roles
+    # measured all the same: 4 steps x 6 Linears x 3 roles, x 2 GEMMs reading each under rowwise scaling (the second
+    # scaled along the other axis), once under one tensorwise scale
+    assert fp8.height == 4 * 6 * 3 * (2 if recipe == "rowwise" else 1)
+    assert len(set(fp8["use"])) == (3 if recipe == "rowwise" else 2)
     assert (fp8["flushed"] / fp8["nonzero"]).max() < schema.FP8_FLUSH_LIMIT
+
+
+def test_a_recipe_whose_weight_gradient_is_high_precision_counts_only_the_fp8_casts(tmp_path):
+    # torchao's rowwise_with_gw_hp (FP32 here: it refuses CPU autocast): the weight-gradient GEMM reads input and
+    # grad_output unscaled, the input-gradient GEMM reads the weight under one tensorwise scale
+    rec, _ = _train(tmp_path, _convert(sm.build(False), "rowwise_with_gw_hp"), sm.batch, sm.lm_loss, steps=1,
+                    fp8_every=1, **REFS)
+    fp8 = load_run(tmp_path).fp8.collect()
+    casts = {(r["role"], r["use"], r["granularity"]) for r in fp8.iter_rows(named=True)}
+    assert casts == {("input", "forward", "rowwise"), ("weight", "forward", "rowwise"),
+                     ("weight", "input gradient", "tensorwise"), ("grad_output", "input gradient", "rowwise")}
+    assert fp8.height == 6 * 4
 
 
 class _Gated(nn.Module):
@@ -173,10 +190,12 @@ def test_the_report_names_the_cast_and_its_steps_and_is_silent_on_a_healthy_run(
     assert bad.exit_code == 0, bad.output
     (f,) = [f for f in json.loads(bad.output)["findings"] if f["check"] == "fp8_casts"]
     ev = f["evidence"]
-    assert (ev["module"], ev["role"], ev["first_step"], ev["last_step"]) == ("block.mlp.w2", "input", 0, 2)
+    assert (ev["module"], ev["role"], ev["use"], ev["first_step"], ev["last_step"]) == (
+        "block.mlp.w2", "input", "forward", 0, 2)
     assert ev["steps_over"] == ev["steps_measured"] == 2 and ev["max_flushed_frac"] > 0.5
     text = CliRunner().invoke(cli, ["report", str(tmp_path / "bad")]).output
-    assert "fp8_casts @ step 0: block.mlp.w2 input (e4m3, tensorwise)" in text
+    assert "fp8_casts @ step 0: block.mlp.w2 input (forward GEMM, e4m3 tensorwise)" in text
+    assert "rowwise scaling or keeping this module in BF16" in text  # a tensorwise cast: rowwise is the way out
     n = len(json.loads((tmp_path / "bad" / "meta.json").read_text())["fp8_recipe"]["modules"])
     assert f"FP8 matmuls in {n} module(s) (tensorwise)" in text.splitlines()[0]  # the header names the FP8 run
     ok = CliRunner().invoke(cli, ["report", str(tmp_path / "ok"), "--json"])
@@ -275,7 +294,8 @@ def test_mxfp8_training_weights_are_measured_in_blocks_and_the_aligned_swiglu_fi
               filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
     rec, _ = _train(tmp_path, model, sm.batch, sm.lm_loss, steps=2, fp8_every=1, **REFS)
     fp8 = load_run(tmp_path).fp8.collect()
-    assert fp8.height == 2 * 6 * 3 and set(fp8["granularity"]) == {"mxfp8"} and set(fp8["format"]) == {"e4m3"}
+    # every operand for both GEMMs that read it, in blocks of 32 along each GEMM's reduction dim
+    assert fp8.height == 2 * 6 * 3 * 2 and set(fp8["granularity"]) == {"mxfp8"} and set(fp8["format"]) == {"e4m3"}
     # blocks of 32 isolate the rare token's outlier: w2's input flushes 1.5% (tensorwise: 98%)
     w2 = fp8.filter((pl.col("module") == "block.mlp.w2") & (pl.col("role") == "input"))
     assert (w2["flushed"] / w2["nonzero"]).max() < schema.FP8_FLUSH_LIMIT and _fp8_names(rec) == []

@@ -226,7 +226,7 @@ def fp8_limits(meta: dict[str, Any]) -> tuple[float, float]:
 
 
 def _fp8_casts(run: Run, sel: pl.Expr, rank: int | None) -> pl.DataFrame | None:
-    """Per (rank, module, role): steps measured; past the limits (``fp8_limits``): steps, first and last, the
+    """Per (rank, module, role, use): steps measured; past the limits (``fp8_limits``): steps, first and last, the
     worst fractions and amax. One small group-by over the fp8 parts (a few rows per FP8 module and step)."""
     if run.fp8 is None:
         return None
@@ -238,12 +238,12 @@ def _fp8_casts(run: Run, sel: pl.Expr, rank: int | None) -> pl.DataFrame | None:
     sf = pl.when(pl.col("numel") > 0).then(pl.col("saturated") / pl.col("numel")).otherwise(0.0)
     over = pl.col("over")
     out = _collect(run, [lf.with_columns(ff=ff, sf=sf).with_columns(over=(pl.col("ff") > flush) | (pl.col("sf") > sat))
-                         .group_by("rank", "module", "role").agg(
+                         .group_by("rank", "module", "role", "use").agg(
         measured=pl.col("step").n_unique(), n_over=pl.col("step").filter(over).n_unique(),
         first=pl.col("step").filter(over).min(), last=pl.col("step").filter(over).max(),
         flushed=pl.col("ff").max(), saturated=pl.col("sf").max(), amax=pl.col("amax").filter(over).max(),
         format=pl.col("format").first(), granularity=pl.col("granularity").first(),
-    ).sort("rank", "first", "module", "role", nulls_last=True)])[0]
+    ).sort("rank", "first", "module", "role", "use", nulls_last=True)])[0]
     return out if out.height else None
 
 

@@ -16,7 +16,7 @@ from recorders.snapshot import write_snapshot
 from ...hostile_corpus import run_dir, snapshot_dict
 from ...test_hostile_inputs import assert_one_error_line, invoke
 
-_ROW = {"step": 3, "rank": 0, "module": "mlp.w2", "role": "input", "call": 0, "format": "e4m3",
+_ROW = {"step": 3, "rank": 0, "module": "mlp.w2", "role": "input", "use": "forward", "call": 0, "format": "e4m3",
         "granularity": "tensorwise", "numel": 4096, "nonzero": 4096, "amax": 2.0e4, "saturated": 0, "flushed": 4000,
         "subnormal": 20, "scale_min": 0.0224, "scale_max": 0.0224}  # what recorders/_fp8_watch.py writes
 
@@ -33,6 +33,31 @@ def test_an_fp8_part_reads_back_as_written_and_the_report_names_its_cast(tmp_pat
     res = invoke(["report", run, "--json"])
     (f,) = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "fp8_casts"]
     assert (f["step"], f["evidence"]["steps_over"], f["evidence"]["steps_measured"]) == (3, 1, 2)
+
+
+def test_a_format_8_part_without_the_use_column_reads_each_role_as_its_first_use(tmp_path):
+    old = {k: v for k, v in schema.FP8_COLUMNS.items() if k != "use"}
+    rows = [{k: v for k, v in {**_ROW, "role": role}.items() if k != "use"} for role in schema.FP8_ROLES]
+    run = _with_fp8(tmp_path, rows, old)
+    got = load_run(run).fp8.collect()
+    assert dict(zip(got["role"], got["use"])) == {"input": "forward", "weight": "forward",
+                                                  "grad_output": "input gradient"}  # what format 8 measured
+    res = invoke(["report", run, "--json"])
+    assert res.exit_code == 0, res.output
+    (f,) = [f for f in json.loads(res.stdout)["findings"]
+            if f["check"] == "fp8_casts" and f["evidence"]["role"] == "input"]
+    assert f["evidence"]["use"] == "forward" and "mlp.w2 input (forward GEMM, e4m3 tensorwise)" in f["message"]
+
+
+def test_a_format_8_snapshot_reads_its_casts_as_their_roles_first_use(tmp_path):
+    cast = {k: _ROW.get(k, 0.9) for k in schema.FP8_CAST_KEYS if k != "use"}
+    grad = {**cast, "role": "grad_output", "format": "e5m2"}
+    fp8 = {"casts": [cast, grad], "fired": grad, "flush_limit": 0.05, "saturate_limit": 1e-4,
+           "transformer_engine": None}
+    snap = load_snapshot(write_snapshot(tmp_path / "s.pt", snapshot_dict(format_version=8, fp8=fp8)))
+    assert [c["use"] for c in snap.fp8["casts"]] == ["forward", "input gradient"]
+    assert snap.fp8["fired"]["use"] == "input gradient"
+    assert "use" not in fp8["casts"][0]  # the file's own dicts are left as they were
 
 
 def test_a_foreign_or_truncated_fp8_part_is_one_error_line_naming_it(tmp_path):
@@ -54,7 +79,7 @@ _INT = st.one_of(st.none(), st.integers(-2**62, 2**62))
 _FLOAT = st.one_of(st.none(), st.floats())
 _TEXT = st.one_of(st.none(), st.text(max_size=20))
 _ROWS = st.lists(st.fixed_dictionaries({
-    "step": _INT, "rank": st.one_of(st.none(), st.integers(-3, 3)), "module": _TEXT, "role": _TEXT,
+    "step": _INT, "rank": st.one_of(st.none(), st.integers(-3, 3)), "module": _TEXT, "role": _TEXT, "use": _TEXT,
     "call": st.one_of(st.none(), st.integers(-2, 2)), "format": _TEXT, "granularity": _TEXT, "numel": _INT,
     "nonzero": _INT, "amax": _FLOAT, "saturated": _INT, "flushed": _INT, "subnormal": _INT, "scale_min": _FLOAT,
     "scale_max": _FLOAT}), min_size=1, max_size=6)

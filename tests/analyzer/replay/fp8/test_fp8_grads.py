@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from analyzer.cli import main
+from analyzer.load import load_snapshot
 from tests.extras import require
 
 from . import swiglu_models as sm
@@ -76,14 +77,37 @@ def test_a_rowwise_cast_of_a_32_wide_3d_input_keeps_its_own_rows_and_channels(we
     assert 0 <= w1.outlier[1] < sm.DIM and 0 <= w1.outlier[0] < 4 * 16
 
 
-def test_gradients_beyond_e4m3s_range_autopsy_to_fp8_underflow_and_e5m2_is_verified_against_bf16(tmp_path):
+@pytest.fixture(scope="module")
+def heavy(tmp_path_factory):
     # grad_models: the heavy tokens' w2 input is 0, so w2's weight gradient is the light tokens' alone, and those
     # flush under the heavy tokens' per-feature e4m3 scales
     from . import grad_models as gm
 
-    snaps = gm.train(tmp_path / "run")
-    assert len(snaps) == 1
-    res = CliRunner().invoke(main, ["autopsy", str(tmp_path / "run"), "--device", "cpu", "--json"])
+    run = tmp_path_factory.mktemp("heavy") / "run"
+    return run, gm.train(run)
+
+
+def test_the_report_names_the_weight_gradients_grad_output_cast_without_advising_rowwise(heavy):
+    run, _ = heavy
+    res = CliRunner().invoke(main, ["report", str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    found = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "fp8_casts"]
+    assert found and {(f["evidence"]["role"], f["evidence"]["use"]) for f in found} == {
+        ("grad_output", "weight gradient")}  # the forward and input-gradient casts keep their values
+    w2 = next(f["message"] for f in found if f["evidence"]["module"] == "block.mlp.w2")
+    assert w2.startswith("block.mlp.w2 grad_output (weight gradient GEMM, e4m3 rowwise)")
+    assert "rowwise scaling or" not in w2 and "e5m2 gradients cover a wider range" in w2  # it is rowwise already
+
+
+def test_gradients_beyond_e4m3s_range_autopsy_to_fp8_underflow_and_e5m2_is_verified_against_bf16(heavy):
+    run, snaps = heavy
+    # the recorder's own trigger: it counts grad_output for the weight-gradient GEMM too, scaled per output feature
+    assert [p.name for p in snaps] == ["step00000000-r00000-fp8.pt"]
+    fired = load_snapshot(snaps[0]).fp8["fired"]
+    assert (fired["role"], fired["use"], fired["format"], fired["granularity"]) == (
+        "grad_output", "weight gradient", "e4m3", "rowwise")
+    assert fired["flushed_frac"] > 0.5
+    res = CliRunner().invoke(main, ["autopsy", str(run), "--device", "cpu", "--json"])
     assert res.exit_code == 0, res.output
     a = json.loads(res.stdout)
     assert a["verdict"] == "fp8_underflow"

@@ -40,8 +40,9 @@ def test_the_recorders_mxfp8_snapshot_loads_with_weights_only_and_records_the_mx
     assert set(recipe["modules"]) == {"block.mlp.w1", "block.mlp.w3", "block.mlp.w2", "block.qkv", "block.proj", "head"}
     cfg = recipe["configs"][0]
     assert cfg["kind"] == "mxfp8" and cfg["fields"]["scale_calculation_mode"] == "rceil"
-    assert cfg["roles"]["grad_output"] == {"format": "e4m3", "granularity": "mxfp8", "block_size": 32,
-                                           "scale_rounding": "rceil"}
+    cast = {"format": "e4m3", "granularity": "mxfp8"}
+    assert cfg["roles"]["grad_output"] == {**cast, "block_size": 32, "scale_rounding": "rceil",
+                                           "uses": {"input gradient": cast, "weight gradient": cast}}
 
 
 def test_an_mxfp8_step_whose_massive_channels_flush_w2s_input_autopsies_to_fp8_underflow(massive_run):
