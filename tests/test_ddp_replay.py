@@ -113,3 +113,20 @@ def test_an_ordinary_ops_overflow_under_ddp_gets_the_one_process_replays_classif
     for key in ("op", "module", "phase"):
         assert dist_answer["culprit"][key] == one["culprit"][key]
     assert dist_answer["culprit"]["op"] == "aten.mm" and dist_answer["culprit"]["rank"] == 0
+
+
+def test_a_rank_killed_mid_replay_ends_every_process_with_one_error_line(ddp_runs):
+    # rank 1 SIGKILLs itself in the FP32 run's forward; rank 0's next collective is the first all-reduce in backward
+    proc = torchrun(2, "replay", str(ddp_runs["compress"] / schema.SNAPSHOT_DIR / SNAP), "--loss-fn",
+                    "tests.fsdp_reduce_runs:sum_loss_killing_rank_1", timeout_env="30")
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1 and "peer rank died" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_missing_ranks_snapshot_is_one_error_line_on_rank_0(ddp_runs, tmp_path):
+    src = ddp_runs["compress"] / schema.SNAPSHOT_DIR / SNAP
+    (tmp_path / SNAP).write_bytes(src.read_bytes())  # rank 1's file of the step is not there
+    proc = torchrun(2, "replay", str(tmp_path / SNAP))
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "r00001" in lines[0] or "rank 1" in lines[0]
