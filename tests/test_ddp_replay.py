@@ -130,3 +130,11 @@ def test_a_missing_ranks_snapshot_is_one_error_line_on_rank_0(ddp_runs, tmp_path
     lines = errors(proc)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
     assert "r00001" in lines[0] or "rank 1" in lines[0]
+
+
+def test_torchrun_autopsy_of_the_ddp_run_replays_its_first_failing_snapshot_to_the_all_reduce(ddp_runs):
+    proc = torchrun(2, "autopsy", str(ddp_runs["compress"]), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["autopsy_snapshot"].endswith(SNAP)
+    assert d["verdict"] == "overflow" and d["culprit"]["op"] == "c10d.allreduce_"
