@@ -11,6 +11,7 @@
 - ``wrapper``: ``allreduce_hook`` (torch refuses ``bf16_compress_hook`` on CPU), the Recorder given the DDP wrapper.
 - ``custom``: a hook of the user's own (``halve_then_allreduce``), the Recorder given the module: ``"unknown"``.
 - ``plain``: no hook, the Recorder given the wrapper.
+- ``builtin``: DDP's C++ ``BuiltinCommHookType.FP16_COMPRESS`` (``_register_builtin_comm_hook``), given the wrapper.
 
 Example (~10 s on two cores):
     >>> runs = record_ddp_runs(tmp_path)                   # doctest: +SKIP
@@ -30,7 +31,7 @@ __all__ = ["WORLD", "X_VALUES", "RUNS", "sum_loss", "halve_then_allreduce", "rec
 
 WORLD = 2
 X_VALUES = (1000.0, 18000.0)
-RUNS = ("compress", "wrapper", "custom", "plain")
+RUNS = ("compress", "wrapper", "custom", "plain", "builtin")
 
 
 def sum_loss(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -61,6 +62,8 @@ def _train(rank: int, run_dir: str, name: str) -> None:
                    optimizer=opt, flush_every=1, sync_failures=True)
     if hook is not None:  # NB: after the Recorder, as loops often do: the snapshots read the hook when taken
         ddp.register_comm_hook(None, hook)
+    if name == "builtin":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     with rec:
         batch = {"x": torch.full((BATCH, WIDTH), X_VALUES[rank] if name == "compress" else 1.0)}
         rec.begin_step(0, batch)

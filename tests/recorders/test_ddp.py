@@ -35,6 +35,7 @@ def _snaps(run):
     ("compress", "fp16_compress_hook", "float16"),  # given the module inside DDP; the hook registered after
     ("wrapper", "allreduce_hook", None),            # given the DDP wrapper
     ("plain", None, None),                          # no hook: DDP's reducer, in the gradients' dtype
+    ("builtin", "fp16_compress_hook", "float16"),   # the C++ FP16_COMPRESS hook: the same numerics
 ])
 def test_meta_and_every_snapshot_name_the_builtin_hook_its_reduce_dtype_and_the_division_before_the_sum(
         ddp_runs, name, hook, dtype):
