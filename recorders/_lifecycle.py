@@ -62,7 +62,7 @@ class Lifecycle:
                           config=self.config, fsdp=self._fsdp,
                           optimizer=optimizer_meta(self.optimizer, self._params), compile=self.compile,
                           warnings=self.__dict__.get("_warnings_kept"), fp8_recipe=self._fp8.recipe,
-                          fp8=self._fp8.settings())
+                          fp8=self._fp8.settings(), ddp=self._ddp.published())
         data = json.dumps(meta, indent=1).encode()
         self.writer, others = claim_writer(self.run_dir, self.rank, data)
         self._meta = meta
@@ -146,6 +146,9 @@ class Lifecycle:
         watch = self.__dict__.get("_watch")
         if watch is not None:
             watch.release()  # the autocast pre-hooks
+        ddp = self.__dict__.get("_ddp")
+        if ddp is not None:
+            ddp.remove()  # the first forward's hook, if no forward ran
         fp8 = self.__dict__.get("_fp8")
         if fp8 is not None:
             fp8.remove()  # a sampled step's FP8 hooks

@@ -131,7 +131,8 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
                amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, factory: str | None,
                factory_kwargs: dict, loss_fn: str | None, config: RecorderConfig,
                fsdp: dict | None = None, optimizer: dict | None = None, compile: dict | None = None,
-               warnings: list[dict] | None = None, fp8_recipe: dict | None = None, fp8: dict | None = None) -> dict:
+               warnings: list[dict] | None = None, fp8_recipe: dict | None = None, fp8: dict | None = None,
+               ddp: dict | None = None) -> dict:
     """The ``meta.json`` dict, keys ``schema.META_KEYS`` in order.
 
     `fsdp`: ``recorders._fsdp.fsdp_meta`` of a sharded model (policy, mesh), else None.
@@ -139,6 +140,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
     `compile`: ``recorders.compiled.compile_info`` (how it was torch.compile'd) or None.
     `warnings`: the RecorderWarnings issued before meta.json was first written (``schema.WARNING_KEYS`` dicts).
     `fp8_recipe`, `fp8`: ``describe_fp8(model)`` and the FP8 statistics' settings (``recorders._fp8_watch``), or None.
+    `ddp`: ``recorders._ddp.ddp_entry`` of a DistributedDataParallel wrapper (``schema.DDP_KEYS``), or None.
     """
     from . import __version__
 
@@ -176,6 +178,7 @@ def build_meta(*, model: torch.nn.Module, rank: int, world_size: int, device_typ
         "spikes": config.spike_settings(),  # the spike triggers' settings (recorders/_spikes.py)
         "fp8_recipe": fp8_recipe,  # recorders/fp8_recipe.describe_fp8: the torchao FP8 recipe
         "fp8": fp8,  # the FP8 statistics' settings (recorders/_fp8_watch.py)
+        "ddp": ddp,  # recorders/_ddp.py: what shapes DDP's gradient all-reduce
     }
     assert tuple(meta) == schema.META_KEYS
     return meta

@@ -88,6 +88,9 @@ class Snapshotting:
         window = getattr(self, "_rewind", None)  # Recorder(rewind=K): the steps before this one (recorders/_rewind.py)
         rewind = None if window is None else self._guard("copy the rewind window", window.entry, self._step, last)
 
+        watch = self.__dict__.get("_ddp")
+        ddp = None if watch is None else watch.entry()  # the hook as it is now (registered after the Recorder)
+
         def write():
             snap = build_snapshot(
                 step=self._step, reason=reason, model=self.model, batch=self._batch, rng=_rng_states(self._rng),
@@ -97,7 +100,7 @@ class Snapshotting:
                 loss=last.get("loss"), loss_dtype=last.get("loss_dtype"), grad_norm=last.get("grad_norm"),
                 rank=self.rank, world_size=self.world_size, pre_step_buffers=pre, cwd=self._cwd, fsdp=fsdp,
                 optimizer=optim, update=update, exception=exception, compile=self.compile, micro_batches=micro,
-                spike=spike, rewind=rewind, fp8_recipe=self._fp8.recipe, fp8=self._fp8.entry(),
+                spike=spike, rewind=rewind, fp8_recipe=self._fp8.recipe, fp8=self._fp8.entry(), ddp=ddp,
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             if path in self.snapshots:  # this Recorder's own file (a second manual snapshot): replace

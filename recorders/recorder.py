@@ -22,6 +22,7 @@ from ._buffers import BufferTracker
 from .compiled import clean_name, compile_info, unwrap
 from ._exception import record_exception
 from ._fp8_watch import Fp8Watch
+from ._ddp import DdpWatch
 from ._fsdp import FsdpSnapshots, fsdp_meta
 from ._lifecycle import Lifecycle, RecorderWarning, _atexit_close
 from ._meta import RecorderConfig, amp_dtype_of, current_cwd, dist_info
@@ -382,6 +383,9 @@ class Recorder(Snapshotting, FsdpSnapshots, StepStats, Lifecycle):
         self._layers = LayerBuffer(self.config.flush_every, len(self._params), self._device)
         self._update_sample = UpdateSample(self._params, self._device)
         self._fp8 = Fp8Watch(model, self.config.fp8_every, self._device)
+        # DDP's gradient all-reduce: the wrapper given, or found in the first forward (meta.json rewritten then)
+        self._ddp = DdpWatch(model, lambda kind, msg: self._recorder_warning(kind, msg, stacklevel=5),
+                             lambda entry: self._update_meta(ddp=entry))
         self._param_names = {id(p): clean_name(n) for n, p in model.named_parameters()}
         self._rewind = rewind_window(self, model)
         if self.check_update:

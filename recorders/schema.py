@@ -69,6 +69,9 @@ hold the wrapper class, which ``weights_only`` loading refuses).
 GEMM's format, granularity and axis. The ``fp8`` trace parts gain the column ``use``, a snapshot's ``fp8`` casts and
 ``fired`` the key ``use``, and a role entry of ``fp8_recipe`` the key ``uses`` (its format, granularity and scaling
 per use). Older runs: no ``use``, read as the role's first use (``FP8_FIRST_USE``).
+9 also adds ``ddp`` to meta.json and snapshots: a model wrapped in ``DistributedDataParallel``, what shapes its gradient
+all-reduce (``DDP_KEYS``: the communication hook if it is one of torch's built-in ones, the dtype of the sum, where the
+division by the world size happens, ``gradient_as_bucket_view``; older runs: None, nothing known).
 """
 from __future__ import annotations
 
@@ -99,6 +102,8 @@ __all__ = [
     "KEYS_ADDED",
     "SDPA_BACKENDS",
     "META_KEYS_ADDED",
+    "DDP_KEYS",
+    "DDP_HOOKS",
     "STEP_NUMBERINGS",
     "COLUMNS_ADDED",
     "DCP_RE",
@@ -230,6 +235,8 @@ META_KEYS = (
     "spikes",  # since version 7: the spike triggers' settings, SPIKE_SETTINGS (recorders/_spikes.py)
     "fp8_recipe",  # since version 8: recorders.fp8_recipe.describe_fp8(model), None without FP8 modules
     "fp8",  # since version 8: None (no FP8 module) | FP8_SETTINGS, the FP8 statistics' settings (recorders/_fp8_watch.py)
+    "ddp",  # since version 9: None (no DistributedDataParallel found) | DDP_KEYS (recorders/_ddp.py); rewritten when the
+            #   wrapper is found during the first forward (a Recorder given the wrapped module)
 )
 # meta.json keys added after version 1, with the version that added them (older runs lack them).
 META_KEYS_ADDED: dict[str, int] = {"cwd": 2, "fsdp": 3}
@@ -275,11 +282,24 @@ WARNING_KINDS: dict[str, str] = {
     "positional_inputs": "HF Trainer: the model was called with positional inputs; only keyword inputs are in the "
                          "recorded batch",
     "step_not_recorded": "HF Trainer: recording a step failed inside the Trainer's backward; that step is missing",
+    "ddp_comm_hook": "DDP's communication hook is not one of torch's built-in ones: its numerics are unknown",
     "rewind_off": "Recorder(rewind=K) could not keep the window (an FSDP2-sharded model): snapshots hold one step",
 }
 META_KEYS_ADDED["spikes"] = 7  # the spike triggers' settings (recorders/_spikes.py); older runs: None
 META_KEYS_ADDED["fp8_recipe"] = 8  # the torchao FP8 recipe (recorders/fp8_recipe.py); older runs: None
 META_KEYS_ADDED["fp8"] = 8  # the FP8 statistics' settings (recorders/_fp8_watch.py); older runs: None
+META_KEYS_ADDED["ddp"] = 9  # what shapes DDP's gradient all-reduce (recorders/_ddp.py); older runs: None
+# meta.json's and a snapshot's "ddp" (version 9), in this order: world_size (int | None: DDP's process group), comm_hook
+# (None: no hook, DDP's reducer all-reduces in the gradients' dtype | "allreduce_hook" | "fp16_compress_hook" |
+# "bf16_compress_hook": torch's built-in hooks, Python or C++ | "unknown": another hook, or DDP's state unreadable),
+# comm_hook_name (str | None: the hook's name as DDP's logger keeps it), reduce_dtype ("float16" | "bfloat16" | None:
+# the gradients' own dtype), divide ("before": the gradients are divided by the world size before the sum, as DDP's
+# reducer and every built-in hook do | None: unknown), gradient_as_bucket_view, broadcast_buffers (bool | None),
+# bucket_cap_bytes (int | None), find_unused_parameters (bool | None), mixed_precision (None | {"param_dtype",
+# "reduce_dtype", "buffer_dtype": str | None}: DDP's private mixed_precision config).
+DDP_KEYS = ("world_size", "comm_hook", "comm_hook_name", "reduce_dtype", "divide", "gradient_as_bucket_view",
+            "broadcast_buffers", "bucket_cap_bytes", "find_unused_parameters", "mixed_precision")
+DDP_HOOKS = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "unknown")
 # meta.json's "fp8" (version 8): every (the Recorder's fp8_every: casts measured every N-th step; None: never),
 # flush_limit, saturate_limit (the trigger's limits, FP8_FLUSH_LIMIT / FP8_SATURATE_LIMIT), max_snapshots (the
 # cap on fp8 snapshots per run and rank), modules (the FP8 modules measured), transformer_engine (the names of
@@ -343,6 +363,7 @@ SNAPSHOT_KEYS = (
     "rewind",            # since version 8: None | Recorder(rewind=K): REWIND_KEYS (recorders/_rewind.py)
     "fp8_recipe",        # since version 8: as meta.json's (recorders.fp8_recipe.describe_fp8), None without FP8
     "fp8",               # since version 8: None (no FP8 module) | FP8_KEYS: this step's FP8 casts
+    "ddp",               # since version 9: None | DDP_KEYS, as in meta.json, read when the snapshot was taken
 )
 # Keys added after version 1, with the version that added them: older files lack them, so
 # readers treat them as optional (and use None).
@@ -369,6 +390,7 @@ REWIND_STEP_KEYS = ("step", "batch", "micro_batches", "rng", "loss", "scale", "s
                     "optimizer_stepped", "param_groups")
 KEYS_ADDED["fp8_recipe"] = 8  # the torchao FP8 recipe (recorders/fp8_recipe.py); older: None
 KEYS_ADDED["fp8"] = 8  # the step's FP8 casts (recorders/_fp8_watch.py); older: None
+KEYS_ADDED["ddp"] = 9  # what shapes DDP's gradient all-reduce (recorders/_ddp.py); older: None
 # A snapshot's "fp8" (version 8), in this order: casts (None: the step's casts were not measured, it was no
 # fp8_every-th step | [FP8_CAST_KEYS dicts], each cast of the step), fired (None | the FP8_CAST_KEYS dict of the cast
 # that fired the ``fp8`` snapshot: the largest flushed, then saturated, fraction above the limits), flush_limit,

@@ -93,6 +93,7 @@ def build_snapshot(
     rewind: dict[str, Any] | None = None,
     fp8_recipe: dict[str, Any] | None = None,
     fp8: dict[str, Any] | None = None,
+    ddp: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble a snapshot dict (all tensors copied to CPU). Keys: ``schema.SNAPSHOT_KEYS``.
 
@@ -112,6 +113,7 @@ def build_snapshot(
     `spike`: on a ``loss_spike`` / ``grad_spike`` snapshot, the trigger's evidence (``schema.SPIKE_KEYS``).
     `rewind`: ``recorders._rewind.RewindWindow.entry`` (``schema.REWIND_KEYS``, tensors already on the host), or None.
     `fp8_recipe`, `fp8`: an FP8 model's recipe (``describe_fp8``) and the step's casts (``schema.FP8_KEYS``), or None.
+    `ddp`: ``recorders._ddp.ddp_entry`` of the DistributedDataParallel wrapper (``schema.DDP_KEYS``), or None.
     """
     from . import __version__
 
@@ -159,6 +161,7 @@ def build_snapshot(
         "rewind": rewind,  # recorders/_rewind.py: Recorder(rewind=K)'s window
         "fp8_recipe": fp8_recipe,  # recorders/fp8_recipe.describe_fp8
         "fp8": None if fp8 is None else {k: fp8.get(k) for k in schema.FP8_KEYS},  # recorders/_fp8_watch.py
+        "ddp": None if ddp is None else {k: ddp.get(k) for k in schema.DDP_KEYS},  # recorders/_ddp.py
     }
     assert tuple(snap) == schema.SNAPSHOT_KEYS
     return snap

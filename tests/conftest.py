@@ -134,3 +134,11 @@ def hf_blowup_accum_run(tmp_path_factory) -> dict:
 def hf_plain_run(tmp_path_factory) -> dict:
     """The same run without the recorder: only HF's own output_dir (checkpoints, trainer_state.json)."""
     return _hf_run(tmp_path_factory, "hf_plain", record=False)
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory) -> dict:
+    """The 2-rank DDP runs of ``tests/ddp_runs.py`` (one spawn): {name: run directory}."""
+    from tests.ddp_runs import record_ddp_runs
+
+    return record_ddp_runs(tmp_path_factory.mktemp("ddp_hooks"))

@@ -18,6 +18,7 @@ import torch
 from recorders import schema
 
 from ._dense import check_dense
+from .ddp import read_ddp
 from ._limits import check_nesting
 from ..errors import BadInputError
 
@@ -319,5 +320,9 @@ def validate_snapshot(snap: dict[str, Any], path: str | os.PathLike) -> None:
     _check_compile(snap.get("compile"), path)
     _check_spike(snap.get("spike"), path)
     _check_fp8(snap.get("fp8"), snap.get("fp8_recipe"), path)
+    try:
+        read_ddp(snap.get("ddp"))
+    except ValueError as e:
+        raise _bad("ddp", str(e), path) from e
     for where, t in walk_tensors(snap.get("batch"), "batch"):
         check_dense(t, path=path, where=where)

@@ -150,6 +150,7 @@ def load_checkpoint_snapshot(path: str | os.PathLike, batch: str | os.PathLike, 
         "spike": None,  # (format 7) a checkpoint is no spike snapshot
         "rewind": None,  # (format 8) nor holds a rewind window
         "fp8_recipe": None, "fp8": None,  # (format 8) a checkpoint records no FP8 recipe nor casts
+        "ddp": None,  # (format 9) nor DDP's all-reduce
     }
     source = {"checkpoint": path, "kind": ck["kind"], "batch": os.fspath(batch), "amp_dtype": amp_dtype,
               "scale": 1.0 if low_scale is None else low_scale, "seed": None if rng_from else SEED,

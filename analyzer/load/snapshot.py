@@ -82,6 +82,7 @@ class Snapshot(Mapping):
     rewind: dict | None = field(default=None, repr=False)  # since version 8, Recorder(rewind=K): load/_rewind.py
     fp8_recipe: dict | None = None  # since version 8: the torchao FP8 recipe (recorders/fp8_recipe.py)
     fp8: dict | None = None  # since version 8: the step's FP8 casts, schema.FP8_KEYS (recorders/_fp8_watch.py)
+    ddp: dict | None = None  # since version 9: what shapes DDP's gradient all-reduce, schema.DDP_KEYS (load/ddp.py)
 
     @property
     def has_scaler(self) -> bool:

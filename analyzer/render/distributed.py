@@ -24,10 +24,14 @@ def render_distributed_text(r: DistributedResult) -> str:
     """
     if r.answer is not None:
         return _classified(r)
+    how = (f"precision mode {r.precision_mode} ({r.precision_dtype or 'float32'})" if r.ddp is None else
+           f"DDP, gradients all-reduced as {r.ddp.get('comm_hook') or 'its reducer'} does "
+           f"(in {r.ddp.get('reduce_dtype') or 'their own dtype'}), compute {r.precision_dtype or 'float32'}"
+           + (" (autocast)" if r.precision_mode == "autocast" and r.precision_dtype else ""))
     lines = [f"verdict: {r.verdict}", f"  {r.summary}",
              f"snapshot: {r.snapshot} (step {r.step}, {r.reason})",
              f"replayed on {r.world_size} rank(s) (recorded on {r.recorded_world_size}), {r.device}, "
-             f"precision mode {r.precision_mode} ({r.precision_dtype or 'float32'}), collectives included"]
+             f"{how}, collectives included"]
     lines += [f"  note: {n}" for n in r.notes]
     c = r.culprit
     if c is not None:

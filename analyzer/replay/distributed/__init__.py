@@ -1,4 +1,4 @@
-"""The distributed replay: a sharded (FSDP2) snapshot's step on N processes under torchrun, collectives included."""
+"""The distributed replay: a sharded (FSDP2) or DDP snapshot's step on N processes under torchrun, collectives included."""
 from __future__ import annotations
 
 from .agree import DISTRIBUTED_VERDICTS, Decision, decide, summarize

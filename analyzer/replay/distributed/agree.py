@@ -58,12 +58,14 @@ def _op(run: RunTrace, i: int) -> dict[str, Any]:
             "output_absmax": _nan_max([run.absmax[s] for s in rec.outputs])}
 
 
-def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: set[int] | None = None
-              ) -> dict[str, Any]:
+def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: set[int] | None = None,
+              sources: dict[int, int] | None = None) -> dict[str, Any]:
     """This rank's run as small host values (picklable; the all-gather sends them).
 
-    `modules`: op index of a collective -> the sharded module whose parameters it moved; `fsdp_ops`:
-    the ops FSDP2 ran in its own hooks (copies and casts of shards), never a culprit.
+    `modules`: op index of a collective -> the sharded module (or DDP: the parameter) whose values it moved;
+    `fsdp_ops`: the ops FSDP2 or the replay's DDP hook ran around the collectives (copies, casts), never a
+    culprit; `sources`: op index of a collective -> the op whose input is the reduction's own input (DDP:
+    the gradient as the communication hook got it, before the hook's compress cast and division).
     """
     fsdp_ops = fsdp_ops or set()
     first = first_input = None
@@ -71,6 +73,11 @@ def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: se
     for rec in run.records:
         if is_collective(rec.namespace):
             op = _op(run, rec.index)
+            if sources and rec.index in sources:
+                src = run.records[sources[rec.index]]
+                op["input_absmax"] = _nan_max([run.absmax[s] for s, _ in src.inputs])
+                op["reduce_dtypes"] = op["input_dtypes"]  # what the collective itself summed
+                op["input_dtypes"] = sorted(str(d).removeprefix("torch.") for d in src.in_dtypes)
             if modules and rec.index in modules:
                 op["module"] = modules[rec.index]
             collectives.append(op)
@@ -118,7 +125,7 @@ def _born_in_collective(per_rank: list[dict], fp32: list[dict] | None) -> tuple[
             culprit = dict(calls[rank], rank=rank, collective={
                 "ordinal": k, "ranks": [{"rank": r, "input_absmax": c["input_absmax"],
                                          "output_absmax": c["output_absmax"]} for r, c in enumerate(calls)],
-                "reduce_dtype": calls[rank]["input_dtypes"][0] if calls[rank]["input_dtypes"] else None,
+                "reduce_dtype": next(iter(calls[rank].get("reduce_dtypes") or calls[rank]["input_dtypes"]), None),
                 "fp32_output_absmax": ref})
             return calls[rank]["index"], rank, culprit
     return None

@@ -1,5 +1,9 @@
 """``distributed_replay``: a sharded snapshot's step replayed on N processes under torchrun, collectives included.
 
+A DDP snapshot (format 9, its ``ddp`` entry) runs the same phases on a ``replicated.ReplicatedContext``: whole
+weights from each rank's own file, DDP's all-reduce as the recorded communication hook does it, in Python,
+under the dispatch mode; its fix is the all-reduce in FP32.
+
 Every rank, in lockstep:
 
 1. loads its own snapshot file of the step (its batch, RNG, references) and the DCP directory's metadata,
@@ -37,7 +41,7 @@ import torch
 from ...errors import AnalyzerError, BadInputError
 from ...load import load_snapshot, snapshot_roots
 from ...load.dcp import dcp_directory, read_dcp_metadata, sibling_snapshot
-from ..runs._precision import precision_mode
+from ..runs._precision import PrecisionMode, precision_mode
 from ..fixes._reference import TOLERANCE
 from ..runs._runs import ReplayContext, run_once
 from ..runs._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
@@ -46,6 +50,7 @@ from .agree import decide, summarize
 from .group import DistGroup
 from .lockstep import classify
 from .result import DistributedResult
+from .replicated import FIX_TITLE, ReplicatedContext, ddp_entry_of
 from .sharded import CollectiveFailed, ShardedContext, bad_shards, sharded_layout
 
 __all__ = ["distributed_replay"]
@@ -90,7 +95,7 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     summaries: dict[str, list[dict]] = {}
     for p in wanted:
         trace = run_once(ctx, p, scale)  # NB: collective: FSDP2's all-gathers and reduce-scatters
-        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops()))
+        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources()))
     inputs, input_ranks = _inputs(bad)
     decision = decide(summaries, ctx.mode.dtype, inputs)
     tried, answer = [], None
@@ -112,10 +117,22 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
         verdict=decision.verdict if answer is None else answer.verdict, culprit=decision.culprit, runs=runs,
         snapshot=path, step=snap.step,
         reason=snap.reason, world_size=group.world_size, recorded_world_size=recorded_world,
-        precision_mode=ctx.mode.kind, precision_dtype=ctx.mode.dtype, device=str(group.device),
+        precision_mode=_mode_name(ctx), precision_dtype=_compute_dtype(ctx), device=str(group.device),
         nonfinite_inputs=inputs, input_ranks=input_ranks, fixes=tried,
         notes=tuple(notes) + (decision.notes if answer is None else ()), answer=answer,
+        ddp=ctx.ddp if isinstance(ctx, ReplicatedContext) else None,
         culprit_rank=None if decision.culprit is None else decision.culprit.get("rank"))
+
+
+def _mode_name(ctx: ShardedContext) -> str:
+    """The precision mode's name; ``reduce_only``: a DDP run that computed in FP32 and reduced in low precision."""
+    if isinstance(ctx, ReplicatedContext) and ctx.mode.kind == "parameters" and not ctx.mode.low_names:
+        return "reduce_only"
+    return ctx.mode.kind
+
+
+def _compute_dtype(ctx: ShardedContext) -> str | None:
+    return None if _mode_name(ctx) == "reduce_only" else ctx.mode.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +168,12 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
     first = load_snapshot(path)
     fsdp = first.fsdp
     world = fsdp.get("world_size") if isinstance(fsdp, dict) else None
+    if not isinstance(world, int) and first.ddp is not None:
+        return _prepare_ddp(path, first, group, factory, loss_fn, paths)
     if not isinstance(world, int):
-        raise BadInputError("not a sharded (FSDP2) snapshot: the distributed replay needs one (a DDP or "
-                            "one-process run holds the whole model on each rank, and DDP's all-reduce runs in its C++ "
-                            "reducer, which no dispatch mode sees)", path=path,
+        raise BadInputError("neither a sharded (FSDP2) nor a DDP snapshot: the distributed replay needs one (a "
+                            "one-process run, or a DDP run recorded before format 9, does not say how its gradients "
+                            "were reduced)", path=path,
                             fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
                                 "without torchrun")
     _one_dimensional(path, fsdp.get("mesh"))
@@ -185,6 +204,37 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
             "mine": (mine, snap)}
 
 
+def _prepare_ddp(path: str, first, group: DistGroup, factory, loss_fn, paths) -> dict[str, Any]:
+    """A DDP snapshot: every rank loads its own snapshot file of the step (whole weights, its batch)."""
+    ddp = ddp_entry_of(path, first.ddp)
+    world = ddp.get("world_size") or first.world_size
+    if group.world_size > world:
+        raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
+                            f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
+                            fix=f"launch with --nproc-per-node {world} (or fewer)")
+    mine = path if first.rank == group.rank else os.fspath(sibling_snapshot(path, group.rank))
+    snap = first if mine == path else load_snapshot(mine)
+    amp = amp_dtype(mine, snap, autocast_was_off(mine))
+    base = context(mine, snap, "cpu", factory, loss_fn, snapshot_roots(snap, paths))
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ReplayContext) if f.init}
+    mode = precision_mode(mine, snap, amp, {})
+    if mode.dtype is None and ddp.get("reduce_dtype") is not None:
+        # FP32 training under a compress hook: the low-precision run computes in FP32 and reduces as recorded
+        mode = PrecisionMode(kind="parameters", dtype=ddp["reduce_dtype"])
+    fields.update(device=group.device, mode=mode)
+    ctx = ReplicatedContext(**fields, ddp=ddp)
+    bad = [f"param:{n}" for n, t in ctx.model_state.items()
+           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    bad += [f"batch:{k}" for k, _ in _bad_leaves(ctx.batch, "")]
+    notes = []
+    if group.world_size < world:
+        notes.append(f"recorded on {world} ranks, replayed on {group.world_size}: rank r replays recorded rank r's "
+                     f"batch, ranks {group.world_size}..{world - 1}'s are left out, and the all-reduce averages "
+                     f"{group.world_size} ranks' gradients instead of {world}")
+    return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
+            "mine": (mine, snap)}
+
+
 def _one_dimensional(path: str, mesh: Any) -> None:
     """Refuse a recorded mesh of more than one dimension (HSDP, FSDP2 with tensor parallelism): ``fully_shard``
     is rebuilt on a 1-D mesh over every rank, which would shard and reduce it another way."""
@@ -208,9 +258,11 @@ def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:
 
 def _reduce_fix(ctx: ShardedContext, group: DistGroup, precision: str, scale: float, fp32: list[dict]) -> Fix:
     """The step again on every rank with ``reduce_dtype=float32``, judged against each rank's FP32 run."""
+    title = FIX_TITLE if isinstance(ctx, ReplicatedContext) else _FIX_TITLE
     ctx.reduce_override = "float32"
     try:
-        fixed = group.agree(summarize(run_once(ctx, precision, scale), ctx.collective_modules(), ctx.fsdp_ops()))
+        fixed = group.agree(summarize(run_once(ctx, precision, scale), ctx.collective_modules(), ctx.fsdp_ops(),
+                                      ctx.collective_sources()))
     finally:
         ctx.reduce_override = None
     bad = [r for r, s in enumerate(fixed) if not s["finite"]]
@@ -220,7 +272,7 @@ def _reduce_fix(ctx: ShardedContext, group: DistGroup, precision: str, scale: fl
                                                        if c["output_absmax"] is not None and
                                                        not c["output_absmax"] < float("inf")), None))
         where = f"{at['op']} in `{at['module']}`" if at else "an unrecorded op"
-        return Fix(name="reduce_fp32", title=_FIX_TITLE, status="fails", precision=precision, failing_op=where,
+        return Fix(name="reduce_fp32", title=title, status="fails", precision=precision, failing_op=where,
                    detail=f"still non-finite on rank(s) {bad}: first at {where}")
     tol = TOLERANCE.get(precision, 1e-2)
     rel = [abs(s["loss"] - f["loss"]) / max(abs(f["loss"]), 1e-12) for s, f in zip(fixed, fp32)]
@@ -228,6 +280,6 @@ def _reduce_fix(ctx: ShardedContext, group: DistGroup, precision: str, scale: fl
     cmp = (f"every rank's loss and gradients are finite; rank {worst}'s loss {fixed[worst]['loss']:.6g} against its "
            f"FP32 run's {fp32[worst]['loss']:.6g} (relative difference {rel[worst]:.1g}")
     status = "verified" if rel[worst] <= tol else "changes_result"
-    return Fix(name="reduce_fp32", title=_FIX_TITLE, status=status, precision=precision, loss=fixed[0]["loss"],
+    return Fix(name="reduce_fp32", title=title, status=status, precision=precision, loss=fixed[0]["loss"],
                reference_loss=fp32[0]["loss"],
                detail=cmp + (f", within {tol:g})" if status == "verified" else f", beyond {tol:g})"))

@@ -41,6 +41,7 @@ class DistributedResult:
             snapshot, reached by every rank in lockstep (``lockstep.classify``); its verdict, summary,
             culprit and advice are this result's. None: the distributed verdict stands alone.
         culprit_rank: the rank the agreed culprit ran on.
+        ddp: a DDP snapshot's ``ddp`` entry (how its gradients were all-reduced); None for FSDP2.
     """
 
     verdict: str
@@ -60,6 +61,7 @@ class DistributedResult:
     notes: tuple[str, ...] = ()
     answer: ReplayResult | None = None
     culprit_rank: int | None = None
+    ddp: dict[str, Any] | None = None  # a DDP snapshot's ddp entry (recorders.schema.DDP_KEYS); None: FSDP2
 
     @property
     def summary(self) -> str:
@@ -80,6 +82,8 @@ class DistributedResult:
         if self.verdict == "numerical_bug":
             return f"{where} produced NaN/Inf in FP32 too: not a precision problem."
         coll = c.get("collective")
+        if self.verdict == "overflow" and coll is not None and self.ddp is not None:
+            return self._ddp_overflow(c, coll)
         if self.verdict == "overflow" and coll is not None:
             dtype = coll.get("reduce_dtype")
             ins = ", ".join(f"rank {r['rank']} {_g(r['input_absmax'])}" for r in coll["ranks"])
@@ -93,6 +97,20 @@ class DistributedResult:
                     f"{_g(c['input_absmax'])}); the FP32 run is finite.")
         return f"{where} is the first op with a NaN/Inf in {c['precision']}, not classified further (see the note)."
 
+    def _ddp_overflow(self, c: dict, coll: dict) -> str:
+        """A DDP all-reduce that overflowed: which ranks' gradients the hook's cast already made inf."""
+        dtype, hook = coll.get("reduce_dtype"), self.ddp.get("comm_hook") or "DDP's reducer"
+        top = DTYPE_MAX.get(dtype, math.inf)
+        ins = ", ".join(f"rank {r['rank']} {_g(r['input_absmax'])}" for r in coll["ranks"])
+        outs = ", ".join(f"rank {r['rank']} {_g(r['output_absmax'])}" for r in coll["ranks"])
+        over = [r["rank"] for r in coll["ranks"] if r["input_absmax"] is not None and r["input_absmax"] > top]
+        how = (f"rank(s) {over}'s gradient is beyond {dtype}'s max {_g(top)}, so the hook's cast to {dtype} made "
+               f"it inf before the sum" if over else f"the sum left {dtype}'s range (max {_g(top)})")
+        return (f"{c['op']} ({c['phase']}, parameter `{c['module']}`) all-reduced the ranks' gradients in {dtype} "
+                f"({hook}: each divided by the world size, then summed): every rank's gradient was finite (abs-max "
+                f"{ins}) and the reduced value is not (abs-max {outs}): {how}; the FP32 run's same reduction "
+                f"reached {_g(coll.get('fp32_output_absmax'))}.")
+
     @property
     def advice(self) -> list[str]:
         """What to change, each line with the status of the fix that stands for it."""
@@ -100,7 +118,11 @@ class DistributedResult:
             return [f"[{a.status}] {a.text}" for a in advice_with_status(self.answer, self.fixes)]
         lines = []
         for fix in self.fixes:
-            if fix.name == "reduce_fp32":
+            if fix.name == "reduce_fp32" and self.ddp is not None:
+                lines.append(f"[{fix.status}] All-reduce the gradients in FP32: register no "
+                             f"{self.ddp.get('comm_hook')} (DDP's own all-reduce, or default_hooks.allreduce_hook). "
+                             f"{fix.detail}")
+            elif fix.name == "reduce_fp32":
                 lines.append(f"[{fix.status}] Reduce gradients in FP32: MixedPrecisionPolicy(..., "
                              f"reduce_dtype=torch.float32) at every fully_shard. {fix.detail}")
         if self.verdict == "nonfinite_input":
@@ -124,5 +146,5 @@ class DistributedResult:
             "precision_mode": self.precision_mode, "precision_dtype": self.precision_dtype,
             "nonfinite_inputs": self.nonfinite_inputs,
             "distributed": {"world_size": self.world_size, "recorded_world_size": self.recorded_world_size,
-                            "input_ranks": self.input_ranks, "notes": list(self.notes)},
+                            "input_ranks": self.input_ranks, "notes": list(self.notes), "ddp": self.ddp},
         })

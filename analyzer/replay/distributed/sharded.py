@@ -34,6 +34,8 @@ __all__ = ["ShardedContext", "CollectiveFailed", "COLLECTIVE_NAMESPACES", "is_co
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _PLUMBING = ("fsdp", "profiler")  # FSDP2's own copies around its collectives, and profiler markers
+# record_function regions whose ops move values around a collective: FSDP2's hooks, the replay's DDP hook
+_HOOK_REGIONS = ("FSDP::", "DDP::")
 
 
 def is_collective(namespace: str) -> bool:
@@ -111,7 +113,7 @@ class _CollectiveMode(_OpStatsMode):
         if func.namespace == "profiler":
             if "enter" in func.__name__:
                 name = args[0] if args and isinstance(args[0], str) else ""
-                self._regions.append(name.startswith("FSDP::") or (bool(self._regions) and self._regions[-1]))
+                self._regions.append(name.startswith(_HOOK_REGIONS) or (bool(self._regions) and self._regions[-1]))
             elif "exit" in func.__name__ and self._regions:
                 self._regions.pop()
         elif self._regions and self._regions[-1]:
@@ -208,6 +210,11 @@ class ShardedContext(ReplayContext):
         if mode is None:
             return {}
         return {i: sizes[n] for i, n in mode.numels.items() if n in sizes}
+
+    def collective_sources(self) -> dict[int, int]:
+        """Op index of a collective -> the op whose input is the reduction's input: none under FSDP2 (its
+        reduce-scatter's own input is the gradient in ``reduce_dtype``)."""
+        return {}
 
     def grads(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's shards of the gradients (``to_local()``), by parameter name."""

@@ -121,11 +121,12 @@ class Reproduction:
     sharded: bool               # the step ran on several ranks: this replay runs no collective
     spike: dict | None = None   # a spike snapshot: per replayed precision, its value of the spiking metric
     fsdp_world: int | None = None   # an FSDP2 snapshot with a DCP directory: its rank count (the distributed replay)
-    reduce_dtype: str | None = None  # its policy's reduce_dtype
+    reduce_dtype: str | None = None  # its policy's reduce_dtype (DDP: its comm hook's; None: the gradients' own)
+    ddp_hook: str | None = None  # a DDP snapshot (format 9) the distributed replay can reduce: its comm hook, or "reducer"
 
     @property
     def command(self) -> str | None:
-        """The distributed replay that runs the step's collectives, for an FSDP2 snapshot that can have it."""
+        """The distributed replay that runs the step's collectives, for an FSDP2 or DDP snapshot that can have it."""
         return None if self.fsdp_world is None else \
             f"torchrun --nproc-per-node {self.fsdp_world} -m analyzer replay SNAPSHOT"
 
@@ -172,11 +173,16 @@ def reproduction(inp: ProbeInput) -> Reproduction | None:
     sharded = bool(fsdp) or (isinstance(snap.world_size, int) and snap.world_size > 1)
     world = fsdp.get("world_size") if isinstance(fsdp, dict) and fsdp.get("dcp_dir") else None
     policy = fsdp.get("mp_policy") if isinstance(fsdp, dict) else None
+    reduce_dtype = policy.get("reduce_dtype") if isinstance(policy, dict) else None
+    ddp, hook = getattr(snap, "ddp", None), None
+    if not fsdp and isinstance(ddp, dict) and ddp.get("comm_hook") != "unknown" and ddp.get("divide") == "before" \
+            and ddp.get("mixed_precision") is None:  # what the distributed replay can reduce (distributed/replicated.py)
+        world, reduce_dtype, hook = ddp.get("world_size") or snap.world_size, ddp.get("reduce_dtype"), \
+            ddp.get("comm_hook") or "reducer"
     return Reproduction(failed, snap.loss if isinstance(snap.loss, (int, float)) else None, prec,
                         {p: r.loss for p, r in inp.runs.items()}, inp.diagnosis.scale, str(inp.ctx.device.type),
                         snap.device_type, sharded, sp.replayed if spiked else None,
-                        world if isinstance(world, int) and world > 1 else None,
-                        policy.get("reduce_dtype") if isinstance(policy, dict) else None)
+                        world if isinstance(world, int) and world > 1 else None, reduce_dtype, hook)
 
 
 def _g(x: float) -> str:
@@ -203,10 +209,13 @@ def _summary(d: Diagnosis) -> str:
             f"The recorder saw this step fail with {rep.failed}{loss}, but its replay in {rep.precision} on "
             f"{rep.device}, with the recorded RNG state and loss scale {_g(rep.scale)}, is finite (losses: "
             f"{replayed}): the failure did not reproduce.")
-        if rep.command is not None:  # FSDP2: the collectives are the first suspect, and they can be replayed
+        if rep.command is not None:  # FSDP2 or DDP: the collectives are the first suspect, and they can be replayed
+            how = (f"FSDP2 reduced the gradients in {rep.reduce_dtype or 'the parameters dtype'}" if rep.ddp_hook is None
+                   else f"DDP's {'own all-reduce' if rep.ddp_hook == 'reducer' else rep.ddp_hook} reduced the gradients "
+                        f"in {rep.reduce_dtype or 'their own dtype'}")
             parts.append(
-                f"This one-process replay cannot see the collectives of the {rep.fsdp_world} ranks (FSDP2 reduced the "
-                f"gradients in {rep.reduce_dtype or 'the parameters dtype'} across them): a failure born in a "
+                f"This one-process replay cannot see the collectives of the {rep.fsdp_world} ranks ({how} "
+                f"across them): a failure born in a "
                 f"reduction, or brought in by one, is not replayed here. Replay the step with its collectives: "
                 f"{rep.command}.")
         else:

@@ -23,13 +23,17 @@ def original_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fit_state(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """`state` keyed by `model`'s own state_dict keys when the two differ only by ``_orig_mod`` segments.
+    """`state` keyed by `model`'s own state_dict keys when the two differ only by ``_orig_mod`` segments, or by
+    the ``module.`` prefix of a DDP wrapper the Recorder was given.
 
     Any other mismatch returns `state` as it is, so ``load_state_dict`` names the real difference.
     """
     own = list(model.state_dict())
     if set(own) == set(state):
         return state
+    ddp = "module."  # a Recorder given the DDP wrapper: every name under it
+    if state and all(k.startswith(ddp) for k in state) and {k[len(ddp):] for k in state} == set(own):
+        return {k[len(ddp):]: v for k, v in state.items()}
     by_clean = {clean_name(k): k for k in own}
     cleaned = strip_orig_mod(state)
     if len(by_clean) != len(own) or set(by_clean) != set(cleaned):
