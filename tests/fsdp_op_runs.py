@@ -21,12 +21,12 @@ Example (~10 s per kind on two cores):
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests._spawn import spawn_ranks
 
 __all__ = ["KINDS", "WORLD", "BIG", "FAULT_RANK", "log_loss", "sum_loss", "sum_loss_rank_1_runs_more_ops",
            "record_op_run", "train_rank"]
@@ -104,16 +104,7 @@ def record_op_run(root: str | Path, kind: str, timeout_s: float = 120.0) -> Path
     root = Path(root)
     run_dir = root / kind
     root.mkdir(parents=True, exist_ok=True)
-    ctx = mp.spawn(train_rank, args=(WORLD, f"file://{root}/rendezvous-{kind}", str(run_dir), kind), nprocs=WORLD,
-                   join=False)
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            raise RuntimeError(f"the {WORLD} FSDP2 ranks did not finish in {timeout_s:.0f} s")
-        time.sleep(0.2)
-    codes = [p.exitcode for p in ctx.processes]
+    codes = spawn_ranks(train_rank, (WORLD, f"file://{root}/rendezvous-{kind}", str(run_dir), kind), WORLD, timeout_s)
     if any(codes):
         raise RuntimeError(f"FSDP2 ranks exited with codes {codes}")
     return run_dir

@@ -14,12 +14,12 @@ Example (~10 s on two cores):
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests._spawn import spawn_ranks
 
 __all__ = ["X_VALUE", "WORLD", "sum_loss", "build_halved", "Halved", "sum_loss_killing_rank_1",
            "record_reduce_overflow", "train_rank"]
@@ -92,16 +92,7 @@ def record_reduce_overflow(root: str | Path, timeout_s: float = 120.0, world: in
     root = Path(root)
     run_dir = root / "run"
     root.mkdir(parents=True, exist_ok=True)
-    ctx = mp.spawn(train_rank, args=(world, f"file://{root}/rendezvous", str(run_dir), halved), nprocs=world,
-                   join=False)
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            raise RuntimeError(f"the {world} FSDP2 ranks did not finish in {timeout_s:.0f} s")
-        time.sleep(0.2)
-    codes = [p.exitcode for p in ctx.processes]
+    codes = spawn_ranks(train_rank, (world, f"file://{root}/rendezvous", str(run_dir), halved), world, timeout_s)
     if any(codes):
         raise RuntimeError(f"FSDP2 ranks exited with codes {codes}")
     return run_dir

@@ -35,13 +35,12 @@ Example (a pytest fixture; ~15 s on two cores):
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.multiprocessing as mp
 
 from . import dist_worker
+from ._spawn import spawn_ranks
 
 __all__ = ["WORLD", "STEPS", "FAULT_RANK", "FAULT_STEP", "FAULT_PARAM", "FAULT_GLOBAL_INDEX", "KILL_STEP",
            "FAULT", "RUNS", "FsdpRuns", "record_fsdp_runs", "shared_fsdp_runs", "fsdp_available"]
@@ -97,17 +96,8 @@ def record_fsdp_runs(root: str | Path, timeout_s: float = 240.0) -> FsdpRuns:
         "killed": {"run_dir": str(dirs["killed"]), "sync": True, "kill_step": KILL_STEP},
     }
     # NB: spawn, not fork: forked children hung in gloo after other tests had run in the parent.
-    ctx = mp.spawn(dist_worker.train_fsdp_rank,
-                   args=(WORLD, f"file://{root}/rendezvous", specs, STEPS, FAULT, str(root)),
-                   nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            raise RuntimeError(f"the {WORLD} FSDP2 ranks did not finish in {timeout_s:.0f} s")
-        time.sleep(0.2)
-    codes = [p.exitcode for p in ctx.processes]
+    codes = spawn_ranks(dist_worker.train_fsdp_rank,
+                        (WORLD, f"file://{root}/rendezvous", specs, STEPS, FAULT, str(root)), WORLD, timeout_s)
     # the fault rank was SIGKILLed in the last run (exit code -9); every other rank exits 0
     if any(c != 0 for r, c in enumerate(codes) if r != FAULT_RANK) or codes[FAULT_RANK] not in (0, -9):
         raise RuntimeError(f"FSDP2 ranks exited with codes {codes}")
