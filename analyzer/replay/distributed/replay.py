@@ -177,12 +177,7 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
                             fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
                                 "without torchrun")
     _one_dimensional(path, fsdp.get("mesh"))
-    if group.world_size > world:
-        raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
-                            f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
-                            fix=f"launch with --nproc-per-node {world} (or fewer: the weights are resharded)")
-    mine = path if first.rank == group.rank else os.fspath(sibling_snapshot(path, group.rank))
-    snap = first if mine == path else load_snapshot(mine)
+    mine, snap = _own_snapshot(path, first, group, world, "(or fewer: the weights are resharded)")
     d = dcp_directory(mine, snap)
     md = read_dcp_metadata(d)
     amp = amp_dtype(mine, snap, autocast_was_off(mine))
@@ -204,16 +199,21 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
             "mine": (mine, snap)}
 
 
+def _own_snapshot(path: str, first, group: DistGroup, world: int, fewer: str) -> tuple[str, Any]:
+    """This rank's snapshot file of the step and its contents; more ranks than the run recorded is refused."""
+    if group.world_size > world:
+        raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
+                            f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
+                            fix=f"launch with --nproc-per-node {world} {fewer}")
+    mine = path if first.rank == group.rank else os.fspath(sibling_snapshot(path, group.rank))
+    return mine, (first if mine == path else load_snapshot(mine))
+
+
 def _prepare_ddp(path: str, first, group: DistGroup, factory, loss_fn, paths) -> dict[str, Any]:
     """A DDP snapshot: every rank loads its own snapshot file of the step (whole weights, its batch)."""
     ddp = ddp_entry_of(path, first.ddp)
     world = ddp.get("world_size") or first.world_size
-    if group.world_size > world:
-        raise BadInputError(f"the run was recorded on {world} ranks and this replay has {group.world_size}: ranks "
-                            f"{world}..{group.world_size - 1} have no recorded batch to replay", path=path,
-                            fix=f"launch with --nproc-per-node {world} (or fewer)")
-    mine = path if first.rank == group.rank else os.fspath(sibling_snapshot(path, group.rank))
-    snap = first if mine == path else load_snapshot(mine)
+    mine, snap = _own_snapshot(path, first, group, world, "(or fewer)")
     amp = amp_dtype(mine, snap, autocast_was_off(mine))
     base = context(mine, snap, "cpu", factory, loss_fn, snapshot_roots(snap, paths))
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ReplayContext) if f.init}
