@@ -12,7 +12,7 @@ from __future__ import annotations
 # verdicts.ORDER, fixes.ORDER and probes.registry.ORDER, not this import order.
 from .fixes import _born as _born_fix, _builtin as _builtin_fixes  # noqa: F401
 from .verdicts import _builtin as _builtin_verdicts, _cancellation  # noqa: F401
-from .fixes import _region as _region_fix, _scaler_skip  # noqa: F401
+from .fixes import _region as _region_fix, _reduce as _reduce_fix, _scaler_skip  # noqa: F401
 from . import probes  # noqa: F401
 from .compiled import fix, verdict  # noqa: F401
 from .fp8 import fixes as _fp8_fixes, verdicts as _fp8_verdicts  # noqa: F401

@@ -10,6 +10,10 @@ rank takes the same decisions and makes the same runs with the same hooks (FSDP2
 in the same order, so an op index names the same op on each), and rank R's pipeline gives the answer
 the one-process replay of R's snapshot gives.
 
+A culprit born in a collective (a reduction that overflowed in ``reduce_dtype``) goes through the same
+registry (``fix_reduction``): ``run_fixes`` plans the fixes that act on a collective (``FixSpec.acts_on``:
+``reduce_fp32``), never those that hook a model's op, and runs each on every rank, each rank its own run.
+
 A fix is judged on each rank by the one-process rule (``_reference.judge``: finite and within
 ``TOLERANCE`` of that rank's own FP32 run of the step, its gradient shards included), then the ranks agree
 on its status: the worst any rank reached (``agree_fixes``).
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from ...errors import AnalyzerError
 from ...load import Snapshot, recorded_cwd
 from ..runs._attribution import sources_relative_to
-from ..runs._setup import autocast_was_off
+from ..runs._setup import autocast_was_off, float_or_none
 from ..fixes.registry import Fix, run_fixes
 from ..result.replay_result import ReplayResult
 from ..result.trace import RunTrace
@@ -37,7 +41,7 @@ from .agree import UNINITIALISED
 from .group import DistGroup
 from .sharded import ShardedContext
 
-__all__ = ["Follow", "classify", "agree_fixes"]
+__all__ = ["Follow", "classify", "fix_reduction", "agree_fixes"]
 
 _FSDP_NAMESPACES = ("fsdp",)
 # Worst last: the status the ranks agree on is the highest any rank reached.
@@ -141,6 +145,33 @@ def classify(ctx: ShardedContext, group: DistGroup, leader: int, path: str, snap
     agreed = agree_fixes(group, tried, leader)
     answer: ReplayResult = group.share(result if group.rank == leader else None, leader)
     return answer, agreed
+
+
+@dataclass(frozen=True)
+class _ReductionResult:
+    """What ``run_fixes`` and a fix's judgement (``_reference.judge``) read of a step whose culprit is a collective:
+    the agreed verdict and culprit, and this rank's FP32 run (the reference)."""
+
+    verdict: str
+    culprit: dict
+    scale: float
+    traces: dict[str, RunTrace]
+    step: int | None
+    snapshot: str
+    recorded_loss: float | None
+
+
+def fix_reduction(ctx: ShardedContext, group: DistGroup, verdict: str, culprit: dict, scale: float, fp32: RunTrace,
+                  path: str, snap: Snapshot) -> list[Fix]:
+    """The registry's fixes for a culprit born in a collective, tried on every rank, the status every rank agreed on.
+
+    `fp32`: this rank's FP32 run of the step, which each rank judges its own fixed run against; `path`,
+    `snap`: this rank's snapshot (its recorded loss, the fallback reference).
+
+    NB: collective: every rank calls it with the same `verdict` and `culprit` (``agree.decide``'s).
+    """
+    result = _ReductionResult(verdict, culprit, scale, {"float32": fp32}, snap.step, path, float_or_none(snap.loss))
+    return agree_fixes(group, run_fixes(result, lambda: ctx), culprit["rank"])
 
 
 def agree_fixes(group: DistGroup, tried: list[Fix], leader: int) -> list[Fix]:

@@ -13,8 +13,10 @@ Every rank, in lockstep:
    under the dispatch mode, FSDP2's all-gathers and reduce-scatters included;
 3. all-gathers a small summary of each run (``agree.summarize``) and reaches the same verdict from them
    (``agree.decide``);
-4. when the culprit is a reduction that overflowed in ``reduce_dtype``, replays the step again with
-   ``reduce_dtype=float32`` on every rank and judges it against the FP32 run;
+4. when the culprit is a reduction that overflowed in ``reduce_dtype``, tries the registry's fixes that act on a
+   collective (``fixes.run_fixes``; ``reduce_fp32``: the step again with ``reduce_dtype=float32``) on every rank,
+   each rank judging its run against its own FP32 run, and the ranks agree on each fix's status
+   (``lockstep.fix_reduction``);
 5. when the culprit is an ordinary op (rank R, op i), runs the one-process replay's detection, probes,
    verdicts and fixes on every rank in lockstep, following rank R's traces (``lockstep.classify``): the
    verdict, summary, evidence and fixes are those the one-process replay gives for R's snapshot, each
@@ -42,20 +44,18 @@ from ...errors import AnalyzerError, BadInputError
 from ...load import load_snapshot, snapshot_roots
 from ...load.dcp import dcp_directory, read_dcp_metadata, sibling_snapshot
 from ..runs._precision import PrecisionMode, precision_mode
-from ..fixes._reference import TOLERANCE
 from ..runs._runs import ReplayContext, run_once
 from ..runs._setup import _bad_leaves, amp_dtype, autocast_was_off, context, loss_scale, precisions
-from ..fixes.registry import FIXES, Fix
+from ..fixes.registry import FIXES, culprit_kind
 from .agree import decide, summarize
 from .group import DistGroup
-from .lockstep import classify
+from .lockstep import classify, fix_reduction
 from .result import DistributedResult
-from .replicated import FIX_TITLE, ReplicatedContext, ddp_entry_of
+from .replicated import ReplicatedContext, ddp_entry_of
 from .sharded import CollectiveFailed, ShardedContext, bad_shards, sharded_layout
 
 __all__ = ["distributed_replay"]
 
-_FIX_TITLE = "reduce_dtype=torch.float32 in every MixedPrecisionPolicy"
 # The agreed verdicts of a culprit born in an ordinary op, which the one-process pipeline then classifies
 CLASSIFIED = ("numerical_bug", "overflow", "not_classified")
 
@@ -93,18 +93,21 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     bad = group.agree(loaded["bad"])  # every rank's non-finite shards and batch entries
     wanted = _phase(group, lambda: precisions(ctx.mode.dtype, dtypes))
     summaries: dict[str, list[dict]] = {}
+    fp32 = None  # this rank's FP32 run: what a fix of a collective's culprit is judged against
     for p in wanted:
         trace = run_once(ctx, p, scale)  # NB: collective: FSDP2's all-gathers and reduce-scatters
         summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources()))
+        if p == "float32":
+            fp32 = dataclasses.replace(trace, grads=None, captured=None)
     inputs, input_ranks = _inputs(bad)
     decision = decide(summaries, ctx.mode.dtype, inputs)
     tried, answer = [], None
-    if fixes and decision.verdict == "overflow" and decision.culprit and "collective" in decision.culprit \
-            and decision.culprit["collective"].get("reduce_dtype") != "float32":
-        tried.append(_reduce_fix(ctx, group, decision.precision, scale, summaries["float32"]))
+    if fixes and decision.verdict in CLASSIFIED and culprit_kind(decision.culprit) == "collective":
+        # a reduction that left reduce_dtype's range: the registry's fixes that act on a collective, every rank
+        tried = fix_reduction(ctx, group, decision.verdict, decision.culprit, scale, fp32, *loaded["mine"])
     if fixes and decision.verdict == "nonfinite_input":  # nothing to run: the registry's check_input names the input
         tried.append(FIXES["check_input"].apply(None, _Inputs(tuple(inputs))))
-    if decision.verdict in CLASSIFIED and decision.culprit is not None and "collective" not in decision.culprit:
+    if decision.verdict in CLASSIFIED and decision.culprit is not None and culprit_kind(decision.culprit) == "op":
         # a NaN/Inf born in the model's own op: the one-process replay's answer, every rank in lockstep
         answer, tried = classify(ctx, group, decision.culprit["rank"], *loaded["mine"], dtypes, fixes)
     if group.rank != 0:
@@ -254,32 +257,3 @@ def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:
         for n in names:
             ranks.setdefault(n, []).append(rank)
     return list(ranks), ranks
-
-
-def _reduce_fix(ctx: ShardedContext, group: DistGroup, precision: str, scale: float, fp32: list[dict]) -> Fix:
-    """The step again on every rank with ``reduce_dtype=float32``, judged against each rank's FP32 run."""
-    title = FIX_TITLE if isinstance(ctx, ReplicatedContext) else _FIX_TITLE
-    ctx.reduce_override = "float32"
-    try:
-        fixed = group.agree(summarize(run_once(ctx, precision, scale), ctx.collective_modules(), ctx.fsdp_ops(),
-                                      ctx.collective_sources()))
-    finally:
-        ctx.reduce_override = None
-    bad = [r for r, s in enumerate(fixed) if not s["finite"]]
-    if bad:
-        s = fixed[bad[0]]
-        at = s["first"] or (s["collectives"] and next((c for c in s["collectives"]
-                                                       if c["output_absmax"] is not None and
-                                                       not c["output_absmax"] < float("inf")), None))
-        where = f"{at['op']} in `{at['module']}`" if at else "an unrecorded op"
-        return Fix(name="reduce_fp32", title=title, status="fails", precision=precision, failing_op=where,
-                   detail=f"still non-finite on rank(s) {bad}: first at {where}")
-    tol = TOLERANCE.get(precision, 1e-2)
-    rel = [abs(s["loss"] - f["loss"]) / max(abs(f["loss"]), 1e-12) for s, f in zip(fixed, fp32)]
-    worst = max(range(len(rel)), key=lambda r: rel[r])
-    cmp = (f"every rank's loss and gradients are finite; rank {worst}'s loss {fixed[worst]['loss']:.6g} against its "
-           f"FP32 run's {fp32[worst]['loss']:.6g} (relative difference {rel[worst]:.1g}")
-    status = "verified" if rel[worst] <= tol else "changes_result"
-    return Fix(name="reduce_fp32", title=title, status=status, precision=precision, loss=fixed[0]["loss"],
-               reference_loss=fp32[0]["loss"],
-               detail=cmp + (f", within {tol:g})" if status == "verified" else f", beyond {tol:g})"))

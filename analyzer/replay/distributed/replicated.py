@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -65,6 +65,7 @@ class ReplicatedContext(ShardedContext):
     _names: dict = field(default_factory=dict, repr=False)  # all-reduce op index -> the parameter's name
     _sync: bool = True
     _reduce_dtype: torch.dtype | None = None
+    reduce_fp32_title: ClassVar[str] = FIX_TITLE
 
     def build_model(self, precision: str | None = None) -> torch.nn.Module:
         """The model with this rank's snapshot weights (kept between runs) and the reduction hooks of `precision`."""

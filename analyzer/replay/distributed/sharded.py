@@ -17,7 +17,7 @@ import gc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -137,6 +137,8 @@ class ShardedContext(ReplayContext):
     metadata: Any = None                         # the DCP .metadata, read through the allow-list
     modules: tuple = ()                          # schema: fsdp["modules"], outermost first
     reduce_override: str | None = None           # a fix's reduce_dtype ("float32")
+    # what the reduce_fp32 fix (fixes/_reduce.py) changes, in the user's terms
+    reduce_fp32_title: ClassVar[str] = "reduce_dtype=torch.float32 in every MixedPrecisionPolicy"
     _flat_sizes: dict = field(default_factory=dict, repr=False)  # a module's flat collective numel -> its path
     built_on_meta: bool = False  # the model was built on the meta device: no rank ever held it whole
     follow: Any = None  # lockstep.Follow while the one-process pipeline runs on every rank; None: each its own

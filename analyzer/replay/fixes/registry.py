@@ -13,7 +13,12 @@ the verdict (``plan``), under the same op recorder:
   is reused, not repeated);
 - ``lower_scale``: the largest power-of-two loss scale whose backward is finite, computed from
   the per-op maxima replay already has and verified with one run;
-- ``check_input`` (verdict ``nonfinite_input``): nothing to run; which input to look at.
+- ``check_input`` (verdict ``nonfinite_input``): nothing to run; which input to look at;
+- ``reduce_fp32`` (a culprit born in a collective, the distributed replay's): the gradients reduced in FP32.
+
+Each fix says which kinds of culprit it can act on (``FixSpec.acts_on``): an op of the model, or a
+collective. The distributed replay calls ``run_fixes`` for both, so a reduction that overflowed gets
+the fixes that act on a collective and never those that hook a module or an op of the model.
 
 Each ``Fix`` is ``verified`` (every gradient finite and the loss within ``_reference.TOLERANCE`` of
 the FP32 run's; with no finite FP32 run, finite and plausible), ``changes_result`` (finite, but
@@ -49,10 +54,14 @@ from ..result.replay_result import ReplayResult
 from ..verdicts.registry import ORDER as VERDICT_ORDER
 from ..verdicts.registry import VERDICTS, in_order
 
-__all__ = ["FIX_STATUSES", "Fix", "Advice", "FixSpec", "FIXES", "ORDER", "register_fix", "plan", "run_fixes"]
+__all__ = ["FIX_STATUSES", "CULPRIT_KINDS", "Fix", "Advice", "FixSpec", "FIXES", "ORDER", "register_fix", "culprit_kind",
+           "plan", "run_fixes"]
 
 FIX_STATUSES = ("verified", "fails", "not_tried", "changes_result")
 ADVICE_STATUSES = ("verified", "untested", "checked")
+# What a culprit is, for the fixes that can act on it: an op of the model (its module, its inputs, its precision)
+# or a collective (the distributed replay's reduce-scatter or all-reduce of the gradients, ``culprit_kind``).
+CULPRIT_KINDS = ("op", "collective")
 
 _NO_MODULE = ("<loss_fn>", "<loss_scale>", "<autograd>", "<accumulate_grad>")
 _NAMES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
@@ -137,6 +146,9 @@ class FixSpec:
             run's precision mode (``autocast``, ``parameters``, ``fsdp_param_dtype``).
         applies: ``applies(verdict, culprit)``: whether to plan it for this culprit at all.
         needs_model: whether ``apply`` runs the step (False: it only names what to look at).
+        acts_on: the kinds of culprit (``CULPRIT_KINDS``, ``culprit_kind``) it can act on: ``op``, an op of the
+            model (every fix that hooks a module, an op or the precision), or ``collective``, a reduction of the
+            gradients across ranks (``reduce_fp32``); a fix is never planned for a culprit of another kind.
     """
 
     name: str
@@ -146,13 +158,19 @@ class FixSpec:
     line: Callable[[Fix, Mapping, str], str] = lambda fix, _c, _mode: fix.title
     applies: Callable[[str, Mapping], bool] = lambda _v, _c: True
     needs_model: bool = True
+    acts_on: tuple[str, ...] = ("op",)
+
+    def __post_init__(self):
+        unknown = [k for k in self.acts_on if k not in CULPRIT_KINDS]
+        if not self.acts_on or unknown:
+            raise ValueError(f"acts_on must be a non-empty tuple of {CULPRIT_KINDS}, got {self.acts_on!r}")
 
 
 FIXES: dict[str, FixSpec] = {}
 # The order fixes are tried in (after those a verdict names itself, ``Verdict.fixes``), whatever order
 # their modules are imported in; a fix not listed here comes after these, in the order registered.
 ORDER = ("guard_clamp", "guard_eps", "region_fp32", "born_fp32", "module_fp32", "op_fp32", "bf16", "fp32", "lower_scale",
-         "check_input", "scaler_skip", "compile_disable", "fp8_rowwise", "fp8_keep_bf16", "fp8_e5m2_grads",
+         "reduce_fp32", "check_input", "scaler_skip", "compile_disable", "fp8_rowwise", "fp8_keep_bf16", "fp8_e5m2_grads",
          "fp8_smooth_swiglu", "fp8_mxfp8")
 
 
@@ -172,13 +190,21 @@ def register_fix(spec: FixSpec) -> FixSpec:
     return spec
 
 
+def culprit_kind(culprit: Mapping | None) -> str:
+    """``collective`` for a culprit born in a collective (the distributed replay's culprit with its
+    ``collective`` entry: every rank's input and the reduced value), else ``op`` (no culprit included)."""
+    return "collective" if isinstance(culprit, Mapping) and "collective" in culprit else "op"
+
+
 def plan(result: ReplayResult) -> list[FixSpec]:
     """The fixes to try for `result`: those its verdict names (``Verdict.fixes``), then the others
-    that serve it, each only where it ``applies`` to the culprit."""
+    that serve it, each only where it acts on the culprit's kind (``FixSpec.acts_on``) and ``applies``
+    to the culprit."""
     v, c = result.verdict, result.culprit
+    kind = culprit_kind(c)
     named = [FIXES[name] for name in VERDICTS[v].fixes]
     candidates = named + [f for f in FIXES.values() if v in f.serves and f not in named]
-    return [f for f in candidates if f.applies(v, c)]
+    return [f for f in candidates if kind in f.acts_on and f.applies(v, c)]
 
 
 def run_fixes(result: ReplayResult, context: Callable[[], ReplayContext]) -> list[Fix]:
