@@ -12,6 +12,10 @@
 - ``custom``: a hook of the user's own (``halve_then_allreduce``), the Recorder given the module: ``"unknown"``.
 - ``plain``: no hook, the Recorder given the wrapper.
 - ``builtin``: DDP's C++ ``BuiltinCommHookType.FP16_COMPRESS`` (``_register_builtin_comm_hook``), given the wrapper.
+- ``accum``: ``compress`` with gradient accumulation as users write it: the step's two micro-batches (rank r's
+  ``x`` is ``X_VALUES[r]`` in both) given to ``begin_step`` as a list, each loss divided by 2, the first
+  backward under ``ddp.no_sync()``: DDP reduces once, after the last, the accumulated 8.1e4 on rank 1 (inf in
+  FP16). Each micro-batch's own gradient (4.05e4) fits FP16, so a reduction after every micro-batch stays finite.
 
 Example (~10 s on two cores):
     >>> runs = record_ddp_runs(tmp_path)                   # doctest: +SKIP
@@ -19,6 +23,7 @@ Example (~10 s on two cores):
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 
@@ -31,7 +36,7 @@ __all__ = ["WORLD", "X_VALUES", "RUNS", "sum_loss", "halve_then_allreduce", "rec
 
 WORLD = 2
 X_VALUES = (1000.0, 18000.0)
-RUNS = ("compress", "wrapper", "custom", "plain", "builtin")
+RUNS = ("compress", "wrapper", "custom", "plain", "builtin", "accum")
 
 
 def sum_loss(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -55,8 +60,8 @@ def _train(rank: int, run_dir: str, name: str) -> None:
     model = build_model()
     ddp = DDP(model)
     hook = {"compress": default_hooks.fp16_compress_hook, "wrapper": default_hooks.allreduce_hook,
-            "custom": halve_then_allreduce}.get(name)
-    given = model if name in ("compress", "custom") else ddp
+            "custom": halve_then_allreduce, "accum": default_hooks.fp16_compress_hook}.get(name)
+    given = model if name in ("compress", "custom", "accum") else ddp
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     rec = Recorder(run_dir, given, factory=build_model, factory_kwargs={"width": WIDTH}, loss_fn=sum_loss,
                    optimizer=opt, flush_every=1, sync_failures=True)
@@ -64,6 +69,10 @@ def _train(rank: int, run_dir: str, name: str) -> None:
         ddp.register_comm_hook(None, hook)
     if name == "builtin":
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    if name == "accum":
+        with rec:
+            _accumulate(rec, ddp, rank)
+        return
     with rec:
         batch = {"x": torch.full((BATCH, WIDTH), X_VALUES[rank] if name == "compress" else 1.0)}
         rec.begin_step(0, batch)
@@ -73,6 +82,22 @@ def _train(rank: int, run_dir: str, name: str) -> None:
         if name != "compress":
             rec.snapshot()  # a manual snapshot: what the recorder read of the hook
         opt.step()
+
+
+def _accumulate(rec, ddp, rank: int) -> None:
+    """One step of two micro-batches, as a DDP loop accumulates: no_sync() until the last backward."""
+    from tests.dist_worker import BATCH, WIDTH
+
+    mbs = [{"x": torch.full((BATCH, WIDTH), X_VALUES[rank])} for _ in range(2)]
+    rec.begin_step(0, mbs)
+    step_loss = 0.0
+    for k, mb in enumerate(mbs):
+        sync = contextlib.nullcontext() if k == len(mbs) - 1 else ddp.no_sync()
+        with sync:
+            loss = sum_loss(ddp, mb) / len(mbs)
+            loss.backward()
+        step_loss = step_loss + loss.detach()
+    rec.end_step(step_loss)
 
 
 def train_rank(rank: int, world_size: int, init_method: str, root: str) -> None:

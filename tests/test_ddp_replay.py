@@ -138,3 +138,39 @@ def test_torchrun_autopsy_of_the_ddp_run_replays_its_first_failing_snapshot_to_t
     d = json.loads(proc.stdout)
     assert d["autopsy_snapshot"].endswith(SNAP)
     assert d["verdict"] == "overflow" and d["culprit"]["op"] == "c10d.allreduce_"
+
+
+def test_a_ddp_step_replayed_on_one_of_its_two_ranks_is_the_one_process_replay_naming_the_two_rank_command(ddp_runs):
+    proc = torchrun(1, "replay", str(ddp_runs["compress"] / schema.SNAPSHOT_DIR / SNAP), "--json")
+    assert proc.returncode == 0 and not errors(proc), proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert "distributed" not in d  # WORLD_SIZE 1: no process group, rank 0's snapshot in one process
+    assert d["not_reproduced"]["collectives_replayed"] is False
+    assert d["not_reproduced"]["distributed_replay"] == "torchrun --nproc-per-node 2 -m analyzer replay SNAPSHOT"
+
+
+@pytest.fixture(scope="module")
+def accum_json(ddp_runs) -> dict:
+    snap = ddp_runs["accum"] / schema.SNAPSHOT_DIR / SNAP
+    assert len(torch.load(snap, weights_only=True)["batch"]) == 2  # the Recorder kept both micro-batches
+    proc = torchrun(2, "replay", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_a_ddp_step_accumulated_under_no_sync_overflows_in_its_one_all_reduce_after_the_last_micro_batch(accum_json):
+    d = accum_json
+    c = d["culprit"]
+    assert d["verdict"] == "overflow" and (c["op"], c["module"]) == ("c10d.allreduce_", "2.weight")
+    # each micro-batch's gradient on rank 1 is about 4.05e4 (fits FP16); reduced once, the accumulated 8.1e4 does not
+    ranks = c["collective"]["ranks"]
+    assert 3e3 < ranks[0]["input_absmax"] < 65504 < ranks[1]["input_absmax"] < 1e5
+    assert all(r["output_absmax"] == "inf" for r in ranks)
+
+
+def test_a_ddp_step_accumulated_under_no_sync_reduces_each_parameter_once_and_verifies_the_fp32_all_reduce(
+        accum_json):
+    # 2 Linear layers, 4 parameters: one all-reduce each per run, not one per micro-batch
+    for p, per_rank in accum_json["runs"].items():
+        assert [r["collectives"].get("c10d.allreduce_") for r in per_rank] == [4, 4], p
+    assert [(f["name"], f["status"]) for f in accum_json["fixes"]] == [("reduce_fp32", "verified")]
