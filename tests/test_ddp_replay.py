@@ -174,3 +174,4 @@ def test_a_ddp_step_accumulated_under_no_sync_reduces_each_parameter_once_and_ve
     for p, per_rank in accum_json["runs"].items():
         assert [r["collectives"].get("c10d.allreduce_") for r in per_rank] == [4, 4], p
     assert [(f["name"], f["status"]) for f in accum_json["fixes"]] == [("reduce_fp32", "verified")]
+    assert accum_json["fixes"][0]["detail"].endswith("(verified on each of the 2 ranks)")  # the ranks agreed
