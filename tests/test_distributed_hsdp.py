@@ -63,7 +63,7 @@ def test_the_recorder_writes_the_2d_mesh_its_names_and_hsdp_placements_and_one_d
     assert sorted({tuple(c.offsets) for c in md.state_dict_metadata["model.0.weight"].chunks}) == [(0, 0), (4, 0)]
 
 
-def test_torchrun_on_the_hsdp_mesh_gives_the_one_process_verdict_op_module_and_fixes_of_the_culprit_rank(
+def test_torchrun_of_an_hsdp_snapshot_gives_the_one_process_verdict_op_module_and_fixes_of_the_culprit_rank(
         overflow_answers):
     dist, one, fixes = overflow_answers
     assert dist["verdict"] == one.verdict == "overflow"
