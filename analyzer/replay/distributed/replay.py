@@ -29,7 +29,7 @@ Example (under ``torchrun --nproc-per-node 2 -m analyzer replay SNAPSHOT``):
     ('overflow', 'c10d._reduce_scatter_base_')
 
 An HSDP snapshot (a 2-D replicate x shard mesh) replays on the recorded R x S ranks on that mesh
-(``_hsdp_mesh``): each gradient reduce-scattered in its shard group, then all-reduced across the replicas
+(``mesh.hsdp_mesh``): each gradient reduce-scattered in its shard group, then all-reduced across the replicas
 (``c10d.allreduce_``), both ops of the step like any other.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ..fixes.registry import FIXES, Fix
 from .agree import decide, summarize
 from .group import DistGroup
 from .lockstep import classify
+from .mesh import hsdp_mesh
 from .result import DistributedResult
 from .replicated import FIX_TITLE, ReplicatedContext, ddp_entry_of
 from .sharded import CollectiveFailed, ShardedContext, bad_shards, sharded_layout
@@ -180,7 +181,7 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
                             "were reduced)", path=path,
                             fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
                                 "without torchrun")
-    hsdp = _hsdp_mesh(path, fsdp.get("mesh"), group.world_size)
+    hsdp = hsdp_mesh(path, fsdp.get("mesh"), group.world_size)
     mine, snap = _own_snapshot(path, first, group, world, "(or fewer: the weights are resharded)")
     d = dcp_directory(mine, snap)
     md = read_dcp_metadata(d)
@@ -237,40 +238,6 @@ def _prepare_ddp(path: str, first, group: DistGroup, factory, loss_fn, paths) ->
                      f"{group.world_size} ranks' gradients instead of {world}")
     return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
             "mine": (mine, snap)}
-
-
-HSDP_PLACEMENTS = ["replicate", "shard(0)"]  # a parameter under fully_shard on a 2-D mesh: HSDP
-
-
-def _hsdp_mesh(path: str, mesh: Any, ranks: int) -> tuple[list[int], list[str] | None] | None:
-    """The recorded HSDP mesh's (shape, dim names), rebuilt as it was; None: a 1-D mesh, rebuilt over every rank.
-
-    A 2-D mesh is rebuilt only when its parameters were replicated on dim 0 and sharded on dim 1 (HSDP, as
-    ``fully_shard(mesh=init_device_mesh(..., (R, S)))`` has it) and on the R x S ranks it had: another shape
-    would shard and reduce another way. Any other mesh of more than one dimension (FSDP2 with tensor or
-    another parallelism) is refused.
-    """
-    shape = mesh.get("shape") if isinstance(mesh, dict) else None
-    if not isinstance(shape, list) or len(shape) <= 1:
-        return None
-    dims = "x".join(str(d) for d in shape)
-    names = mesh.get("dim_names")
-    names = [str(n) for n in names] if isinstance(names, list) and len(names) == len(shape) else None
-    named = f" ({', '.join(names)})" if names else ""
-    one = "replay it in one process: analyzer replay SNAPSHOT, without torchrun"
-    if len(shape) != 2 or mesh.get("placements") != HSDP_PLACEMENTS \
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
-        placed = mesh.get("placements")
-        how = f" placed {placed}" if isinstance(placed, list) else " (its placements unrecorded)"
-        raise BadInputError(f"the run sharded on a {len(shape)}-D device mesh of {dims}{named}{how}: the "
-                            "distributed replay rebuilds 1-D meshes and HSDP's 2-D mesh (parameters "
-                            "replicated on dim 0, sharded on dim 1) only"[:300], path=path, fix=one)
-    if ranks != shape[0] * shape[1]:
-        raise BadInputError(f"the run sharded with HSDP on a {dims} device mesh{named} and this replay has {ranks} "
-                            f"rank(s): the replay rebuilds that mesh as recorded, on {shape[0] * shape[1]} ranks"
-                            [:300], path=path,
-                            fix=f"launch with --nproc-per-node {shape[0] * shape[1]}, or {one}")
-    return shape, names
 
 
 def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:
