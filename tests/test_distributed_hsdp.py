@@ -93,6 +93,9 @@ def test_torchrun_names_the_fp16_all_reduce_across_replicas_its_ranks_inputs_and
     assert (c["op"], c["phase"], c["module"], c["rank"]) == ("c10d.allreduce_", "backward", "2", 0)
     coll = c["collective"]
     assert coll["reduce_dtype"] == "float16"
+    # rank 0's replica group: itself and rank 2, the first rank of the other shard group
+    assert coll["group"] == [0, 2]
+    assert "summed the values of ranks 0, 2 (its process group) in float16" in r["summary"]
     ranks = {x["rank"]: x for x in coll["ranks"]}
     # ranks 0 and 2 hold 2.weight's one row: each shard group summed two ranks' ~2.7e4 into ~5.4e4 < 65504 ...
     assert all(40000 < float(ranks[k]["input_absmax"]) < 65504 for k in (0, 2))

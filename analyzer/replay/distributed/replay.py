@@ -100,7 +100,8 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     summaries: dict[str, list[dict]] = {}
     for p in wanted:
         trace = run_once(ctx, p, scale)  # NB: collective: FSDP2's all-gathers and reduce-scatters
-        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources()))
+        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources(),
+                                             ctx.collective_groups()))
     inputs, input_ranks = _inputs(bad)
     decision = decide(summaries, ctx.mode.dtype, inputs)
     tried, answer = [], None
@@ -254,7 +255,7 @@ def _reduce_fix(ctx: ShardedContext, group: DistGroup, precision: str, scale: fl
     ctx.reduce_override = "float32"
     try:
         fixed = group.agree(summarize(run_once(ctx, precision, scale), ctx.collective_modules(), ctx.fsdp_ops(),
-                                      ctx.collective_sources()))
+                                      ctx.collective_sources(), ctx.collective_groups()))
     finally:
         ctx.reduce_override = None
     bad = [r for r, s in enumerate(fixed) if not s["finite"]]

@@ -95,6 +95,20 @@ def _run_and_wait(func, args, kwargs):
     return out
 
 
+def _group_ranks(args: tuple) -> tuple[int, ...] | None:
+    """The global ranks of the process group a c10d op runs in (its ``ProcessGroup`` argument), or None.
+
+    NB: c10d ops take the group as a TorchScript object; ``ProcessGroup.unbox`` (torch 2.13) gives it back.
+    """
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return tuple(torch.distributed.get_process_group_ranks(torch.distributed.ProcessGroup.unbox(a)))
+            except Exception:  # noqa: BLE001 - not a group (a Work, a reduce op), or an API that moved
+                continue
+    return None
+
+
 class _CollectiveMode(_OpStatsMode):
     """``_OpStatsMode`` that waits on every collective, so its output statistic is the reduced value.
 
@@ -106,6 +120,7 @@ class _CollectiveMode(_OpStatsMode):
         self.in_collective = False
         self.override = _Waits(self, self.override)
         self.numels: dict[int, tuple[bool, int]] = {}  # op index of a collective -> (an all-reduce?, largest numel)
+        self.groups: dict[int, tuple[int, ...]] = {}  # op index of a collective -> its group's global ranks
         self.fsdp_ops: set[int] = set()  # ops FSDP2 ran in its own hooks (casts, copies of shards, padding)
         self._regions: list[bool] = []  # the open record_function regions: FSDP2's own or not
 
@@ -129,6 +144,9 @@ class _CollectiveMode(_OpStatsMode):
                 self._producers.pop(t, None)
             self.numels[len(self.records)] = ("allreduce" in func.__name__,
                                               max((t.numel() for t in tensors), default=0))
+            ranks = _group_ranks(args)
+            if ranks is not None:
+                self.groups[len(self.records)] = ranks
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -216,6 +234,12 @@ class ShardedContext(ReplayContext):
         if mode is None:
             return {}
         return {i: sizes[n] for i, n in mode.numels.items() if n in sizes}
+
+    def collective_groups(self) -> dict[int, tuple[int, ...]]:
+        """Op index of each collective of the last run -> the global ranks of the group it ran in (HSDP: a shard
+        group's reduce-scatter, a replica group's all-reduce)."""
+        mode = getattr(self, "last_mode", None)
+        return {} if mode is None else dict(mode.groups)
 
     def collective_sources(self) -> dict[int, int]:
         """Op index of a collective -> the op whose input is the reduction's input: none under FSDP2 (its
