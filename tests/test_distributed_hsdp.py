@@ -119,3 +119,12 @@ def test_an_hsdp_snapshot_on_fewer_ranks_than_its_mesh_is_one_error_line_naming_
     lines = errors(proc)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
     assert "HSDP on a 2x2 device mesh (replicate, shard)" in lines[0] and "--nproc-per-node 4" in lines[0]
+
+
+def test_torchrun_autopsy_of_the_hsdp_run_replays_its_first_failing_snapshot_on_the_mesh(hsdp_runs):
+    proc = torchrun(hr.WORLD, "autopsy", str(hsdp_runs["reduce"]), "--json")
+    assert proc.returncode == 0 and not errors(proc), proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["autopsy_snapshot"].endswith(SNAP0)
+    assert (r["verdict"], r["culprit"]["op"], r["culprit"]["collective"]["group"]) == ("overflow", "c10d.allreduce_",
+                                                                                       [0, 2])
