@@ -49,7 +49,8 @@ _values = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**12) | st.
 
 
 @settings(max_examples=300, deadline=None)
-@given(shape=st.lists(st.integers(-1, 5), max_size=3) | _values, names=st.lists(st.sampled_from("ab"), max_size=3) | _values,
+@given(shape=st.lists(st.integers(-1, 5), max_size=3) | _values,
+       names=st.lists(st.sampled_from("ab"), max_size=3) | _values,
        placements=st.sampled_from([["replicate", "shard(0)"], ["shard(0)"], None]) | _values, ranks=st.integers(1, 16))
 def test_any_recorded_mesh_is_rebuilt_or_one_bad_input_error(shape, names, placements, ranks):
     mesh = {"device_type": "cpu", "shape": shape, "dim_names": names, "placements": placements}
