@@ -106,16 +106,29 @@ def sharded_modules(model: torch.nn.Module) -> list[dict[str, Any]] | None:
     return out
 
 
+def _placement(p: Any) -> str:
+    """A DTensor placement as a stable name: ``replicate``, ``shard(D)``, ``partial``, else its ``str()``."""
+    if p.is_replicate():
+        return "replicate"
+    if p.is_shard():
+        return f"shard({int(p.dim)})"
+    return "partial" if p.is_partial() else str(p)
+
+
 def _mesh(params: list[torch.Tensor]) -> dict[str, Any] | None:
-    """The device mesh of the first sharded parameter: device type, shape, dimension names."""
+    """The device mesh of the first sharded parameter: device type, shape, dimension names, and (format 9)
+    its placements on each dimension (``_placement``), ``["replicate", "shard(0)"]`` under HSDP: what tells
+    HSDP from FSDP2 with another parallelism on a 2-D mesh."""
     for p in params:
         mesh = getattr(p, "device_mesh", None) if is_sharded(p) else None
         if mesh is None:
             continue
         try:
             names = mesh.mesh_dim_names
+            placements = getattr(p, "placements", None)
             return {"device_type": str(mesh.device_type), "shape": [int(d) for d in mesh.shape],
-                    "dim_names": None if names is None else [str(n) for n in names]}
+                    "dim_names": None if names is None else [str(n) for n in names],
+                    "placements": None if placements is None else [_placement(x) for x in placements]}
         except Exception:  # noqa: BLE001 - an unfamiliar mesh object: unknown
             return None
     return None

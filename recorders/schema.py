@@ -342,7 +342,10 @@ SNAPSHOT_KEYS = (
                          #   {"dcp_dir": "step00000042-nonfinite_loss.dcp" (under snapshots/, every rank's
                          #      shards: {"model": pre-step weights and buffers, "optim": optimizer state}) | None,
                          #    "mp_policy": {"param_dtype", "reduce_dtype", "output_dtype": str | None},
-                         #    "mesh": {"device_type": str, "shape": [int], "dim_names": [str] | None} | None,
+                         #    "mesh": {"device_type": str, "shape": [int], "dim_names": [str] | None,
+                         #      since version 9 "placements": [str] | None, a parameter's per mesh dimension:
+                         #      "replicate", "shard(D)", "partial" or another's str(); HSDP: ["replicate", "shard(0)"]}
+                         #      | None,
                          #    "world_size": int,
                          #    "local_state": {name: tensor} | None (no dcp_dir: this rank's shards, buffers whole),
                          #    "layout": {name: {"shape": global shape, "offset": this shard's offset}} | None,

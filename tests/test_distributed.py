@@ -232,7 +232,8 @@ def test_fsdp2_meta_records_the_mixed_precision_policy_the_mesh_and_where_each_r
         # every fully_shard-ed module, outermost first (tests.dist_worker._fsdp_model: 0, 2 and the root),
         # each with FSDP2's default gradient divide factor (None)
         modules = [{"path": p, "mp_policy": policy, "gradient_divide_factor": None} for p in ("", "0", "2")]
-        assert meta["fsdp"] == {"mp_policy": policy, "mesh": {"device_type": "cpu", "shape": [2], "dim_names": None},
+        assert meta["fsdp"] == {"mp_policy": policy, "mesh": {"device_type": "cpu", "shape": [2], "dim_names": None,
+                                                             "placements": ["shard(0)"]},
                                 "world_size": 2, "modules": modules}
     # the [8, 8] weight: rows 0..3 on rank 0, rows 4..7 on rank 1 (FSDP2 chunks dim 0)
     w = [m["params"][0] for m in metas]

@@ -225,16 +225,19 @@ def test_a_model_with_a_non_persistent_buffer_is_built_for_real_and_replays_as_i
     assert dist["verdict"] == "overflow" and dist["culprit"]["op"] == "c10d._reduce_scatter_base_"
 
 
-def test_a_snapshot_sharded_on_a_2d_mesh_under_torchrun_is_one_error_line_and_nothing_hangs(reduce_run, tmp_path):
+def test_a_snapshot_sharded_on_a_2d_mesh_other_than_hsdp_under_torchrun_is_one_error_line(reduce_run, tmp_path):
     import shutil
 
     dest = tmp_path / "snapshots"
     shutil.copytree(reduce_run / "snapshots", dest)
     for path in sorted(dest.glob("*.pt")):  # every rank's snapshot of the step
         raw = torch.load(path, weights_only=True)
-        raw["fsdp"]["mesh"] = {"device_type": "cpu", "shape": [1, 2], "dim_names": ["replicate", "shard"]}  # HSDP
+        # FSDP2 with tensor parallelism: parameters sharded on both dimensions, which HSDP never does
+        raw["fsdp"]["mesh"] = {"device_type": "cpu", "shape": [1, 2], "dim_names": ["dp", "tp"],
+                               "placements": ["shard(0)", "shard(1)"]}
         torch.save(raw, path)
     proc = torchrun(2, "replay", str(dest / SNAP))
     lines = errors(proc)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
-    assert "2-D device mesh of 1x2 (replicate, shard)" in lines[0] and "without torchrun" in lines[0]
+    assert "2-D device mesh of 1x2 (dp, tp) placed ['shard(0)', 'shard(1)']" in lines[0]
+    assert "HSDP's 2-D mesh" in lines[0] and "without torchrun" in lines[0]

@@ -44,7 +44,10 @@ def render_distributed_text(r: DistributedResult) -> str:
         coll = c.get("collective")
         if coll is not None:
             ref = _g(coll.get("fp32_output_absmax"))
-            lines.append(f"  per rank  (reduced in {coll.get('reduce_dtype')}; FP32 run: {ref})")
+            group = coll.get("group")
+            within = f"; the culprit's group: ranks {', '.join(map(str, group))}" \
+                if group and len(group) < len(coll["ranks"]) else ""
+            lines.append(f"  per rank  (reduced in {coll.get('reduce_dtype')}; FP32 run: {ref}{within})")
             lines += [f"    rank {x['rank']}: input abs-max {_g(x['input_absmax'])}  reduced abs-max "
                       f"{_g(x['output_absmax'])}" for x in coll["ranks"]]
     lines += _rank_runs(r, "runs:")

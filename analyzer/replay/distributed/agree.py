@@ -59,13 +59,15 @@ def _op(run: RunTrace, i: int) -> dict[str, Any]:
 
 
 def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: set[int] | None = None,
-              sources: dict[int, int] | None = None) -> dict[str, Any]:
+              sources: dict[int, int] | None = None, groups: dict[int, tuple[int, ...]] | None = None
+              ) -> dict[str, Any]:
     """This rank's run as small host values (picklable; the all-gather sends them).
 
     `modules`: op index of a collective -> the sharded module (or DDP: the parameter) whose values it moved;
     `fsdp_ops`: the ops FSDP2 or the replay's DDP hook ran around the collectives (copies, casts), never a
     culprit; `sources`: op index of a collective -> the op whose input is the reduction's own input (DDP:
-    the gradient as the communication hook got it, before the hook's compress cast and division).
+    the gradient as the communication hook got it, before the hook's compress cast and division); `groups`: op
+    index of a collective -> the global ranks of its process group.
     """
     fsdp_ops = fsdp_ops or set()
     first = first_input = None
@@ -80,6 +82,8 @@ def summarize(run: RunTrace, modules: dict[int, str] | None = None, fsdp_ops: se
                 op["input_dtypes"] = sorted(str(d).removeprefix("torch.") for d in src.in_dtypes)
             if modules and rec.index in modules:
                 op["module"] = modules[rec.index]
+            if groups and rec.index in groups:
+                op["group"] = list(groups[rec.index])
             collectives.append(op)
             continue
         if is_plumbing(rec.namespace) or rec.name in UNINITIALISED or rec.index in fsdp_ops:
@@ -126,6 +130,7 @@ def _born_in_collective(per_rank: list[dict], fp32: list[dict] | None) -> tuple[
                 "ordinal": k, "ranks": [{"rank": r, "input_absmax": c["input_absmax"],
                                          "output_absmax": c["output_absmax"]} for r, c in enumerate(calls)],
                 "reduce_dtype": next(iter(calls[rank].get("reduce_dtypes") or calls[rank]["input_dtypes"]), None),
+                "group": calls[rank].get("group"),
                 "fp32_output_absmax": ref})
             return calls[rank]["index"], rank, culprit
     return None

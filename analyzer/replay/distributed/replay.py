@@ -29,6 +29,10 @@ Example (under ``torchrun --nproc-per-node 2 -m analyzer replay SNAPSHOT``):
     >>> result = distributed_replay("run/snapshots/step00000000-r00000-nonfinite_grads.pt")  # doctest: +SKIP
     >>> result.verdict, result.culprit["op"]                                                   # doctest: +SKIP
     ('overflow', 'c10d._reduce_scatter_base_')
+
+An HSDP snapshot (a 2-D replicate x shard mesh) replays on the recorded R x S ranks on that mesh
+(``mesh.hsdp_mesh``): each gradient reduce-scattered in its shard group, then all-reduced across the replicas
+(``c10d.allreduce_``), both ops of the step like any other.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from ..fixes.registry import FIXES, culprit_kind
 from .agree import decide, summarize
 from .group import DistGroup
 from .lockstep import classify, fix_reduction
+from .mesh import hsdp_mesh
 from .result import DistributedResult
 from .replicated import ReplicatedContext, ddp_entry_of
 from .sharded import CollectiveFailed, ShardedContext, bad_shards, sharded_layout
@@ -96,7 +101,8 @@ def _replay(path, group: DistGroup, device, dtypes, factory, loss_fn, paths, fix
     fp32 = None  # this rank's FP32 run: what a fix of a collective's culprit is judged against
     for p in wanted:
         trace = run_once(ctx, p, scale)  # NB: collective: FSDP2's all-gathers and reduce-scatters
-        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources()))
+        summaries[p] = group.agree(summarize(trace, ctx.collective_modules(), ctx.fsdp_ops(), ctx.collective_sources(),
+                                             ctx.collective_groups()))
         if p == "float32":
             fp32 = dataclasses.replace(trace, grads=None, captured=None)
     inputs, input_ranks = _inputs(bad)
@@ -179,7 +185,7 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
                             "were reduced)", path=path,
                             fix="replay it in one process: analyzer replay SNAPSHOT (--rank R for another rank's), "
                                 "without torchrun")
-    _one_dimensional(path, fsdp.get("mesh"))
+    hsdp = hsdp_mesh(path, fsdp.get("mesh"), group.world_size)
     mine, snap = _own_snapshot(path, first, group, world, "(or fewer: the weights are resharded)")
     d = dcp_directory(mine, snap)
     md = read_dcp_metadata(d)
@@ -188,7 +194,7 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
     modules, layout_note = sharded_layout(mine, snap.fsdp)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ReplayContext) if f.init}
     fields.update(device=group.device, mode=dataclasses.replace(precision_mode(mine, snap, amp, {}), sharded=True))
-    ctx = ShardedContext(**fields, dcp_dir=d, metadata=md, modules=modules)
+    ctx = ShardedContext(**fields, dcp_dir=d, metadata=md, modules=modules, mesh=hsdp)
     with torch.random.fork_rng(devices=[group.device.index or 0] if group.device.type == "cuda" else []):
         model = ctx.build_model()
         bad = [f"{n}" for n in bad_shards(model)] + [f"batch:{k}" for k, _ in _bad_leaves(ctx.batch, "")]
@@ -236,19 +242,6 @@ def _prepare_ddp(path: str, first, group: DistGroup, factory, loss_fn, paths) ->
                      f"{group.world_size} ranks' gradients instead of {world}")
     return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
             "mine": (mine, snap)}
-
-
-def _one_dimensional(path: str, mesh: Any) -> None:
-    """Refuse a recorded mesh of more than one dimension (HSDP, FSDP2 with tensor parallelism): ``fully_shard``
-    is rebuilt on a 1-D mesh over every rank, which would shard and reduce it another way."""
-    shape = mesh.get("shape") if isinstance(mesh, dict) else None
-    if isinstance(shape, list) and len(shape) > 1:
-        dims = "x".join(str(d) for d in shape)
-        names = mesh.get("dim_names")
-        named = f" ({', '.join(map(str, names))})" if isinstance(names, (list, tuple)) else ""
-        raise BadInputError(f"the run sharded on a {len(shape)}-D device mesh of {dims}{named} (HSDP or FSDP2 with "
-                            "another parallelism): the distributed replay rebuilds 1-D meshes only"[:300], path=path,
-                            fix="replay it in one process: analyzer replay SNAPSHOT, without torchrun")
 
 
 def _inputs(bad: list[list[str]]) -> tuple[list[str], dict[str, list[int]]]:

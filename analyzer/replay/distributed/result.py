@@ -89,7 +89,10 @@ class DistributedResult:
             ins = ", ".join(f"rank {r['rank']} {_g(r['input_absmax'])}" for r in coll["ranks"])
             outs = ", ".join(f"rank {r['rank']} {_g(r['output_absmax'])}" for r in coll["ranks"])
             ref = coll.get("fp32_output_absmax")
-            return (f"{c['op']} ({c['phase']}, module `{c['module']}`) summed the ranks' values in {dtype}: every "
+            group = coll.get("group")
+            whose = "the ranks' values" if not group or len(group) >= len(coll["ranks"]) else \
+                f"the values of ranks {', '.join(map(str, group))} (its process group)"
+            return (f"{c['op']} ({c['phase']}, module `{c['module']}`) summed {whose} in {dtype}: every "
                     f"rank's input was finite (abs-max {ins}) and the reduced value is not (abs-max {outs}; "
                     f"{dtype} max {_g(DTYPE_MAX.get(dtype))}); the FP32 run's same reduction reached {_g(ref)}.")
         if self.verdict == "overflow":

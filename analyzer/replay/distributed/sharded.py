@@ -4,7 +4,9 @@
 from the factory, applies ``fully_shard`` at each recorded sharded module (innermost first) with the
 run's ``MixedPrecisionPolicy`` and the recorded gradient divide factor, and loads this rank's shards
 from the snapshot's DCP directory (``dcp.load`` reshards when the rank count differs from the
-recorded one). The dispatch mode (``_CollectiveMode``) waits on each collective before it measures
+recorded one). An HSDP snapshot (a 2-D mesh, replicate x shard) gets the recorded mesh back (``mesh``): its
+parameters sharded within each shard group, its gradients reduce-scattered there and all-reduced across the
+replicas, as training did. The dispatch mode (``_CollectiveMode``) waits on each collective before it measures
 the collective's output, so a reduce-scatter's statistic is the reduced value, not an unfinished buffer.
 
 The policy per run: ``float32`` has none (FP32 compute and reductions: the reference); a low precision
@@ -93,6 +95,20 @@ def _run_and_wait(func, args, kwargs):
     return out
 
 
+def _group_ranks(args: tuple) -> tuple[int, ...] | None:
+    """The global ranks of the process group a c10d op runs in (its ``ProcessGroup`` argument), or None.
+
+    NB: c10d ops take the group as a TorchScript object; ``ProcessGroup.unbox`` (torch 2.13) gives it back.
+    """
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return tuple(torch.distributed.get_process_group_ranks(torch.distributed.ProcessGroup.unbox(a)))
+            except Exception:  # noqa: BLE001 - not a group (a Work, a reduce op), or an API that moved
+                continue
+    return None
+
+
 class _CollectiveMode(_OpStatsMode):
     """``_OpStatsMode`` that waits on every collective, so its output statistic is the reduced value.
 
@@ -103,7 +119,8 @@ class _CollectiveMode(_OpStatsMode):
         super().__init__(**kwargs)
         self.in_collective = False
         self.override = _Waits(self, self.override)
-        self.numels: dict[int, int] = {}  # op index of each collective -> its largest tensor's numel
+        self.numels: dict[int, tuple[bool, int]] = {}  # op index of a collective -> (an all-reduce?, largest numel)
+        self.groups: dict[int, tuple[int, ...]] = {}  # op index of a collective -> its group's global ranks
         self.fsdp_ops: set[int] = set()  # ops FSDP2 ran in its own hooks (casts, copies of shards, padding)
         self._regions: list[bool] = []  # the open record_function regions: FSDP2's own or not
 
@@ -125,7 +142,11 @@ class _CollectiveMode(_OpStatsMode):
             # counter: what an earlier op recorded of that memory is stale, so the inputs are measured here
             for t in tensors:
                 self._producers.pop(t, None)
-            self.numels[len(self.records)] = max((t.numel() for t in tensors), default=0)
+            self.numels[len(self.records)] = ("allreduce" in func.__name__,
+                                              max((t.numel() for t in tensors), default=0))
+            ranks = _group_ranks(args)
+            if ranks is not None:
+                self.groups[len(self.records)] = ranks
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -139,7 +160,10 @@ class ShardedContext(ReplayContext):
     reduce_override: str | None = None           # a fix's reduce_dtype ("float32")
     # what the reduce_fp32 fix (fixes/_reduce.py) changes, in the user's terms
     reduce_fp32_title: ClassVar[str] = "reduce_dtype=torch.float32 in every MixedPrecisionPolicy"
-    _flat_sizes: dict = field(default_factory=dict, repr=False)  # a module's flat collective numel -> its path
+    # (an all-reduce?, a module's flat collective numel) -> its path
+    _flat_sizes: dict = field(default_factory=dict, repr=False)
+    mesh: tuple | None = None  # HSDP: the recorded 2-D mesh's (shape, dim names); None: 1-D over every rank
+    _device_mesh: Any = field(default=None, repr=False)  # the DeviceMesh built from `mesh`, once (collective)
     built_on_meta: bool = False  # the model was built on the meta device: no rank ever held it whole
     follow: Any = None  # lockstep.Follow while the one-process pipeline runs on every rank; None: each its own
 
@@ -203,15 +227,21 @@ class ShardedContext(ReplayContext):
     def collective_modules(self) -> dict[int, str]:
         """Op index of each collective of the last run -> the sharded module whose parameters it moved.
 
-        A module's all-gather output and reduce-scatter input hold every rank's padded shards of its
-        parameters, one flat buffer: matched by size (FSDP2 runs its reduce-scatter in autograd's
-        hooks, where no module is on the stack).
+        A module's all-gather output and reduce-scatter input hold its shard group's padded shards of its
+        parameters, one flat buffer, and HSDP's all-reduce across replicas this rank's padded shards: matched
+        by size (FSDP2 runs its reduce-scatter in autograd's hooks, where no module is on the stack).
         """
         sizes = self._flat_sizes
         mode = getattr(self, "last_mode", None)
         if mode is None:
             return {}
         return {i: sizes[n] for i, n in mode.numels.items() if n in sizes}
+
+    def collective_groups(self) -> dict[int, tuple[int, ...]]:
+        """Op index of each collective of the last run -> the global ranks of the group it ran in (HSDP: a shard
+        group's reduce-scatter, a replica group's all-reduce)."""
+        mode = getattr(self, "last_mode", None)
+        return {} if mode is None else dict(mode.groups)
 
     def collective_sources(self) -> dict[int, int]:
         """Op index of a collective -> the op whose input is the reduction's input: none under FSDP2 (its
@@ -250,6 +280,7 @@ class ShardedContext(ReplayContext):
     def _shard(self, model: torch.nn.Module, precision: str | None) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        mesh = self._mesh()
         for entry in reversed(self.modules):  # children before their parents, as fully_shard needs
             name = entry.get("path") or ""
             try:
@@ -258,10 +289,9 @@ class ShardedContext(ReplayContext):
                 raise BadInputError(f"the snapshot's sharded module {name!r} is not in the model the factory "
                                     f"{self.factory_ref!r} builds"[:300], path=self.path,
                                     fix="pass the factory that built this model with --factory") from e
-            fully_shard(module, mp_policy=self._policy(entry.get("mp_policy"), precision))
-            numel = _flat_numel(module)
-            if numel:  # NB: two modules of one size: the inner one is named
-                self._flat_sizes.setdefault(numel, name or "<root>")
+            fully_shard(module, mesh=mesh, mp_policy=self._policy(entry.get("mp_policy"), precision))
+            for key in _flat_sizes(module):  # NB: two modules of one size: the inner one is named
+                self._flat_sizes.setdefault(key, name or "<root>")
             factor = entry.get("gradient_divide_factor")
             if factor is not None:
                 module.set_gradient_divide_factor(float(factor))
@@ -269,6 +299,18 @@ class ShardedContext(ReplayContext):
                     # NB: gloo has no PREMUL_SUM, which FSDP2 uses for a custom factor in FP32/BF16: a sum and
                     # a division after it, as FSDP2 does for FP16, is the same reduction
                     module.set_force_sum_reduction_for_comms(True)
+
+    def _mesh(self) -> Any:
+        """The recorded HSDP mesh, built once on every rank (``init_device_mesh`` is collective); None: 1-D."""
+        if self.mesh is None:
+            return None
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape, names = self.mesh
+            self._device_mesh = init_device_mesh(self.device.type, tuple(shape),
+                                                 mesh_dim_names=None if names is None else tuple(names))
+        return self._device_mesh
 
     def _load_shards(self, model: torch.nn.Module) -> None:
         import torch.distributed.checkpoint as dcp
@@ -306,19 +348,24 @@ class ShardedContext(ReplayContext):
         set_model_state_dict(model, state)
 
 
-def _flat_numel(module: torch.nn.Module) -> int | None:
-    """Every rank's padded shards of the module's own sharded parameters: its collectives' flat buffer size.
+def _flat_sizes(module: torch.nn.Module) -> list[tuple[bool, int]]:
+    """The module's collectives' buffer sizes, ``(an all-reduce?, numel)``: the shard group's padded shards of its
+    own sharded parameters (all-gather, reduce-scatter) and, under HSDP, this rank's (the all-reduce across replicas).
 
-    NB: reads FSDP2's private ``FSDPParamGroup.fsdp_params`` (torch 2.13); None when it moved.
+    NB: reads FSDP2's private ``FSDPParamGroup.fsdp_params`` and ``mesh_info`` (torch 2.13); none when they moved.
     """
     try:
         group = module._get_fsdp_state()._fsdp_param_group
         if group is None:
-            return None
-        world = torch.distributed.get_world_size()
-        return world * sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+            return []
+        local = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        info = group.mesh_info
+        sizes = [(False, int(info.shard_mesh_size) * local)]
+        if getattr(info, "replicate_mesh_size", 1) > 1:
+            sizes.append((True, local))
+        return sizes if local else []
     except Exception:  # noqa: BLE001 - a private API that moved: the collectives keep autograd's label
-        return None
+        return []
 
 
 def bad_shards(model: torch.nn.Module) -> list[str]:
