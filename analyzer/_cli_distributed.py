@@ -8,6 +8,7 @@ and every process exits 1.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -65,6 +66,10 @@ def distributed_command(target: str, print_json: Callable[[dict], None] | None, 
     def report(e: Exception) -> None:  # rank 0, while its peers wait
         click.echo(f"Error: {one_line(str(e))}", err=True)
 
+    if rank0:
+        # NB: torchrun SIGTERMs every rank once one exits; a peer that died while rank 0 was still computing (not
+        # yet waiting in a collective, whose failure would say so) would otherwise end rank 0 without a word
+        signal.signal(signal.SIGTERM, lambda *_: (report(_STOPPED), _leave(1)))
     try:
         snapshot = first_failing_snapshot(target) if autopsy else target
         result = distributed_replay(snapshot, dtypes=dtype_list, on_error=report, **kw)
@@ -85,6 +90,11 @@ def distributed_command(target: str, print_json: Callable[[dict], None] | None, 
             click.echo(escape_controls(f"autopsy under torchrun: the run's first failing snapshot, {snapshot}\n"))
         click.echo(escape_controls(render_distributed_text(result)))
     _leave(0)
+
+
+_STOPPED = AnalyzerError("rank 0 was stopped (SIGTERM) before the replay ended: torchrun stops every rank once one "
+                         "exits, so a peer rank died or failed first (or the job was terminated)",
+                         fix="see the other ranks' exit status, which torchrun prints; free memory on that node")
 
 
 def _leave(code: int) -> None:

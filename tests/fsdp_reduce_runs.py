@@ -22,6 +22,7 @@ from torch import nn
 from tests._spawn import spawn_ranks
 
 __all__ = ["X_VALUE", "WORLD", "sum_loss", "build_halved", "Halved", "sum_loss_killing_rank_1",
+           "sum_loss_killing_rank_1_while_rank_0_computes",
            "record_reduce_overflow", "train_rank"]
 
 WORLD = 2
@@ -96,6 +97,17 @@ def record_reduce_overflow(root: str | Path, timeout_s: float = 120.0, world: in
     if any(codes):
         raise RuntimeError(f"FSDP2 ranks exited with codes {codes}")
     return run_dir
+
+
+def sum_loss_killing_rank_1_while_rank_0_computes(model: nn.Module, batch: dict) -> torch.Tensor:
+    """``sum_loss_killing_rank_1`` whose rank 0 is still computing (20 s of Python) when rank 1 dies: torchrun then
+    stops rank 0 with SIGTERM before it reaches a collective that would fail."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "0":
+        time.sleep(20)
+    return sum_loss_killing_rank_1(model, batch)
 
 
 def sum_loss_killing_rank_1(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -123,6 +123,15 @@ def test_a_rank_killed_mid_replay_ends_every_process_with_one_error_line(ddp_run
     assert proc.returncode != 0 and len(lines) == 1 and "peer rank died" in lines[0], proc.stderr[-2000:]
 
 
+def test_a_rank_killed_while_rank_0_computes_ends_rank_0_with_one_error_line_when_torchrun_stops_it(ddp_runs):
+    # rank 0 sleeps in its forward while rank 1 dies: torchrun SIGTERMs rank 0 before any collective can fail
+    proc = torchrun(2, "replay", str(ddp_runs["compress"] / schema.SNAPSHOT_DIR / SNAP), "--loss-fn",
+                    "tests.fsdp_reduce_runs:sum_loss_killing_rank_1_while_rank_0_computes", timeout_env="60")
+    lines = errors(proc)
+    assert proc.returncode != 0 and len(lines) == 1 and "peer rank died" in lines[0], proc.stderr[-2000:]
+    assert "SIGTERM" in lines[0]
+
+
 def test_a_missing_ranks_snapshot_is_one_error_line_on_rank_0(ddp_runs, tmp_path):
     src = ddp_runs["compress"] / schema.SNAPSHOT_DIR / SNAP
     (tmp_path / SNAP).write_bytes(src.read_bytes())  # rank 1's file of the step is not there
