@@ -200,12 +200,19 @@ def _prepare(path: str, group: DistGroup, device: str, factory, loss_fn, paths) 
         bad = [f"{n}" for n in bad_shards(model)] + [f"batch:{k}" for k, _ in _bad_leaves(ctx.batch, "")]
     ctx._model = None
     notes = [layout_note] if layout_note else []
-    if group.world_size < world:
-        notes.append(f"recorded on {world} ranks, replayed on {group.world_size}: DCP resharded the weights, rank r "
-                     f"replays recorded rank r's batch, ranks {group.world_size}..{world - 1}'s batches are left out, "
-                     f"and the reductions sum {group.world_size} ranks' gradients instead of {world}")
+    notes += _fewer_ranks(world, group.world_size, "DCP resharded the weights, ", "batches", "the reductions sum")
     return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
             "mine": (mine, snap)}
+
+
+def _fewer_ranks(world: int, n: int, resharded: str, left: str, reduction: str) -> list[str]:
+    """The note of a replay on fewer ranks than the run recorded (none otherwise): whose batches it leaves out and
+    how many ranks' gradients its reductions take."""
+    if n >= world:
+        return []
+    return [f"recorded on {world} ranks, replayed on {n}: {resharded}rank r replays recorded rank r's batch, ranks "
+            f"{n}..{world - 1}'s {left + ' ' if left else ''}are left out, and {reduction} {n} ranks' gradients "
+            f"instead of {world}"]
 
 
 def _own_snapshot(path: str, first, group: DistGroup, world: int, fewer: str) -> tuple[str, Any]:
@@ -235,11 +242,7 @@ def _prepare_ddp(path: str, first, group: DistGroup, factory, loss_fn, paths) ->
     bad = [f"param:{n}" for n, t in ctx.model_state.items()
            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
     bad += [f"batch:{k}" for k, _ in _bad_leaves(ctx.batch, "")]
-    notes = []
-    if group.world_size < world:
-        notes.append(f"recorded on {world} ranks, replayed on {group.world_size}: rank r replays recorded rank r's "
-                     f"batch, ranks {group.world_size}..{world - 1}'s are left out, and the all-reduce averages "
-                     f"{group.world_size} ranks' gradients instead of {world}")
+    notes = _fewer_ranks(world, group.world_size, "", "", "the all-reduce averages")
     return {"ctx": ctx, "scale": loss_scale(mine, snap), "notes": notes, "world": world, "snap": first, "bad": bad,
             "mine": (mine, snap)}
 
